@@ -1,0 +1,140 @@
+"""Drafter checkpoint configuration (SPEC §2.2 / §2.3)."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from .errors import DFlashError
+
+DFLASH2 = "DFlash2DraftModel"
+DFLASH1 = "DFlashDraftModel"
+
+
+@dataclass
+class DrafterArgs:
+    """Hyper-parameters of a DFlash 1 / DFlash 2 drafter, HF-named like its config.json."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    num_target_layers: Optional[int] = None
+    max_position_embeddings: int = 262144
+    rope_theta: Optional[float] = None
+    rope_scaling: Optional[Dict[str, Any]] = None
+    rope_parameters: Optional[Dict[str, Any]] = None
+    sliding_window: Optional[int] = None
+    use_sliding_window: bool = False
+    layer_types: Optional[List[str]] = None
+    architectures: List[str] = field(default_factory=lambda: [DFLASH2])
+    model_type: str = "qwen3"
+    is_causal: bool = False
+    tie_word_embeddings: bool = False
+    dtype: str = "bfloat16"
+    dflash_config: Dict[str, Any] = field(default_factory=dict)
+    # Flattened from dflash_config (or older top-level keys):
+    block_size: int = 16
+    mask_token_id: int = 0
+    target_layer_ids: List[int] = field(default_factory=list)
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    input_embedding_scale: float = 1.0
+
+    @classmethod
+    def from_dict(cls, params: Dict[str, Any]) -> "DrafterArgs":
+        """Build from a config.json dict; unknown keys are ignored.
+
+        Args:
+            params: the parsed config.json.
+        """
+        names = inspect.signature(cls).parameters
+        flat = {k: v for k, v in params.items() if k in names}
+        for k, v in (params.get("dflash_config") or {}).items():
+            if k in names:
+                flat[k] = v
+        if "torch_dtype" in params and "dtype" not in params:
+            flat["dtype"] = params["torch_dtype"]
+        missing = [
+            n
+            for n, p in names.items()
+            if p.default is inspect.Parameter.empty and n not in flat
+        ]
+        if missing:
+            raise DFlashError(
+                f"drafter config.json lacks {', '.join(missing)}; "
+                "re-download the drafter or fix its config.json"
+            )
+        args = cls(**flat)
+        args.validate()
+        return args
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.rope_parameters:
+            self.rope_theta = self.rope_theta or self.rope_parameters.get("rope_theta")
+            kind = self.rope_parameters.get("rope_type", self.rope_parameters.get("type"))
+            if kind not in (None, "default") and self.rope_scaling is None:
+                self.rope_scaling = self.rope_parameters
+        if self.rope_theta is None:
+            self.rope_theta = 10000.0
+        if self.layer_types is None:
+            kind = "sliding_attention" if self.use_sliding_window else "full_attention"
+            self.layer_types = [kind] * self.num_hidden_layers
+
+    @property
+    def is_dflash2(self) -> bool:
+        """True for DFlash 2 checkpoints (conv + path selector tensors present)."""
+        return DFLASH2 in self.architectures
+
+    @property
+    def conv_groups(self) -> int:
+        """G: number of channel groups that share one dynamic conv coefficient."""
+        return self.hidden_size // self.conv_group_size
+
+    def window(self, layer: int) -> Optional[int]:
+        """Context rows a layer may see, or None when it sees them all."""
+        if self.layer_types[layer] == "sliding_attention" and self.sliding_window:
+            return self.sliding_window - 1
+        return None
+
+    def validate(self) -> None:
+        """Raise DFlashError on values no drafter can have."""
+        arch = set(self.architectures)
+        if not arch & {DFLASH1, DFLASH2}:
+            raise DFlashError(
+                f"drafter architectures {sorted(arch)} are not DFlash; "
+                f"expected {DFLASH2} or {DFLASH1} in config.json"
+            )
+        if not self.target_layer_ids:
+            raise DFlashError(
+                "drafter config has no dflash_config.target_layer_ids; "
+                "this is not a DFlash drafter checkpoint"
+            )
+        if self.block_size < 2:
+            raise DFlashError(f"drafter block_size {self.block_size} must be at least 2")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DFlashError(
+                f"drafter layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers; fix config.json"
+            )
+        if self.is_dflash2 and self.hidden_size % self.conv_group_size:
+            raise DFlashError(
+                f"hidden_size {self.hidden_size} is not a multiple of "
+                f"conv_group_size {self.conv_group_size}; fix config.json"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise DFlashError(
+                f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                f"(size {self.vocab_size}); fix config.json"
+            )

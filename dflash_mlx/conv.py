@@ -1,0 +1,85 @@
+"""Two-tap dynamic depthwise conv of DFlash 2 (SPEC §3).
+
+Each sublayer (attention, MLP) is wrapped by one ``TwoTapConv``: ``prepare`` convolves the
+normed sublayer input with side 0 and hands side 1's dynamic coefficients to ``finish``,
+which convolves the sublayer output. Taps never cross a block boundary.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def two_tap_conv(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) -> mx.array:
+    """Reference dynamic depthwise conv; the semantic definition of the Metal kernel.
+
+    ``out[t] = sum_j (base[j] + dyn[t, j, c // gs]) * x[t - j]`` with ``x[t - j] = 0``
+    whenever ``t - j`` lies in an earlier block (blocks start at multiples of block_size).
+
+    Args:
+        x: inputs [B, L, H].
+        base: base kernel of one side [taps, H].
+        dyn: per-group dynamic part [B, L, taps, G]; gs = H // G.
+        block_size: rows per block; L is a multiple of it or a single partial block.
+
+    Returns:
+        [B, L, H] in x's dtype, accumulated in float32.
+    """
+    B, L, H = x.shape
+    taps, G = dyn.shape[-2], dyn.shape[-1]
+    gs = H // G
+    xf = x.astype(mx.float32)
+    # [B, L, taps, H]: group coefficients broadcast over their channels
+    k = base.astype(mx.float32) + mx.repeat(dyn.astype(mx.float32), gs, axis=-1)
+    pos = mx.arange(L) % block_size  # row index inside its block
+    out = k[:, :, 0] * xf
+    for j in range(1, taps):
+        shifted = mx.pad(xf[:, : L - j], [(0, 0), (j, 0), (0, 0)]) if L > j else mx.zeros_like(xf)
+        keep = (pos >= j)[None, :, None]
+        out = out + mx.where(keep, k[:, :, j] * shifted, 0.0)
+    return out.astype(x.dtype)
+
+
+class TwoTapConv(nn.Module):
+    """One DFlash 2 conv pair (side 0 before the sublayer, side 1 after it).
+
+    Args:
+        hidden_size: H.
+        kernel_size: taps per side (2 in released checkpoints).
+        group_size: channels sharing one dynamic coefficient (G = H // group_size).
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int = 2, group_size: int = 16):
+        super().__init__()
+        self.taps = kernel_size
+        self.groups = hidden_size // group_size
+        # Identity at init: tap 0 = 1, other taps 0, no dynamic part.
+        base = mx.zeros((2, kernel_size, hidden_size))
+        self.base_kernel = base.at[:, 0].add(1.0)
+        self.kernel_projection = nn.Linear(
+            hidden_size, 2 * kernel_size * self.groups, bias=False
+        )
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+
+    def prepare(self, u: mx.array, block_size: int) -> Tuple[mx.array, mx.array]:
+        """Convolve the normed sublayer input u [B, L, H] with side 0.
+
+        Returns:
+            (conv0(u) [B, L, H], side-1 dynamic coefficients [B, L, taps, G]).
+        """
+        B, L, _ = u.shape
+        d = self.kernel_projection(u).reshape(B, L, 2, self.taps, self.groups)
+        return self.conv(u, 0, d[:, :, 0], block_size), d[:, :, 1]
+
+    def finish(self, y: mx.array, d1: mx.array, block_size: int) -> mx.array:
+        """Convolve the sublayer output y [B, L, H] with side 1's coefficients."""
+        return self.conv(y, 1, d1, block_size)
+
+    def conv(self, x: mx.array, side: int, dyn: mx.array, block_size: int) -> mx.array:
+        """Dispatch one side to the fused kernel where available, else the reference."""
+        from .kernels import two_tap_conv as fused
+
+        return fused(x, self.base_kernel[side], dyn, block_size)

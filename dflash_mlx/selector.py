@@ -1,0 +1,146 @@
+"""Path selector of DFlash 2 (SPEC §4): choose one coherent path through the top-K lattice."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+def top_candidates(logits: mx.array, k: int) -> Tuple[mx.array, mx.array]:
+    """Top-k candidates per row, best first.
+
+    Args:
+        logits: drafter logits [B, L, V].
+        k: candidates per row.
+
+    Returns:
+        (U [B, L, k] float32 scores, cand [B, L, k] uint32 token ids).
+    """
+    k = min(k, logits.shape[-1])
+    part = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [B, L, k] unordered
+    vals = mx.take_along_axis(logits, part, axis=-1).astype(mx.float32)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(vals, order, axis=-1), mx.take_along_axis(part, order, axis=-1)
+
+
+def lattice_scores(
+    U: mx.array, cand: mx.array, anchor: mx.array, g: mx.array, A: mx.array, Bc: mx.array
+) -> mx.array:
+    """Pairwise scores S_t(a, b) = U_t(b) + sum_r A[a, r] g[t, r] B[b, r], in float32.
+
+    Row 0's predecessor is the anchor (stored at predecessor index 0); row t > 0's
+    predecessors are row t-1's candidates.
+
+    Args:
+        U: unary scores [B, L, K]; cand: candidate ids [B, L, K]; anchor: ids [B];
+        g: gates [B, L, R]; A, Bc: predecessor / successor codebooks [V, R].
+
+    Returns:
+        S [B, L, K, K] indexed (row, predecessor, successor).
+    """
+    Bsz, L, K = cand.shape
+    first = mx.broadcast_to(anchor.reshape(Bsz, 1, 1), (Bsz, 1, K))
+    pred = mx.concatenate([first, cand[:, :-1]], axis=1)  # [B, L, K]
+    a_rows = A[pred].astype(mx.float32) * g.astype(mx.float32)[:, :, None, :]  # [B, L, K, R]
+    b_rows = Bc[cand].astype(mx.float32)  # [B, L, K, R]
+    pair = a_rows @ b_rows.swapaxes(-1, -2)  # [B, L, K, K]
+    return U.astype(mx.float32)[:, :, None, :] + pair
+
+
+def walk(
+    S: mx.array, temperature: float = 0.0, uniforms: Optional[mx.array] = None
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """Walk the lattice row by row from the anchor.
+
+    Greedy (temperature 0): argmax of the row the previous choice selects, ties to the
+    lowest index. Sampled: draw from softmax(S_t(prev, .) / T) by inverse CDF with the given
+    uniforms, and return those rows as the proposal q.
+
+    Args:
+        S: lattice [B, L, K, K]. temperature: T >= 0. uniforms: [B, L] in [0, 1) when T > 0.
+
+    Returns:
+        (path [B, L] int32 candidate indices, q [B, L, K] float32 or None when greedy).
+    """
+    Bsz, L, K, _ = S.shape
+    prev = mx.zeros((Bsz,), dtype=mx.int32)
+    path, qs = [], []
+    for t in range(L):
+        row = mx.take_along_axis(S[:, t], prev[:, None, None], axis=1)[:, 0]  # [B, K]
+        if temperature == 0:
+            prev = mx.argmax(row, axis=-1).astype(mx.int32)
+        else:
+            q = mx.softmax(row / temperature, axis=-1, precise=True)
+            cdf = mx.cumsum(q, axis=-1)
+            prev = mx.minimum((cdf <= uniforms[:, t : t + 1]).sum(-1), K - 1).astype(mx.int32)
+            qs.append(q)
+        path.append(prev)
+    return mx.stack(path, axis=1), (mx.stack(qs, axis=1) if qs else None)
+
+
+def select_path(
+    U: mx.array,
+    cand: mx.array,
+    anchor: mx.array,
+    g: mx.array,
+    A: mx.array,
+    Bc: mx.array,
+    temperature: float = 0.0,
+    uniforms: Optional[mx.array] = None,
+) -> Tuple[mx.array, Optional[mx.array]]:
+    """Reference selector: lattice scores then walk. The Metal kernel's semantic definition.
+
+    Args:
+        U, cand: [B, L, K] unary scores and candidate ids; anchor: [B];
+        g: [B, L, R]; A, Bc: [V, R]; temperature: T; uniforms: [B, L] when T > 0.
+
+    Returns:
+        (path [B, L] int32 indices into the K candidates, q [B, L, K] or None).
+    """
+    return walk(lattice_scores(U, cand, anchor, g, A, Bc), temperature, uniforms)
+
+
+class PathSelector(nn.Module):
+    """Learned parts of the selector: gate projection and the two codebooks.
+
+    Args:
+        hidden_size: H; rank: R; vocab_size: V.
+    """
+
+    def __init__(self, hidden_size: int, rank: int, vocab_size: int):
+        super().__init__()
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        # Zero codebooks make S = U: the DFlash 1 choice (argmax per row).
+        self.predecessor_codebook = mx.zeros((vocab_size, rank))
+        self.successor_codebook = mx.zeros((vocab_size, rank))
+
+    def __call__(
+        self,
+        logits: mx.array,
+        hidden: mx.array,
+        anchor: mx.array,
+        top_k: int,
+        temperature: float = 0.0,
+        uniforms: Optional[mx.array] = None,
+    ):
+        """Choose draft tokens for rows 1..B-1.
+
+        Args:
+            logits: drafter logits [B, L, V]; hidden: final normed hidden [B, L, H];
+            anchor: [B]; top_k: K; temperature: T; uniforms: [B, L] when T > 0.
+
+        Returns:
+            (tokens [B, L], cand [B, L, K], q [B, L, K] or None, path [B, L]).
+        """
+        from .kernels import select_path as fused
+
+        U, cand = top_candidates(logits, top_k)
+        g = self.hidden_projection(hidden)
+        path, q = fused(
+            U, cand, anchor, g, self.predecessor_codebook, self.successor_codebook,
+            temperature, uniforms,
+        )
+        tokens = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), axis=-1)[..., 0]
+        return tokens, cand, q, path
