@@ -1,0 +1,178 @@
+"""Read and write drafter checkpoints in exactly the released format (SPEC §2.2).
+
+The writer is used by tests (tiny random drafters) and by training; the reader is the one
+public path every drafter goes through.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from .config import DFLASH1, DFLASH2, DrafterArgs
+from .drafter import DFlashDrafter
+from .errors import DFlashError
+
+
+def drafter_config(
+    *,
+    hidden_size: int,
+    vocab_size: int,
+    num_target_layers: int,
+    target_layer_ids,
+    mask_token_id: int,
+    block_size: int = 8,
+    num_hidden_layers: int = 1,
+    intermediate_size: Optional[int] = None,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: Optional[int] = None,
+    dflash2: bool = True,
+    sliding_window: Optional[int] = 2048,
+    rope_theta: float = 10000.0,
+    rms_norm_eps: float = 1e-6,
+    conv_kernel_size: int = 2,
+    conv_group_size: int = 16,
+    selector_rank: int = 256,
+    selector_top_k: int = 16,
+    **extra_dflash: Any,
+) -> Dict[str, Any]:
+    """A config.json dict laid out like the released checkpoints.
+
+    Args:
+        hidden_size, vocab_size, num_target_layers, target_layer_ids, mask_token_id: must
+            fit the target. dflash2: DFlash 2 (conv + selector) or DFlash 1.
+        extra_dflash: optional dflash_config keys (output_multiplier, ...).
+    """
+    dcfg = {
+        "block_size": block_size,
+        "mask_token_id": mask_token_id,
+        "target_layer_ids": list(target_layer_ids),
+    }
+    if dflash2:
+        dcfg.update(
+            conv_kernel_size=conv_kernel_size,
+            conv_group_size=conv_group_size,
+            selector_rank=selector_rank,
+            selector_top_k=selector_top_k,
+        )
+    dcfg.update(extra_dflash)
+    sliding = sliding_window is not None
+    return {
+        "architectures": [DFLASH2 if dflash2 else DFLASH1],
+        "model_type": "qwen3",
+        "is_causal": False,
+        "dtype": "bfloat16",
+        "tie_word_embeddings": False,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size or 3 * hidden_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads,
+        "head_dim": head_dim or hidden_size // num_attention_heads,
+        "rms_norm_eps": rms_norm_eps,
+        "vocab_size": vocab_size,
+        "num_target_layers": num_target_layers,
+        "max_position_embeddings": 262144,
+        "layer_types": ["sliding_attention" if sliding else "full_attention"] * num_hidden_layers,
+        "sliding_window": sliding_window,
+        "use_sliding_window": sliding,
+        "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
+        "dflash_config": dcfg,
+    }
+
+
+def random_drafter(config: Dict[str, Any], seed: int = 0, scale: float = 1.0) -> DFlashDrafter:
+    """A drafter with random weights, including non-trivial conv and selector tensors.
+
+    Args:
+        config: a config.json dict (see ``drafter_config``).
+        seed: RNG seed. scale: multiplies the conv / selector perturbations.
+    """
+    mx.random.seed(seed)
+    model = DFlashDrafter(DrafterArgs.from_dict(config))
+    params = []
+    for name, w in tree_flatten(model.parameters()):
+        if name.endswith("base_kernel"):
+            w = w + 0.1 * scale * mx.random.normal(w.shape)
+        elif "kernel_projection" in name:
+            w = 0.05 * scale * mx.random.normal(w.shape)
+        elif name.endswith("_codebook"):
+            w = 0.5 * scale * mx.random.normal(w.shape)
+        elif "norm" in name:
+            w = 1.0 + 0.1 * mx.random.normal(w.shape)
+        params.append((name, w))
+    model.load_weights(params)
+    return model
+
+
+def save_drafter(path, model: DFlashDrafter, config: Dict[str, Any]) -> Path:
+    """Write config.json and model.safetensors (bf16, released tensor names) to path.
+
+    Args:
+        path: output directory (created). model: the drafter. config: its config.json dict.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return path
+
+
+def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
+    """Load a drafter directory (config.json + *.safetensors), checking every tensor.
+
+    Args:
+        path: local directory of the checkpoint.
+        dtype: compute dtype to cast the weights to (default: as stored).
+
+    Raises:
+        DFlashError: missing files, unreadable config or tensors, wrong names or shapes.
+    """
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise DFlashError(f"drafter directory {path} has no config.json; point to a DFlash checkpoint")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"drafter config {cfg_file} is not valid JSON ({e}); re-download it")
+    try:
+        args = DrafterArgs.from_dict(config)
+    except TypeError as e:
+        raise DFlashError(f"drafter config {cfg_file} has a bad value ({e}); fix or re-download it")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"drafter directory {path} has no *.safetensors; re-download the drafter")
+    weights = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # mlx raises RuntimeError / ValueError on corrupt headers
+            raise DFlashError(f"cannot read {f.name} ({str(e).splitlines()[0]}); re-download it")
+    model = DFlashDrafter(args)
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise DFlashError(
+            f"drafter {path} tensors do not match its config ({what}); "
+            "check architectures/num_hidden_layers in config.json"
+        )
+    for k, v in expected.items():
+        if weights[k].shape != v.shape:
+            raise DFlashError(
+                f"drafter tensor {k} has shape {tuple(weights[k].shape)}, config implies "
+                f"{tuple(v.shape)}; the checkpoint and config.json disagree"
+            )
+    dtype = dtype or weights["fc.weight"].dtype
+    model.load_weights([(k, w.astype(dtype)) for k, w in weights.items()])
+    mx.eval(model.parameters())
+    model.eval()
+    return model
