@@ -1,0 +1,41 @@
+// Fused dynamic two-tap depthwise conv, one side (SPEC §3); body for mx.fast.metal_kernel.
+//
+// Semantics (reference: dflash_mlx/conv.py::two_tap_conv):
+//   k[b, t, j, c] = base[j, c] + dyn[b, t, j, c / (H / G)]
+//   out[b, t, c]  = sum_j k[b, t, j, c] * x[b, t - j, c],  term dropped when (t % BLOCK) < j
+//   i.e. taps never reach into an earlier block. Accumulation in float32, one rounding to T.
+//
+// Inputs  (row-contiguous; any of float32 / float16 / bfloat16, independently):
+//   x    [B, L, H]        sublayer input or output
+//   base [TAPS, H]        base kernel of this side
+//   dyn  [B, L, TAPS, G]  per-group dynamic coefficients, G divides H
+// Outputs:
+//   out  [B, L, H]        dtype T
+// Template parameters:
+//   T      output dtype (the dtype of x)
+//   TAPS   taps per side (2 in released checkpoints)
+//   BLOCK  block size: rows t with t % BLOCK == 0 start a block
+// Grid: (H, L, B) threads, one thread per output element, no threadgroup memory, no
+// barriers. Threadgroup: (min(H, 256), 1, 1); any shape works.
+
+const uint c = thread_position_in_grid.x;  // channel
+const uint t = thread_position_in_grid.y;  // row
+const uint b = thread_position_in_grid.z;  // batch
+const int L = x_shape[1];
+const int H = x_shape[2];
+const int G = dyn_shape[3];
+if (c >= uint(H) || t >= uint(L)) {
+  return;
+}
+const uint group = c / uint(H / G);
+const size_t row = size_t(b) * L + t;                 // flat (b, t)
+const size_t dyn_row = row * TAPS * G + group;        // dyn[b, t, 0, group]
+const uint pos = t % uint(BLOCK);                     // row index inside its block
+
+float acc = (float(base[c]) + float(dyn[dyn_row])) * float(x[row * H + c]);
+for (int j = 1; j < TAPS; ++j) {
+  const float k = float(base[size_t(j) * H + c]) + float(dyn[dyn_row + size_t(j) * G]);
+  const float term = (pos >= uint(j)) ? k * float(x[(row - j) * H + c]) : 0.0f;
+  acc = acc + term;
+}
+out[row * H + c] = static_cast<T>(acc);

@@ -1,0 +1,212 @@
+"""Run an ``mx.fast.metal_kernel`` body on the CPU by compiling it as C++ with g++.
+
+``EmulatedKernel`` has the same constructor and call signature as ``mx.fast.metal_kernel``,
+so the dispatch code in ``dflash_mlx.kernels`` can be pointed at it unchanged. The generated
+function signature follows MLX's rules (inputs by dtype, ``const constant T&`` for 0-d
+inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and thread attributes only when the
+source mentions them). The body is compiled against ``metal_shim.h`` and a generated driver
+runs it over the whole grid: threadgroup by threadgroup, serially when the body has no
+barrier, else one OS thread per Metal thread joined by a real barrier.
+
+Arrays travel through raw files: float dtypes as float32 (bf16 / fp16 values convert exactly),
+integers as their own 32-bit type. Outputs start poisoned (NaN / 0xDEADBEEF) like MLX's
+uninitialised outputs, so unwritten elements show up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+SHIM_DIR = Path(__file__).resolve().parent
+CACHE_DIR = Path(tempfile.gettempdir()) / "dflash_metal_emu"
+
+# dtype -> (Metal type string as MLX's get_type_string spells it, file dtype)
+_TYPES = {
+    mx.float32: ("float", np.float32),
+    mx.float16: ("float16_t", np.float32),
+    mx.bfloat16: ("bfloat16_t", np.float32),
+    mx.int32: ("int32_t", np.int32),
+    mx.uint32: ("uint32_t", np.uint32),
+}
+_ATTRIBUTES = [  # the uint3 attributes the driver supplies
+    "thread_position_in_grid",
+    "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "threadgroups_per_grid",
+    "threads_per_grid",
+]
+_INDEX_ATTRIBUTES = ["thread_index_in_threadgroup"]
+_UNSUPPORTED = re.compile(r"simd_|simdgroup|quad_|atomic|texture")
+_CONSTANT_LIMIT = 8  # MLX passes inputs with fewer elements in the constant address space
+
+
+def compiler() -> Optional[str]:
+    """Path of a usable C++ compiler (``$CXX``, g++ or c++), or None."""
+    for name in (os.environ.get("CXX"), "g++", "c++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+class EmulatedKernel:
+    """Drop-in stand-in for ``mx.fast.metal_kernel`` that runs the body with g++.
+
+    Args:
+        name: kernel name. input_names, output_names: parameter names.
+        source: the kernel body. header: code placed before the function.
+        ensure_row_contiguous: accepted for signature compatibility (inputs are always
+            materialised row-contiguous here, as MLX does with the default True).
+        atomic_outputs: must be False (atomics are not modelled).
+    """
+
+    def __init__(self, name, input_names, output_names, source, header="",
+                 ensure_row_contiguous=True, atomic_outputs=False, compile_options=None):
+        if atomic_outputs or _UNSUPPORTED.search(_strip_comments(source + header)):
+            raise NotImplementedError("SIMD-group, atomic and texture code is not emulated")
+        self.name, self.source, self.header = name, source, header
+        self.input_names, self.output_names = list(input_names), list(output_names)
+        self.calls = 0  # launches, for dispatch accounting in tests and benchmarks
+
+    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup,
+                 template=None, init_value=None, verbose=False, stream=None):
+        """Compile (cached by source hash) and run over the grid; returns mx arrays."""
+        self.calls += 1
+        template = list(template or [])
+        arrays = [mx.array(a) for a in inputs]
+        code = self._driver(arrays, output_shapes, output_dtypes, grid, threadgroup, template)
+        exe = _build(code)
+        with tempfile.TemporaryDirectory(prefix="metal_emu_") as tmp:
+            for i, a in enumerate(arrays):
+                _, ftype = _TYPES[a.dtype]
+                np.asarray(a.astype(mx.float32) if ftype == np.float32 else a,
+                           dtype=ftype).tofile(f"{tmp}/in{i}.bin")
+            res = subprocess.run([str(exe), tmp], capture_output=True, text=True)
+            if res.returncode != 0:
+                raise RuntimeError(f"emulated kernel {self.name} failed: {res.stderr}")
+            outs = []
+            for i, (shape, dt) in enumerate(zip(output_shapes, output_dtypes)):
+                raw = np.fromfile(f"{tmp}/out{i}.bin", dtype=_TYPES[dt][1]).reshape(shape)
+                outs.append(mx.array(raw).astype(dt))
+        if init_value is not None:
+            raise NotImplementedError("init_value is not emulated")
+        return outs
+
+    def _driver(self, arrays, output_shapes, output_dtypes, grid, threadgroup, template):
+        """C++ source: shim, header, templated function with MLX's signature, main()."""
+        src = self.source
+        tparams, targs = [], []
+        for tname, val in template:
+            if isinstance(val, mx.Dtype):
+                tparams.append(f"typename {tname}")
+                targs.append(_TYPES[val][0])
+            elif isinstance(val, bool):
+                tparams.append(f"bool {tname}")
+                targs.append("true" if val else "false")
+            else:
+                tparams.append(f"int {tname}")
+                targs.append(str(int(val)))
+        params, args, setup = [], [], []
+        for i, (n, a) in enumerate(zip(self.input_names, arrays)):
+            ctype, ftype = _TYPES[a.dtype]
+            ftype_c = {np.float32: "float", np.int32: "int32_t", np.uint32: "uint32_t"}[ftype]
+            space = "constant" if a.size < _CONSTANT_LIMIT else "device"
+            setup.append(f"  auto in{i} = load<{ctype}, {ftype_c}>(dir, {i}, {a.size});")
+            if a.ndim == 0:
+                params.append(f"const {space} {ctype}& {n}")
+                args.append(f"in{i}[0]")
+                continue
+            params.append(f"const {space} {ctype}* {n}")
+            args.append(f"in{i}.data()")
+            strides = np.cumprod([1] + list(a.shape[::-1]))[:-1][::-1]
+            for suffix, ctype2, vals in (("shape", "int", a.shape),
+                                         ("strides", "int64_t", strides)):
+                if f"{n}_{suffix}" in src:
+                    setup.append(f"  static const {ctype2} {n}_{suffix}_v[] = "
+                                 f"{{{', '.join(str(int(v)) for v in vals)}}};")
+                    params.append(f"const constant {ctype2}* {n}_{suffix}")
+                    args.append(f"{n}_{suffix}_v")
+            if f"{n}_ndim" in src:
+                params.append(f"const constant int& {n}_ndim")
+                args.append(str(a.ndim))
+        for i, (n, shape, dt) in enumerate(zip(self.output_names, output_shapes, output_dtypes)):
+            ctype, ftype = _TYPES[dt]
+            size = int(np.prod(shape)) if len(shape) else 1
+            setup.append(f"  std::vector<{ctype}> out{i}({size}, poison<{ctype}>());")
+            params.append(f"device {ctype}* {n}")
+            args.append(f"out{i}.data()")
+        for attr in _ATTRIBUTES:
+            if attr in src:
+                params.append(f"uint3 {attr}")
+                args.append(attr)
+        for attr in _INDEX_ATTRIBUTES:
+            if attr in src:
+                params.append(f"uint {attr}")
+                args.append(attr)
+        saves = [f"  save(dir, {i}, out{i});" for i in range(len(output_shapes))]
+        tdecl = f"template <{', '.join(tparams)}>\n" if tparams else ""
+        tuse = f"<{', '.join(targs)}>" if targs else ""
+        gx, gy, gz = grid
+        tx, ty, tz = (min(t, g) for t, g in zip(threadgroup, grid))
+        threaded = "threadgroup_barrier" in _strip_comments(src)
+        return "\n".join([
+            '#include "metal_shim.h"',
+            '#include "driver.h"',
+            self.header,
+            tdecl + f"void kernel_body(\n  " + ",\n  ".join(params) + ") {",
+            src,
+            "}",
+            "int main(int argc, char** argv) {",
+            "  const std::string dir = argv[1];",
+            *setup,
+            f"  emu::launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, "
+            f"{'true' if threaded else 'false'},",
+            "    [&](uint3 thread_position_in_grid, uint3 thread_position_in_threadgroup,",
+            "        uint3 threadgroup_position_in_grid, uint3 threads_per_threadgroup,",
+            "        uint3 threadgroups_per_grid, uint3 threads_per_grid,",
+            "        uint thread_index_in_threadgroup) {",
+            f"      kernel_body{tuse}({', '.join(args)});",
+            "    });",
+            *saves,
+            "  return 0;",
+            "}",
+        ])
+
+
+def _strip_comments(code: str) -> str:
+    """Source without // and /* */ comments (so a comment naming a feature is harmless)."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", code, flags=re.S)
+
+
+def _build(code: str) -> Path:
+    """Compile a driver once per distinct source; returns the executable path."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (install g++)")
+    shim = (SHIM_DIR / "metal_shim.h").read_text() + (SHIM_DIR / "driver.h").read_text()
+    key = hashlib.sha256((code + shim + cxx).encode()).hexdigest()[:20]
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    exe = CACHE_DIR / f"k_{key}"
+    if exe.exists():
+        return exe
+    cpp = CACHE_DIR / f"k_{key}.cpp"
+    cpp.write_text(code)
+    tmp_exe = CACHE_DIR / f"k_{key}.{os.getpid()}.tmp"
+    cmd = [cxx, "-std=c++17", "-O1", "-pthread", "-Wno-attributes", "-ffp-contract=off",
+           "-I", str(SHIM_DIR), str(cpp), "-o", str(tmp_exe)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"g++ failed on the kernel body:\n{res.stderr[-4000:]}")
+    os.replace(tmp_exe, exe)
+    return exe
+

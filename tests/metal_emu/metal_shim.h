@@ -1,0 +1,136 @@
+// Minimal C++ model of the Metal Shading Language subset used by dflash_mlx/metal/*.metal.
+//
+// Purpose: compile a kernel body (as passed to mx.fast.metal_kernel) with g++ on Linux and
+// run it over the whole grid, so its logic can be checked against the MLX reference without
+// a Mac. What is modelled:
+//   * address-space qualifiers (device, constant, thread) are dropped; `threadgroup` becomes
+//     `static`, i.e. storage shared by every thread of the function. The driver runs one
+//     threadgroup at a time, so this is exactly threadgroup-shared memory.
+//   * threadgroup_barrier(): a real barrier over the OS threads that run one threadgroup
+//     (one std::thread per Metal thread). Kernels without barriers run serially.
+//   * bfloat16_t / bfloat: float storage, round-to-nearest-even to bf16 on every store.
+//   * float16_t / half: the compiler's _Float16 (IEEE binary16, RNE conversions).
+//   * metal:: math on float (exp, max, min, fma, abs, ...).
+// Not modelled (the harness refuses kernels that use them): SIMD-group and quad-group
+// functions, atomics, textures.
+#pragma once
+
+// Every standard header the shim and driver need comes before the qualifier macros below.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <mutex>
+
+namespace emu {
+using os_thread = std::thread;  // `thread` is a Metal qualifier macro below
+}
+
+typedef uint32_t uint;
+typedef unsigned long ulong;
+typedef unsigned short ushort;
+typedef unsigned char uchar;
+
+#define device
+#define constant
+#define thread
+#define threadgroup static
+#define METAL_FUNC inline
+
+struct uint3 {
+  uint32_t x, y, z;
+};
+
+// bfloat16: the value is kept as a float that is always exactly representable in bf16.
+struct bfloat16_t {
+  float v;
+  static float round_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7f800000u) == 0x7f800000u) {  // inf / nan: truncate, keep nan quiet
+      if (u & 0x007fffffu) u |= 0x00400000u;
+      u &= 0xffff0000u;
+    } else {
+      u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+      u &= 0xffff0000u;
+    }
+    float r;
+    std::memcpy(&r, &u, 4);
+    return r;
+  }
+  bfloat16_t() : v(0.0f) {}
+  bfloat16_t(float f) : v(round_bf16(f)) {}
+  bfloat16_t(double f) : v(round_bf16(static_cast<float>(f))) {}
+  bfloat16_t(int i) : v(round_bf16(static_cast<float>(i))) {}
+  operator float() const { return v; }
+};
+typedef bfloat16_t bfloat;
+typedef _Float16 float16_t;
+typedef _Float16 half;
+
+// One barrier object per threadgroup, shared by the OS threads that emulate it.
+namespace emu {
+struct Barrier {
+  std::mutex m;
+  std::condition_variable cv;
+  int count = 1, waiting = 0;
+  unsigned long generation = 0;
+  void wait() {
+    std::unique_lock<std::mutex> lock(m);
+    unsigned long gen = generation;
+    if (++waiting == count) {
+      waiting = 0;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lock, [&] { return gen != generation; });
+    }
+  }
+};
+inline Barrier* current_barrier = nullptr;
+}  // namespace emu
+
+namespace metal {
+enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
+inline void threadgroup_barrier(mem_flags) {
+  if (emu::current_barrier) emu::current_barrier->wait();
+}
+
+inline float exp(float x) { return std::exp(x); }
+inline float exp2(float x) { return std::exp2(x); }
+inline float log(float x) { return std::log(x); }
+inline float sqrt(float x) { return std::sqrt(x); }
+inline float rsqrt(float x) { return 1.0f / std::sqrt(x); }
+inline float tanh(float x) { return std::tanh(x); }
+inline float abs(float x) { return std::fabs(x); }
+inline float fabs(float x) { return std::fabs(x); }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+inline float max(float a, float b) { return std::fmax(a, b); }
+inline float min(float a, float b) { return std::fmin(a, b); }
+inline int max(int a, int b) { return std::max(a, b); }
+inline int min(int a, int b) { return std::min(a, b); }
+inline uint max(uint a, uint b) { return std::max(a, b); }
+inline uint min(uint a, uint b) { return std::min(a, b); }
+inline bool isnan(float x) { return std::isnan(x); }
+inline bool isinf(float x) { return std::isinf(x); }
+template <typename T>
+struct numeric_limits : std::numeric_limits<T> {};
+namespace precise {
+inline float exp(float x) { return std::exp(x); }
+inline float divide(float a, float b) { return a / b; }
+}  // namespace precise
+namespace fast {
+inline float exp(float x) { return std::exp(x); }
+}  // namespace fast
+}  // namespace metal
+
+using metal::threadgroup_barrier;
