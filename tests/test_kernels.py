@@ -1,0 +1,245 @@
+"""Metal kernels vs their MLX references.
+
+Every case runs twice: through the kernel body compiled with g++ against ``metal_emu``'s
+shim (needs a C++ compiler, so it runs on Linux CI), and through the real
+``mx.fast.metal_kernel`` (needs a Metal GPU). Both go through the same launch helpers in
+``dflash_mlx.kernels`` that the package uses on a Mac.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from metal_emu.emulator import EmulatedKernel, compiler  # noqa: E402
+
+from dflash_mlx import kernels  # noqa: E402
+from dflash_mlx.conv import two_tap_conv as conv_reference  # noqa: E402
+from dflash_mlx.selector import select_path as select_reference  # noqa: E402
+
+HAS_METAL = mx.metal.is_available()
+BACKENDS = [
+    pytest.param("emulated", marks=pytest.mark.skipif(
+        compiler() is None, reason="no C++ compiler (g++/c++/$CXX) to emulate the Metal bodies")),
+    pytest.param("metal", marks=pytest.mark.skipif(
+        not HAS_METAL, reason="mx.metal.is_available() is False: real Metal kernels need a Mac")),
+]
+G_ODD = 40  # groups: not a multiple of 32
+H = 16 * G_ODD
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    """(name, factory) where factory builds a kernel object by name."""
+    if request.param == "emulated":
+        return "emulated", lambda name: kernels.build_kernel(name, EmulatedKernel)
+    return "metal", kernels.build_kernel
+
+
+def _f32(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+# ----------------------------------------------------------------------------- conv
+
+
+CONV_CASES = [  # (batch, L, block, taps, dtype)
+    (1, 1, 8, 2, mx.bfloat16),  # L = 1: only the anchor row
+    (2, 24, 8, 2, mx.bfloat16),  # three blocks: rows 8 and 16 must not see the previous block
+    (3, 5, 8, 2, mx.float32),  # one partial block
+    (2, 12, 4, 3, mx.float16),  # three taps, three blocks of 4
+]
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=lambda c: f"B{c[0]}L{c[1]}blk{c[2]}t{c[3]}")
+def test_conv_matches_reference(backend, case):
+    name, factory = backend
+    Bsz, L, block, taps, dtype = case
+    kernel = factory("two_tap_conv")
+    mx.random.seed(L * 7 + taps)
+    x = mx.random.normal((Bsz, L, H)).astype(dtype)  # [B, L, H]
+    base = mx.random.normal((taps, H)).astype(dtype)  # [taps, H]
+    dyn = (0.5 * mx.random.normal((Bsz, L, taps, G_ODD))).astype(dtype)  # [B, L, taps, G]
+    out = kernels.conv_launch(kernel, x, base, dyn, block)
+    ref = conv_reference(x, base, dyn, block)
+    assert out.dtype == dtype and out.shape == (Bsz, L, H)
+    got, want = _f32(out), _f32(ref)
+    if name == "emulated" or dtype == mx.float32:
+        # same float32 operations in the same order; bf16/fp16 round once at the end
+        tol = {mx.float32: 1e-5, mx.float16: 1e-3, mx.bfloat16: 8e-3}[dtype]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    else:  # GPU may contract into fma: allow one output ulp
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    if name == "emulated":
+        assert np.mean(got == want) > 0.999  # bit-identical apart from rare rounding ties
+
+
+def test_conv_taps_stop_at_block_boundary(backend):
+    """Huge values in the previous block's last row must not leak into a block's first row."""
+    _, factory = backend
+    kernel = factory("two_tap_conv")
+    x = mx.ones((1, 16, H)).at[:, 7].multiply(1e6)  # [1, 16, H], row 7 ends block 0
+    base = mx.ones((2, H))
+    dyn = mx.zeros((1, 16, 2, G_ODD))
+    out = np.array(kernels.conv_launch(kernel, x, base, dyn, 8))
+    assert np.all(out[0, 8] == 1.0)  # row 8 starts block 1: tap 1 dropped
+    assert np.all(out[0, 9] == 2.0)
+    assert np.all(out[0, 7] == 1e6 + 1.0)
+
+
+# ------------------------------------------------------------------------- selector
+
+
+def _selector_inputs(Bsz, L, K=16, R=256, V=997, seed=0, dtype=mx.bfloat16, id_dtype=mx.uint32):
+    mx.random.seed(seed)
+    U = 2.0 * mx.random.normal((Bsz, L, K))  # [B, L, K] float32
+    cand = mx.random.randint(0, V, (Bsz, L, K)).astype(id_dtype)  # [B, L, K]
+    anchor = mx.random.randint(0, V, (Bsz,)).astype(id_dtype)  # [B]
+    g = mx.random.normal((Bsz, L, R)).astype(dtype)  # [B, L, R]
+    A = (0.15 * mx.random.normal((V, R))).astype(dtype)  # [V, R]
+    Bc = (0.15 * mx.random.normal((V, R))).astype(dtype)  # [V, R]
+    return U, cand, anchor, g, A, Bc
+
+
+def _check_selection(name, kernel, inputs, temperature=0.0, uniforms=None, lanes=None):
+    path, q = kernels.select_launch(kernel, *inputs, temperature, uniforms, lanes=lanes)
+    ref_path, ref_q = select_reference(*inputs, temperature, uniforms)
+    assert path.dtype == mx.int32 and path.shape == ref_path.shape
+    np.testing.assert_array_equal(np.array(path), np.array(ref_path))
+    if temperature == 0:
+        assert q is None and ref_q is None
+    else:
+        assert q.dtype == mx.float32 and q.shape == ref_q.shape
+        np.testing.assert_allclose(np.array(q), np.array(ref_q), atol=2e-6, rtol=1e-5)
+    return np.array(path), q
+
+
+@pytest.mark.parametrize("Bsz,L,lanes", [(3, 7, None), (2, 1, None), (2, 15, 4)],
+                         ids=["block8", "L1", "block16-W4"])
+def test_select_greedy_matches_reference(backend, Bsz, L, lanes):
+    name, factory = backend
+    inputs = _selector_inputs(Bsz, L, seed=L)
+    path, _ = _check_selection(name, factory("path_select"), inputs, lanes=lanes)
+    # the pairwise term matters: some rows leave the unary argmax (else the test is vacuous)
+    assert (path != np.array(mx.argmax(inputs[0], axis=-1))).any()
+
+
+def test_select_greedy_exact_ties(backend):
+    """Exact ties go to the lowest index: equal unary scores with zero codebooks, and
+    duplicated candidate ids whose scores are bit-identical through the pairwise term."""
+    name, factory = backend
+    kernel = factory("path_select")
+    U, cand, anchor, g, A, Bc = _selector_inputs(2, 7, seed=3)
+    # (1) S = U, values on a coarse grid: many exact ties, including for the maximum
+    Uq = mx.floor(U * 0.5)  # [B, L, K]
+    zeros = mx.zeros_like(A)
+    path, _ = _check_selection(name, kernel, (Uq, cand, anchor, g, zeros, zeros))
+    first_max = np.argmax(np.array(Uq), axis=-1)  # numpy: first occurrence
+    np.testing.assert_array_equal(path, first_max)
+    # (2) candidates 5 and 11 of every row share a token and a dominant unary score
+    cand_np, U_np = np.array(cand), np.array(U)
+    cand_np[:, :, 11] = cand_np[:, :, 5]
+    U_np[:, :, 5] = U_np[:, :, 11] = 50.0
+    inputs = (mx.array(U_np), mx.array(cand_np), anchor, g, A, Bc)
+    path, _ = _check_selection(name, kernel, inputs)
+    assert np.all(path == 5)
+
+
+def test_select_int32_ids_and_fp32_codebooks(backend):
+    name, factory = backend
+    inputs = _selector_inputs(2, 7, R=96, seed=5, dtype=mx.float32, id_dtype=mx.int32)
+    _check_selection(name, factory("path_select"), inputs)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_select_sampled_matches_reference(backend, temperature):
+    name, factory = backend
+    Bsz, L = 3, 7
+    inputs = _selector_inputs(Bsz, L, seed=11)
+    mx.random.seed(12)
+    uniforms = mx.random.uniform(shape=(Bsz, L))  # [B, L]
+    uniforms = uniforms.at[0, 0].multiply(0.0)  # u = 0: the first candidate with q > 0
+    path, q = _check_selection(name, factory("path_select"), inputs, temperature, uniforms)
+    np.testing.assert_allclose(np.array(q.sum(-1)), 1.0, atol=1e-5)
+    assert len(np.unique(path)) > 2  # draws spread over candidates
+
+
+def test_select_sampled_edges_of_the_cdf(backend):
+    """u = 0 skips a zero-probability first candidate (cdf[0] = 0 <= u); a uniform at or
+    above the final cdf value picks K - 1 (clipped). Uniforms are drawn in [0, 1); 1.5
+    forces the clip whatever the rounding of cdf[-1]."""
+    name, factory = backend
+    U, cand, anchor, g, A, Bc = _selector_inputs(1, 3, seed=2)
+    U = mx.zeros_like(U).at[..., -1].add(30.0).at[..., 0].add(-200.0)  # q[0] underflows to 0
+    zeros = mx.zeros_like(A)
+    uniforms = mx.array([[0.0, 0.999999, 1.5]])
+    path, q = _check_selection(name, factory("path_select"),
+                               (U, cand, anchor, g, zeros, zeros), 1.0, uniforms)
+    assert np.all(np.array(q)[..., 0] == 0.0)
+    np.testing.assert_array_equal(path, [[1, 15, 15]])
+
+
+# ------------------------------------------------------------ dispatch and packaging
+
+
+def test_sources_are_package_data_with_header_comment():
+    for name in kernels.KERNEL_IO:
+        src = kernels.kernel_source(name)
+        head = src.split("\n\n")[0]
+        assert head.startswith("//")
+        for word in ("Inputs", "Outputs", "Grid", "Template parameters"):
+            assert word in src.split("const ")[0], (name, word)
+        assert (Path(kernels.__file__).parent / "metal" / f"{name}.metal").exists()
+
+
+def test_reference_fallback_off_metal(monkeypatch):
+    """Off Metal (or when forced by the env var) the public functions are the references."""
+    if HAS_METAL:
+        monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
+    assert not kernels.use_metal()
+    x = mx.random.normal((1, 8, H))
+    base, dyn = mx.random.normal((2, H)), mx.random.normal((1, 8, 2, G_ODD))
+    assert mx.array_equal(kernels.two_tap_conv(x, base, dyn, 8), conv_reference(x, base, dyn, 8))
+    inputs = _selector_inputs(1, 7, R=32, V=50)
+    path, q = kernels.select_path(*inputs)
+    assert mx.array_equal(path, select_reference(*inputs)[0]) and q is None
+    assert not kernels._kernels  # nothing was built
+
+
+def test_env_var_forces_reference(monkeypatch):
+    monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
+    assert not kernels.use_metal()
+    monkeypatch.setenv(kernels.REFERENCE_ENV, "0")
+    assert kernels.use_metal() == (HAS_METAL and mx.default_device().type == mx.DeviceType.gpu)
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler")
+def test_emulator_models_threadgroup_memory_and_barriers():
+    """Harness self-check: a threadgroup reversal needs shared memory and a real barrier,
+    and an element the body does not write stays poisoned (NaN)."""
+    src = """
+    threadgroup float buf[64];
+    const uint i = thread_position_in_threadgroup.x;
+    const uint n = threads_per_threadgroup.x;
+    buf[i] = inp[thread_position_in_grid.x];
+    metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
+    if (thread_position_in_grid.x != 0) {
+      out[thread_position_in_grid.x] = buf[n - 1 - i];
+    }
+    """
+    k = EmulatedKernel("rev", ["inp"], ["out"], src)
+    a = mx.arange(100, dtype=mx.float32)
+    (out,) = k(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
+               output_shapes=[(100,)], output_dtypes=[mx.float32])
+    want = np.concatenate([np.arange(64)[::-1], 64 + np.arange(36)[::-1]]).astype(np.float32)
+    got = np.array(out)
+    assert np.isnan(got[0])
+    np.testing.assert_array_equal(got[1:], want[1:])
+    with pytest.raises(NotImplementedError):
+        EmulatedKernel("s", ["inp"], ["out"], "out[0] = simd_sum(inp[0]);")
