@@ -1,0 +1,24 @@
+"""dflash-mlx: DFlash 2 block-parallel speculative decoding on MLX.
+
+``from dflash_mlx import load, generate, stream_generate``. Heavy imports are deferred so
+that ``dflash --help`` stays instant.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["load", "generate", "stream_generate", "DFlashError", "__version__"]
+
+
+def __getattr__(name):
+    if name == "load":
+        from .loading import load
+
+        return load
+    if name in ("generate", "stream_generate", "GenerationResponse"):
+        from . import generation
+
+        return getattr(generation, name)
+    if name == "DFlashError":
+        from .errors import DFlashError
+
+        return DFlashError
+    raise AttributeError(f"module 'dflash_mlx' has no attribute {name!r}")

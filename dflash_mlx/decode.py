@@ -1,0 +1,154 @@
+"""The speculative decode loop: draft, select, verify, accept (SPEC §3-§5).
+
+One host sync per cycle: the whole cycle is built lazily and evaluated once, when the
+accepted count is needed to roll the caches back.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import mlx.core as mx
+
+from .acceptance import (
+    SamplingParams, accept_greedy, accept_sampled, process_rows, proposal_full, sample_rows,
+    target_probs,
+)
+from .state import DFlashModel, PromptCache
+
+generation_stream = mx.new_stream(mx.default_device())
+
+
+@dataclass
+class Cycle:
+    """What one step of the loop committed.
+
+    Attributes:
+        tokens: ids committed (accepted drafts then the target's bonus token).
+        accepted: drafts accepted. drafted: drafts proposed.
+        prompt_tokens: prompt tokens run through the target (prefill event only).
+        timings: seconds per stage when profiling.
+    """
+
+    tokens: List[int]
+    accepted: int = 0
+    drafted: int = 0
+    prompt_tokens: int = 0
+    timings: Dict[str, float] = field(default_factory=dict)
+
+
+class _Clock:
+    """Stage timer; evaluates at stage boundaries only when profiling."""
+
+    def __init__(self, on: bool):
+        self.on, self.t, self.split = on, time.perf_counter(), {}
+
+    def lap(self, name: str, *arrays) -> None:
+        if self.on:
+            mx.eval(*arrays)
+            now = time.perf_counter()
+            self.split[name] = self.split.get(name, 0.0) + now - self.t
+            self.t = now
+
+
+def _propose(model, logits, hidden, anchor, params, use_selector, key):
+    """Draft tokens [L] and their proposal rows [L, V] (None when greedy)."""
+    drafter = model.drafter
+    if use_selector and drafter.has_selector:
+        T = params.temperature
+        u = None if params.greedy else mx.random.uniform(shape=hidden.shape[:2], key=key)
+        toks, cand, q, _ = drafter.candidate_selector(
+            logits, hidden, anchor.reshape(1), drafter.args.selector_top_k, T, u
+        )
+        q_full = None if q is None else proposal_full(q[0], cand[0], logits.shape[-1])
+        return toks[0].astype(mx.uint32), q_full
+    if params.greedy:
+        return mx.argmax(logits[0], axis=-1).astype(mx.uint32), None
+    q_full = mx.softmax(logits[0].astype(mx.float32) / params.temperature, axis=-1, precise=True)
+    return sample_rows(q_full, key), q_full
+
+
+def decode(
+    model: DFlashModel,
+    prompt: List[int],
+    cache: PromptCache,
+    params: SamplingParams,
+    *,
+    max_tokens: int,
+    block_size: int,
+    use_selector: bool = True,
+    key: Optional[mx.array] = None,
+    prefill_step_size: int = 2048,
+    profile: bool = False,
+) -> Iterator[Cycle]:
+    """Generate from a prompt with speculative decoding; yields one Cycle per step.
+
+    Args:
+        model: the loaded pair. prompt: token ids (at least one). cache: reused if it
+            holds a prefix of prompt. params: target sampling. max_tokens: budget.
+        block_size: tokens verified per cycle (anchor + block_size - 1 drafts).
+        use_selector: walk the DFlash 2 lattice; False drafts each row's top token.
+        key: PRNG key for sampling. profile: time each stage (adds syncs).
+    """
+    adapter, drafter = model.adapter, model.drafter
+    key = mx.random.key(int(time.time_ns() % 2**31)) if key is None else key
+    with mx.stream(generation_stream):
+        reused = cache.reuse(model, prompt)
+        todo = prompt[reused:]
+        clock = _Clock(True)
+        for s in range(0, len(todo), prefill_step_size):
+            logits, feats = adapter(mx.array(todo[s : s + prefill_step_size])[None], cache.target)
+            drafter.append_context(feats, cache.drafter)
+            mx.eval(logits[:, -1], cache.state)
+        cache.tokens = list(prompt)
+        history = list(prompt)
+        last = process_rows(logits[0, -1:], mx.array(history), mx.array([], mx.uint32),
+                            params.processors)
+        key, sub = mx.random.split(key)
+        if params.greedy:
+            first = mx.argmax(last, axis=-1)
+        else:
+            first = sample_rows(target_probs(last, params), sub)
+        anchor = first.item()
+        clock.lap("prefill")
+        yield Cycle([anchor], prompt_tokens=len(todo), timings=dict(clock.split))
+        n_gen = 1
+        while n_gen < max_tokens:
+            clock = _Clock(profile)
+            b = max(1, min(block_size, max_tokens - n_gen))
+            key, k_draft, k_acc = mx.random.split(key, 3)
+            a_arr = mx.array([anchor], dtype=mx.uint32)
+            q_full = None
+            if b >= 2:
+                hidden = drafter.step(model.embed_block(a_arr, b), cache.drafter)
+                d_logits = drafter.logits(hidden[:, 1:], adapter.lm_head)  # [1, b-1, V]
+                clock.lap("drafter", d_logits)
+                drafts, q_full = _propose(model, d_logits, hidden[:, 1:], a_arr, params,
+                                          use_selector, k_draft)
+                clock.lap("selector", drafts)
+            else:
+                drafts = mx.array([], dtype=mx.uint32)
+            snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
+            v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
+            clock.lap("verify", v_logits, feats)
+            rows = process_rows(v_logits[0], mx.array(history) if params.processors else None,
+                                drafts, params.processors)
+            if params.greedy:
+                n_acc, targets = accept_greedy(rows, drafts)
+                bonus = targets[n_acc]
+            else:
+                n_acc, bonus = accept_sampled(target_probs(rows, params), drafts, q_full, k_acc)
+            mx.eval(n_acc, bonus, drafts)  # the cycle's one host sync
+            a = n_acc.item()
+            committed = drafts.tolist()[:a] + [bonus.item()]
+            clock.lap("acceptance")
+            adapter.rollback(cache.target, b, a + 1, snap)
+            drafter.append_context(feats[:, : a + 1], cache.drafter)
+            cache.tokens += [anchor] + committed[:-1]
+            clock.lap("rollback", cache.state)
+            history += committed
+            anchor = committed[-1]
+            n_gen += len(committed)
+            yield Cycle(committed, a, b - 1, timings=dict(clock.split))

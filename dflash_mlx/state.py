@@ -1,0 +1,88 @@
+"""The loaded pair and the reusable per-conversation cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+import mlx.core as mx
+
+from .drafter import ContextCache, DFlashDrafter
+from .target import TargetAdapter
+
+
+@dataclass
+class DFlashModel:
+    """A target (mlx-lm model) with its drafter.
+
+    Attributes:
+        target: the mlx-lm model. drafter: the DFlash drafter. adapter: capture/rollback.
+        target_path, drafter_path: where they were loaded from.
+    """
+
+    target: object
+    drafter: DFlashDrafter
+    adapter: TargetAdapter
+    target_path: str = ""
+    drafter_path: str = ""
+
+    @property
+    def block_size(self) -> int:
+        """The checkpoint's block size (the default runtime block size)."""
+        return self.drafter.args.block_size
+
+    def embed_block(self, anchor: mx.array, length: int) -> mx.array:
+        """Embed [anchor, mask, ..., mask] of the given length -> [1, length, H]."""
+        ids = mx.concatenate(
+            [anchor.reshape(1), mx.full((length - 1,), self.drafter.args.mask_token_id, mx.uint32)]
+        ).astype(mx.uint32)
+        emb = self.adapter.embed(ids[None])
+        scale = self.drafter.args.input_embedding_scale
+        emb = emb if scale == 1.0 else emb * scale
+        return emb.astype(self.drafter.fc.weight.dtype)
+
+    def make_cache(self) -> "PromptCache":
+        """An empty cache for one conversation."""
+        return PromptCache(self.adapter.make_cache(), self.drafter.make_cache())
+
+
+@dataclass
+class PromptCache:
+    """Target caches and drafter context caches holding exactly ``tokens``.
+
+    Pass one to ``stream_generate(prompt_cache=...)`` to reuse a shared prefix across calls
+    (multi-turn chat, a server's growing history).
+    """
+
+    target: list
+    drafter: List[ContextCache]
+    tokens: List[int] = field(default_factory=list)
+
+    def reuse(self, model: DFlashModel, prompt: List[int]) -> int:
+        """Keep the longest usable cached prefix of prompt; return its length.
+
+        At least one prompt token is always left to run (its logits start generation).
+        Caches that cannot drop tokens (recurrent layers) are reset unless the cached
+        tokens are a prefix of the prompt.
+        """
+        n = 0
+        limit = min(len(self.tokens), len(prompt) - 1)
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        have = len(self.tokens)
+        if n == have:
+            return n
+        ok = model.adapter.trim_to(self.target, n, have)
+        ok = ok and all(c.trim(have - n) for c in self.drafter)
+        if not ok or n == 0:
+            self.target, self.drafter = model.adapter.make_cache(), model.drafter.make_cache()
+            self.tokens = []
+            return 0
+        del self.tokens[n:]
+        return n
+
+    @property
+    def state(self):
+        """Arrays to evaluate."""
+        out = [c.state for c in self.target]
+        return out + [c.state for c in self.drafter]

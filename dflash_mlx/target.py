@@ -1,0 +1,197 @@
+"""Target adapter: run an mlx-lm model while capturing decoder-layer outputs, and roll back
+its caches after a partially accepted verify (SPEC §5.3-§5.4).
+
+Nothing in mlx-lm is edited and no class is patched: the adapter wraps the *instances* of
+the tapped layers (and, on hybrids, of the recurrent mixers) of one loaded model.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+
+from .errors import UnsupportedModelError
+
+# Architectures whose layer loop, caches and heads the adapter has been checked against.
+SUPPORTED = {
+    "qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
+    "qwen3_next", "muse_glimmer", "glm4", "glm", "phi3", "gemma3_text",
+}
+
+
+class _Tap(nn.Module):
+    """Wraps one decoder layer; records its output while a capture is active."""
+
+    def __init__(self, layer: nn.Module, store: Dict[int, mx.array], index: int):
+        super().__init__()
+        self.inner = layer
+        object.__setattr__(self, "_store", store)
+        object.__setattr__(self, "_index", index)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "inner" or "inner" not in self:
+                raise
+            return getattr(self["inner"], name)
+
+    def __call__(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        if self._store.get("on") is not None:
+            self._store[self._index] = out
+        return out
+
+
+class _Recorder(nn.Module):
+    """Wraps a recurrent mixer (Gated DeltaNet); keeps its last input for replay."""
+
+    def __init__(self, mixer: nn.Module):
+        super().__init__()
+        self.inner = mixer
+        object.__setattr__(self, "_last", None)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "inner" or "inner" not in self:
+                raise
+            return getattr(self["inner"], name)
+
+    def __call__(self, x, mask=None, cache=None):
+        object.__setattr__(self, "_last", (x, mask))
+        return self.inner(x, mask, cache)
+
+
+def _text_model(model: nn.Module) -> nn.Module:
+    """The module holding lm_head / embeddings (unwraps multimodal wrappers)."""
+    return getattr(model, "language_model", model)
+
+
+class TargetAdapter:
+    """Capture hidden states at ``layer_ids`` and manage rollback for one target model.
+
+    Args:
+        model: an mlx-lm model. layer_ids: decoder layers whose outputs the drafter reads.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: List[int]):
+        self.model = model
+        mtype = getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
+        inner = getattr(_text_model(model), "model", None)
+        if mtype not in SUPPORTED or inner is None or not hasattr(inner, "layers"):
+            raise UnsupportedModelError(
+                f"target architecture '{mtype}' is not supported by dflash-mlx "
+                f"(supported: {', '.join(sorted(SUPPORTED))}); run it with mlx_lm instead"
+            )
+        self.model_type = mtype
+        self.inner = inner
+        self._store: Dict = {}
+        layers = inner.layers
+        self.num_layers = len(layers)
+        self.tap(layer_ids)
+        self.recorders: List[Optional[_Recorder]] = []
+        for layer in layers:
+            base = layer.inner if isinstance(layer, _Tap) else layer
+            mixer = getattr(base, "linear_attn", None)
+            if mixer is not None and not isinstance(mixer, _Recorder):
+                mixer = base.linear_attn = _Recorder(mixer)
+            self.recorders.append(mixer)
+        self.is_hybrid = any(r is not None for r in self.recorders)
+
+    def tap(self, layer_ids: List[int]) -> None:
+        """Capture the outputs of these decoder layers on every forward from now on."""
+        self.layer_ids = list(layer_ids)
+        layers = self.inner.layers
+        for i in self.layer_ids:
+            if not isinstance(layers[i], _Tap):
+                layers[i] = _Tap(layers[i], self._store, i)
+            object.__setattr__(layers[i], "_store", self._store)
+            object.__setattr__(layers[i], "_index", i)
+
+    # -- pieces the drafter borrows -------------------------------------------------
+    def embed(self, ids: mx.array) -> mx.array:
+        """Target token embeddings (the drafter's input embedding)."""
+        return self.inner.embed_tokens(ids)
+
+    def lm_head(self, h: mx.array) -> mx.array:
+        """The target's LM head (or tied embedding) without the target's own logit scaling."""
+        tm = _text_model(self.model)
+        head = getattr(tm, "lm_head", None)
+        if head is not None:
+            return head(h)
+        return self.inner.embed_tokens.as_linear(h)
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the target's residual stream."""
+        return self.embed(mx.array([[0]])).shape[-1]
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the target's embedding table."""
+        emb = self.inner.embed_tokens
+        return emb.weight.shape[0]
+
+    # -- forward with capture ------------------------------------------------------
+    def make_cache(self) -> list:
+        """Fresh mlx-lm caches for the target."""
+        return make_prompt_cache(self.model)
+
+    def __call__(self, ids: mx.array, cache: list) -> Tuple[mx.array, mx.array]:
+        """Run the target on ids [1, n]; return (logits [1, n, V], features [1, n, nT*H])."""
+        self._store.clear()
+        self._store["on"] = True
+        try:
+            logits = self.model(ids, cache=cache)
+            feats = mx.concatenate([self._store[i] for i in self.layer_ids], axis=-1)
+        finally:
+            self._store.clear()
+        return logits, feats
+
+    # -- rollback ------------------------------------------------------------------
+    def snapshot(self, cache: list) -> list:
+        """Copy the recurrent states (ArraysCache lists are mutated in place by a forward)."""
+        return [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+
+    def rollback(self, cache: list, fed: int, keep: int, snap: list) -> None:
+        """Make the caches hold only the first ``keep`` of the ``fed`` tokens just run.
+
+        Attention caches are trimmed; recurrent layers restore the snapshot and replay
+        their mixer on the kept inputs, which equals having fed only those tokens.
+        """
+        drop = fed - keep
+        if drop == 0:
+            return
+        for c, rec, s in zip(cache, self.recorders, snap or [None] * len(cache)):
+            if isinstance(c, ArraysCache):
+                c.cache = list(s)
+                x, mask = rec._last
+                rec.inner(x[:, :keep], None if mask is None else mask[:, :keep], c)
+            elif c.is_trimmable():
+                c.trim(drop)
+            else:
+                raise UnsupportedModelError(
+                    f"cache {type(c).__name__} of '{self.model_type}' cannot be rolled back "
+                    "past its window; use a shorter context"
+                )
+
+    def trim_to(self, cache: list, n_keep: int, n_have: int) -> bool:
+        """Drop cached tokens beyond n_keep (prefix reuse); False if a layer cannot."""
+        drop = n_have - n_keep
+        if drop == 0:
+            return True
+        if any(isinstance(c, ArraysCache) or not c.is_trimmable() for c in cache):
+            return False
+        for c in cache:
+            c.trim(drop)
+        return True
+
+
+def is_kv(c) -> bool:
+    """True for a plain attention cache."""
+    return isinstance(c, KVCache)

@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny targets and drafters built once per test session."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build_drafter, build_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Directory with targets qwen3/, qwen3_5/ and drafters d2_<kind>/, d1_<kind>/."""
+    root = tmp_path_factory.mktemp("tiny")
+    for kind in ("qwen3", "qwen3_5"):
+        build_target(root / kind, kind)
+        build_drafter(root / f"d2_{kind}", root / kind, dflash2=True, block_size=16)
+        build_drafter(root / f"d1_{kind}", root / kind, dflash2=False, block_size=16, seed=2)
+    return root
+
+
+@pytest.fixture(scope="session")
+def pairs(tiny_dir):
+    """Loaded (model, tokenizer) per (target kind, drafter kind)."""
+    from dflash_mlx import load
+
+    cache = {}
+
+    def get(kind="qwen3", drafter="d2"):
+        if (kind, drafter) not in cache:
+            cache[kind, drafter] = load(str(tiny_dir / kind), drafter=str(tiny_dir / f"{drafter}_{kind}"))
+        return cache[kind, drafter]
+
+    return get

@@ -1,0 +1,76 @@
+"""Greedy parity: speculative decoding commits exactly mlx-lm's greedy tokens."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.acceptance import SamplingParams
+from dflash_mlx.decode import decode
+from oracle import OracleDrafter
+
+PROMPTS = ["def parse_args(", "import os\nfor i in"]
+
+
+def reference(model, ids, n):
+    """mlx-lm's own greedy decoding of the target (taps are inert outside a capture)."""
+    return [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=n)]
+
+
+def run(model, ids, n, block, selector=True):
+    out, stats = [], []
+    for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=n,
+                    block_size=block, use_selector=selector):
+        out += c.tokens
+        if c.drafted:
+            stats.append((c.accepted, c.drafted))
+    return out[:n], stats
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("drafter", ["d2", "d1"])
+@pytest.mark.parametrize("block", [2, 4, 8, 16])
+def test_greedy_matches_mlx_lm_with_random_drafter(pairs, kind, drafter, block):
+    model, tok = pairs(kind, drafter)
+    for prompt in PROMPTS:
+        ids = tok.encode(prompt)
+        for selector in (True, False):
+            got, _ = run(model, ids, 64, block, selector)
+            assert got == reference(model, ids, 64)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("block,wrong", [(4, ()), (8, (5,)), (16, (3, 9)), (8, (1,))])
+@pytest.mark.parametrize("selector", [True, False])
+def test_greedy_matches_with_full_partial_and_zero_acceptance(pairs, kind, block, wrong, selector):
+    model, tok = pairs(kind, "d2")
+    ids = tok.encode(PROMPTS[0])
+    ref = reference(model, ids, 80)
+    real = model.drafter
+    model.drafter = OracleDrafter(real, ids + ref, wrong_at=wrong)
+    try:
+        got, stats = run(model, ids, 64, block, selector)
+    finally:
+        model.drafter = real
+    assert got == ref[:64]
+    accepted = [a for a, d in stats]
+    if not wrong:
+        assert all(a == d for a, d in stats[:-1])  # every full block accepted
+    else:
+        first_wrong = min(wrong) - 1
+        assert all(a == first_wrong for a, d in stats if d == block - 1)
+    assert sum(accepted) > 0 or wrong == (1,)
+
+
+def test_max_tokens_is_exact_and_block_shrinks_at_the_end(pairs):
+    model, tok = pairs("qwen3", "d2")
+    ids = tok.encode(PROMPTS[1])
+    ref = reference(model, ids, 13)
+    model.drafter, real = OracleDrafter(model.drafter, ids + ref + [0] * 20), model.drafter
+    try:
+        out = []
+        for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=13,
+                        block_size=8):
+            out += c.tokens
+    finally:
+        model.drafter = real
+    assert out == ref

@@ -1,0 +1,128 @@
+"""Tiny random targets (mlx-lm architectures) and drafters written in the SPEC format.
+
+Shared by the test suite, the CLI/server tests and the benchmarks' smoke runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+
+SPECIALS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+CORPUS = (
+    "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    return parser\n"
+    "import os\nimport sys\nfor i in range(10):\n    print(i, os.path.join('a', 'b'))\n"
+    "class Foo:\n    def __init__(self, x):\n        self.x = x\n"
+    "The quick brown fox jumps over the lazy dog. Hello world!\n"
+) * 4
+
+
+def build_tokenizer(path: Path, vocab_size: int = 320) -> int:
+    """Train a tiny byte-level BPE into path; return its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([CORPUS], trainer)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 4096,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tok.get_vocab_size()
+
+
+def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
+    """Config of a tiny 'qwen3' (dense) or 'qwen3_5' (Gated DeltaNet + attention) target."""
+    base = {
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "intermediate_size": 2 * hidden,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": hidden // 4,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
+    if kind == "qwen3":
+        return {"model_type": "qwen3", "rope_theta": 10000.0, **base}
+    if kind == "qwen3_5":
+        return {
+            "model_type": "qwen3_5",
+            "full_attention_interval": 2,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {
+                "type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            },
+            **base,
+        }
+    raise ValueError(kind)
+
+
+def build_target(path: Path, kind: str = "qwen3", seed: int = 0, vocab_size: Optional[int] = None,
+                 tokenizer: bool = True, **kw) -> Path:
+    """Write a tiny random float32 target (config, weights, tokenizer) to path."""
+    from mlx_lm.utils import _get_classes
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    V = build_tokenizer(path) if tokenizer else vocab_size
+    V = vocab_size or V
+    cfg = target_config(kind, V, **kw)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(cfg))
+    params = [(k, v) for k, v in tree_flatten(model.parameters())]
+    model.load_weights(params)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    cfg["eos_token_id"] = 3
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def build_drafter(path: Path, target_dir: Path, dflash2: bool = True, seed: int = 1,
+                  block_size: int = 16, **kw) -> Path:
+    """Write a tiny random drafter fitting the target in target_dir."""
+    tcfg = json.loads((Path(target_dir) / "config.json").read_text())
+    n = tcfg["num_hidden_layers"]
+    cfg = drafter_config(
+        hidden_size=tcfg["hidden_size"],
+        vocab_size=tcfg["vocab_size"],
+        num_target_layers=n,
+        target_layer_ids=kw.pop("target_layer_ids", [0, n - 2]),
+        mask_token_id=1,
+        block_size=block_size,
+        num_hidden_layers=kw.pop("num_hidden_layers", 2),
+        dflash2=dflash2,
+        selector_rank=kw.pop("selector_rank", 32),
+        **kw,
+    )
+    return save_drafter(path, random_drafter(cfg, seed), cfg)
