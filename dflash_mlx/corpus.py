@@ -120,8 +120,12 @@ def save_tokenizer(tok, out_dir: Path) -> None:
     tok.save(str(out_dir / "tokenizer.json"))
     added = {
         str(tok.token_to_id(t)): {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
         for t in SPECIAL_TOKENS
     }
@@ -142,7 +146,8 @@ def save_tokenizer(tok, out_dir: Path) -> None:
     (out_dir / "special_tokens_map.json").write_text(
         json.dumps(
             {"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "mask_token": MASK_TOKEN}, indent=2
-        ) + "\n"
+        )
+        + "\n"
     )
 
 
@@ -162,9 +167,13 @@ class Split:
         return np.concatenate([self.main, self.encodings])
 
 
-def build_corpus(work_dir: Path | None = None, vocab_size: int = DEFAULT_VOCAB,
-                 limit: int | None = None, heldout_percent: int = 5,
-                 force: bool = False) -> Path:
+def build_corpus(
+    work_dir: Path | None = None,
+    vocab_size: int = DEFAULT_VOCAB,
+    limit: int | None = None,
+    heldout_percent: int = 5,
+    force: bool = False,
+) -> Path:
     """Collect files, train the tokenizer and tokenize both splits, caching everything.
 
     Args:
@@ -195,9 +204,16 @@ def build_corpus(work_dir: Path | None = None, vocab_size: int = DEFAULT_VOCAB,
     tok = train_tokenizer((texts[f] for f in train), vocab_size)
     save_tokenizer(tok, cache / "tokenizer")
     eos = tok.token_to_id(EOS_TOKEN)
-    meta = {"vocab_size": vocab_size, "eos_id": eos, "mask_id": tok.token_to_id(MASK_TOKEN),
-            "stdlib": str(root), "n_train_files": len(train), "n_heldout_files": len(held),
-            "heldout_files": held, "tokens": {}}
+    meta = {
+        "vocab_size": vocab_size,
+        "eos_id": eos,
+        "mask_id": tok.token_to_id(MASK_TOKEN),
+        "stdlib": str(root),
+        "n_train_files": len(train),
+        "n_heldout_files": len(held),
+        "heldout_files": held,
+        "tokens": {},
+    }
     for split, names in (("train", train), ("heldout", held)):
         for part in ("main", "encodings"):
             sel = [f for f in names if is_encodings(f) == (part == "encodings")]

@@ -71,13 +71,16 @@ class CheckpointTimer:
 
 def make_progress(quiet: bool = False):
     """A rich progress bar with loss and tokens/s fields (disabled when ``quiet``)."""
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     return Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:.0f} tok/s"),
-        TimeElapsedColumn(), disable=quiet,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TextColumn("{task.fields[tps]:.0f} tok/s"),
+        TimeElapsedColumn(),
+        disable=quiet,
     )
 
 
@@ -103,7 +106,7 @@ def stream_metrics(model, stream: np.ndarray, seq: int, limit: int | None, batch
     wins = _windows(stream, seq, limit)
     loss_sum, correct, count = 0.0, 0, 0
     for i in range(0, len(wins), batch):
-        w = mx.array(wins[i:i + batch])
+        w = mx.array(wins[i : i + batch])
         logits = model(w[:, :-1]).astype(mx.float32)
         y = w[:, 1:]
         ce = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(logits, y[..., None], -1)[..., 0]

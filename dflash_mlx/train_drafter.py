@@ -30,9 +30,9 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx import nn
 from mlx.utils import tree_flatten
 
 from dflash_mlx import corpus
@@ -43,9 +43,18 @@ from dflash_mlx.selector import select_path, top_candidates
 from dflash_mlx.train_common import CheckpointTimer, lr_at, make_progress
 from dflash_mlx.train_target import load_checkpoint, save_checkpoint
 
-DEMO_DRAFTER = dict(num_hidden_layers=2, intermediate_size=768, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=64, block_size=8, selector_rank=64,
-                    selector_top_k=16, conv_group_size=16, sliding_window=2048)
+DEMO_DRAFTER = {
+    "num_hidden_layers": 2,
+    "intermediate_size": 768,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "block_size": 8,
+    "selector_rank": 64,
+    "selector_top_k": 16,
+    "conv_group_size": 16,
+    "sliding_window": 2048,
+}
 
 
 def target_pass(model, x: mx.array, layer_ids):
@@ -92,8 +101,15 @@ def init_drafter(config: dict, seed: int = 0) -> DFlashDrafter:
     return model
 
 
-def make_blocks(x: np.ndarray, teacher: np.ndarray, n_blocks: int, B: int, mask_id: int,
-                rng: np.random.Generator, window: int | None = None):
+def make_blocks(
+    x: np.ndarray,
+    teacher: np.ndarray,
+    n_blocks: int,
+    B: int,
+    mask_id: int,
+    rng: np.random.Generator,
+    window: int | None = None,
+):
     """Pick anchors and build block inputs, labels, RoPE offsets and the attention mask.
 
     Args:
@@ -106,8 +122,9 @@ def make_blocks(x: np.ndarray, teacher: np.ndarray, n_blocks: int, B: int, mask_
         dict of numpy arrays: ids [N, B], labels [N, B-1], offsets [N], mask [N, 1, B, T+B].
     """
     S, T = x.shape
-    anchors = np.stack([np.sort(rng.choice(np.arange(1, T - B + 1), n_blocks, replace=False))
-                        for _ in range(S)])  # [S, nb]
+    anchors = np.stack(
+        [np.sort(rng.choice(np.arange(1, T - B + 1), n_blocks, replace=False)) for _ in range(S)]
+    )  # [S, nb]
     a = anchors.reshape(-1)
     rows = np.repeat(np.arange(S), n_blocks)
     ids = np.full((len(a), B), mask_id, dtype=np.int32)
@@ -123,8 +140,19 @@ def make_blocks(x: np.ndarray, teacher: np.ndarray, n_blocks: int, B: int, mask_
     return {"ids": ids, "labels": labels, "offsets": a.astype(np.int32), "mask": mask}
 
 
-def drafter_losses(drafter, feats, embeds, anchor_ids, offsets, mask, labels, W, n_blocks,
-                   weights, sel_weight: float = 1.0):
+def drafter_losses(
+    drafter,
+    feats,
+    embeds,
+    anchor_ids,
+    offsets,
+    mask,
+    labels,
+    W,
+    n_blocks,
+    weights,
+    sel_weight: float = 1.0,
+):
     """Weighted block CE plus the selector CE for one batch (see the module docstring).
 
     Args:
@@ -176,8 +204,9 @@ def selector_scores(drafter, logits, h, anchor_ids, labels):
     return U + pair, target
 
 
-def evaluate_drafter(drafter, target, windows: np.ndarray, layer_ids, n_blocks: int,
-                     mask_id: int, seed: int = 1234) -> dict:
+def evaluate_drafter(
+    drafter, target, windows: np.ndarray, layer_ids, n_blocks: int, mask_id: int, seed: int = 1234
+) -> dict:
     """Teacher-forced acceptance figures on held-out windows.
 
     Per block (anchor drawn at random), row k counts as accepted while every row <= k equals
@@ -195,15 +224,17 @@ def evaluate_drafter(drafter, target, windows: np.ndarray, layer_ids, n_blocks: 
     W = target.model.embed_tokens.weight
     acc = {"argmax": [], "selector": [], "oracle": []}
     for i in range(0, len(windows), 8):
-        x = mx.array(windows[i:i + 8])
+        x = mx.array(windows[i : i + 8])
         feats, teacher = target_pass(target, x, layer_ids)
-        blk = make_blocks(np.array(x), np.array(teacher), n_blocks, B, mask_id, rng,
-                          drafter.args.sliding_window)
+        blk = make_blocks(
+            np.array(x), np.array(teacher), n_blocks, B, mask_id, rng, drafter.args.sliding_window
+        )
         ids = mx.array(blk["ids"])
         kv = drafter.context_kv(drafter.project_context(feats), 0)
         kv = [(mx.repeat(k, n_blocks, 0), mx.repeat(v, n_blocks, 0)) for k, v in kv]
-        h = drafter(target.model.embed_tokens(ids), kv, mx.array(blk["offsets"]), B,
-                    mx.array(blk["mask"]))[:, 1:]
+        h = drafter(
+            target.model.embed_tokens(ids), kv, mx.array(blk["offsets"]), B, mx.array(blk["mask"])
+        )[:, 1:]
         logits = drafter.logits(h, lambda t: t @ W.T).astype(mx.float32)
         labels = mx.array(blk["labels"])
         U, cand = top_candidates(logits, K)
@@ -211,8 +242,14 @@ def evaluate_drafter(drafter, target, windows: np.ndarray, layer_ids, n_blocks: 
         acc["oracle"].append((cand == labels[..., None].astype(cand.dtype)).any(-1))
         if drafter.has_selector:
             sel = drafter.candidate_selector
-            path, _ = select_path(U, cand, ids[:, 0], sel.hidden_projection(h),
-                                  sel.predecessor_codebook, sel.successor_codebook)
+            path, _ = select_path(
+                U,
+                cand,
+                ids[:, 0],
+                sel.hidden_projection(h),
+                sel.predecessor_codebook,
+                sel.successor_codebook,
+            )
             chosen = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), -1)[..., 0]
             acc["selector"].append(chosen.astype(mx.int32) == labels)
     out = {}
@@ -229,23 +266,41 @@ def evaluate_drafter(drafter, target, windows: np.ndarray, layer_ids, n_blocks: 
 def _eval_windows(stream: np.ndarray, seq: int, n: int) -> np.ndarray:
     count = (len(stream) - 1) // seq
     pick = np.linspace(0, count - 1, min(n, count)).astype(int)
-    return np.stack([stream[p * seq:(p + 1) * seq] for p in pick]).astype(np.int32)
+    return np.stack([stream[p * seq : (p + 1) * seq] for p in pick]).astype(np.int32)
 
 
 def default_layer_ids(n_layers: int, n_taps: int = 5) -> list:
     """Target layers to tap: all of a small target, else n_taps spread over 1..L-3."""
     if n_layers <= n_taps:
         return list(range(n_layers))
-    return [int(round(v)) for v in np.linspace(1, n_layers - 3, n_taps)]
+    return [round(v) for v in np.linspace(1, n_layers - 3, n_taps)]
 
 
-def train(target_dir: Path, out: Path, minutes: float = 25.0, steps: int | None = None,
-          resume: bool = False, drafter_kw: dict | None = None, batch: int = 16,
-          seq: int = 256, n_blocks: int = 16, lr: float = 1e-3, warmup: int = 100,
-          gamma: float = 4.0, teacher: str = "argmax", sel_weight: float = 1.0,
-          eval_every_s: float = 300.0, ckpt_every_s: float = 180.0, eval_windows: int = 32,
-          train_tokens: np.ndarray | None = None, heldout_tokens: np.ndarray | None = None,
-          layer_ids=None, seed: int = 0, log_every: int = 10, quiet: bool = False) -> dict:
+def train(
+    target_dir: Path,
+    out: Path,
+    minutes: float = 25.0,
+    steps: int | None = None,
+    resume: bool = False,
+    drafter_kw: dict | None = None,
+    batch: int = 16,
+    seq: int = 256,
+    n_blocks: int = 16,
+    lr: float = 1e-3,
+    warmup: int = 100,
+    gamma: float = 4.0,
+    teacher: str = "argmax",
+    sel_weight: float = 1.0,
+    eval_every_s: float = 300.0,
+    ckpt_every_s: float = 180.0,
+    eval_windows: int = 32,
+    train_tokens: np.ndarray | None = None,
+    heldout_tokens: np.ndarray | None = None,
+    layer_ids=None,
+    seed: int = 0,
+    log_every: int = 10,
+    quiet: bool = False,
+) -> dict:
     """Train (or resume) a DFlash 2 drafter for the target in ``target_dir``.
 
     Args:
@@ -279,14 +334,22 @@ def train(target_dir: Path, out: Path, minutes: float = 25.0, steps: int | None 
     mask_id = tok.convert_tokens_to_ids(corpus.MASK_TOKEN)
     if train_tokens is None or heldout_tokens is None:
         cache = corpus.build_corpus(None, tcfg["vocab_size"])
-        train_tokens = corpus.load_split(cache, "train").all() if train_tokens is None \
-            else train_tokens
-        heldout_tokens = corpus.load_split(cache, "heldout").main if heldout_tokens is None \
-            else heldout_tokens
+        train_tokens = (
+            corpus.load_split(cache, "train").all() if train_tokens is None else train_tokens
+        )
+        heldout_tokens = (
+            corpus.load_split(cache, "heldout").main if heldout_tokens is None else heldout_tokens
+        )
     kw = dict(DEMO_DRAFTER, **(drafter_kw or {}))
-    config = drafter_config(hidden_size=tcfg["hidden_size"], vocab_size=tcfg["vocab_size"],
-                            num_target_layers=n_layers, target_layer_ids=layer_ids,
-                            mask_token_id=mask_id, rope_theta=tcfg.get("rope_theta", 1e4), **kw)
+    config = drafter_config(
+        hidden_size=tcfg["hidden_size"],
+        vocab_size=tcfg["vocab_size"],
+        num_target_layers=n_layers,
+        target_layer_ids=layer_ids,
+        mask_token_id=mask_id,
+        rope_theta=tcfg.get("rope_theta", 1e4),
+        **kw,
+    )
     drafter = init_drafter(config, seed)
     B = drafter.args.block_size
     optimizer = optim.AdamW(learning_rate=lr, betas=[0.9, 0.95], weight_decay=0.01)
@@ -303,8 +366,19 @@ def train(target_dir: Path, out: Path, minutes: float = 25.0, steps: int | None 
 
     @partial(mx.compile, inputs=state, outputs=state)
     def step_fn(feats, embeds, anchor_ids, offsets, mask, labels, W):
-        (loss, ce, sce), grads = loss_and_grad(drafter, feats, embeds, anchor_ids, offsets,
-                                               mask, labels, W, n_blocks, weights, sel_weight)
+        (loss, ce, sce), grads = loss_and_grad(
+            drafter,
+            feats,
+            embeds,
+            anchor_ids,
+            offsets,
+            mask,
+            labels,
+            W,
+            n_blocks,
+            weights,
+            sel_weight,
+        )
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(drafter, grads)
         return loss, ce, sce
@@ -345,12 +419,19 @@ def train(target_dir: Path, out: Path, minutes: float = 25.0, steps: int | None 
             feats, greedy = target_pass(target, x, layer_ids)
             mx.eval(feats, greedy)
             lab = np.array(greedy) if teacher == "argmax" else xy[:, 1:]
-            blk = make_blocks(xy[:, :-1], lab, n_blocks, B, mask_id, rng,
-                              drafter.args.sliding_window)
+            blk = make_blocks(
+                xy[:, :-1], lab, n_blocks, B, mask_id, rng, drafter.args.sliding_window
+            )
             ids = mx.array(blk["ids"])
-            res = step_fn(feats, target.model.embed_tokens(ids), ids[:, 0],
-                          mx.array(blk["offsets"]), mx.array(blk["mask"]),
-                          mx.array(blk["labels"]), W)
+            res = step_fn(
+                feats,
+                target.model.embed_tokens(ids),
+                ids[:, 0],
+                mx.array(blk["offsets"]),
+                mx.array(blk["mask"]),
+                mx.array(blk["labels"]),
+                W,
+            )
             mx.eval(res, state)
             losses.append([r.item() for r in res])
             st["step"] += 1
@@ -358,8 +439,10 @@ def train(target_dir: Path, out: Path, minutes: float = 25.0, steps: int | None 
             progress.update(task, advance=1, loss=losses[-1][0], tps=tps)
             if st["step"] % log_every == 0:
                 m = np.mean(losses[-log_every:], axis=0)
-                log(f"step {st['step']} loss {m[0]:.4f} ce {m[1]:.4f} sel {m[2]:.4f} "
-                    f"tok/s {tps:.0f} elapsed {elapsed / 60:.1f} min")
+                log(
+                    f"step {st['step']} loss {m[0]:.4f} ce {m[1]:.4f} sel {m[2]:.4f} "
+                    f"tok/s {tps:.0f} elapsed {elapsed / 60:.1f} min"
+                )
             due_ckpt, due_eval = timer.due()
             if due_eval:
                 do_eval(max(4, len(held) // 4))
@@ -367,12 +450,17 @@ def train(target_dir: Path, out: Path, minutes: float = 25.0, steps: int | None 
                 publish()
     final = do_eval()
     publish()
-    summary = {"step": st["step"], "losses": losses, "final": final, "wall_s": st["elapsed_s"],
-               "tokens_per_s": (st["step"] - start_step) * batch * seq
-               / max(time.time() - start_t, 1e-9),
-               "params": sum(v.size for _, v in tree_flatten(drafter.parameters()))}
-    (out / "train_summary.json").write_text(json.dumps(
-        {k: v for k, v in summary.items() if k != "losses"}, indent=1) + "\n")
+    summary = {
+        "step": st["step"],
+        "losses": losses,
+        "final": final,
+        "wall_s": st["elapsed_s"],
+        "tokens_per_s": (st["step"] - start_step) * batch * seq / max(time.time() - start_t, 1e-9),
+        "params": sum(v.size for _, v in tree_flatten(drafter.parameters())),
+    }
+    (out / "train_summary.json").write_text(
+        json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1) + "\n"
+    )
     log("done: " + json.dumps({k: v for k, v in summary.items() if k != "losses"}))
     return summary
 
@@ -396,10 +484,22 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=float, default=300.0, help="seconds")
     p.add_argument("--ckpt-every", type=float, default=180.0, help="seconds")
     a = p.parse_args(argv)
-    train(a.target, a.out, a.minutes, a.steps, a.resume,
-          {"block_size": a.block_size, "num_hidden_layers": a.layers}, a.batch, a.seq,
-          a.blocks, a.lr, gamma=a.gamma, teacher=a.teacher, eval_every_s=a.eval_every,
-          ckpt_every_s=a.ckpt_every)
+    train(
+        a.target,
+        a.out,
+        a.minutes,
+        a.steps,
+        a.resume,
+        {"block_size": a.block_size, "num_hidden_layers": a.layers},
+        a.batch,
+        a.seq,
+        a.blocks,
+        a.lr,
+        gamma=a.gamma,
+        teacher=a.teacher,
+        eval_every_s=a.eval_every,
+        ckpt_every_s=a.ckpt_every,
+    )
 
 
 if __name__ == "__main__":

@@ -14,31 +14,49 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import time
 from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from mlx import nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash_mlx import corpus
 from dflash_mlx.train_common import (
-    CheckpointTimer, evaluate_lm, lr_at, make_progress, sample_batch,
+    CheckpointTimer,
+    evaluate_lm,
+    lr_at,
+    make_progress,
+    sample_batch,
 )
 
 TARGET_CONFIG = {
-    "model_type": "qwen3", "hidden_size": 256, "num_hidden_layers": 4,
-    "intermediate_size": 768, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 64, "rms_norm_eps": 1e-6, "vocab_size": 4096, "max_position_embeddings": 2048,
-    "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "model_type": "qwen3",
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "intermediate_size": 768,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": 4096,
+    "max_position_embeddings": 2048,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
 }
-SMOKE_CONFIG = dict(TARGET_CONFIG, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+SMOKE_CONFIG = dict(
+    TARGET_CONFIG,
+    hidden_size=32,
+    num_hidden_layers=2,
+    intermediate_size=64,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
 
 
 def build_model(config: dict) -> nn.Module:
@@ -107,12 +125,27 @@ def load_checkpoint(ckpt: Path, model, optimizer) -> dict:
     return json.loads((ckpt / "state.json").read_text())
 
 
-def train(out: Path, minutes: float = 40.0, steps: int | None = None, resume: bool = False,
-          config: dict | None = None, batch: int = 16, seq: int = 256, lr: float = 2e-3,
-          warmup: int = 100, weight_decay: float = 0.1, eval_every_s: float = 300.0,
-          ckpt_every_s: float = 180.0, eval_windows: int = 64, corpus_limit: int | None = None,
-          corpus_dir: Path | None = None, train_tokens: np.ndarray | None = None,
-          seed: int = 0, log_every: int = 20, quiet: bool = False) -> dict:
+def train(
+    out: Path,
+    minutes: float = 40.0,
+    steps: int | None = None,
+    resume: bool = False,
+    config: dict | None = None,
+    batch: int = 16,
+    seq: int = 256,
+    lr: float = 2e-3,
+    warmup: int = 100,
+    weight_decay: float = 0.1,
+    eval_every_s: float = 300.0,
+    ckpt_every_s: float = 180.0,
+    eval_windows: int = 64,
+    corpus_limit: int | None = None,
+    corpus_dir: Path | None = None,
+    train_tokens: np.ndarray | None = None,
+    seed: int = 0,
+    log_every: int = 20,
+    quiet: bool = False,
+) -> dict:
     """Train (or resume) the target and write the model folder.
 
     The learning rate warms up for ``warmup`` steps, then follows a cosine to 10% over the
@@ -172,8 +205,10 @@ def train(out: Path, minutes: float = 40.0, steps: int | None = None, resume: bo
     def do_eval(full=False):
         ev = evaluate_lm(model, held, seq, None if full else eval_windows)
         st["history"].append({"step": st["step"], **ev})
-        log(f"eval step {st['step']}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()
-                                                    if isinstance(v, float)))
+        log(
+            f"eval step {st['step']}: "
+            + " ".join(f"{k}={v:.4f}" for k, v in ev.items() if isinstance(v, float))
+        )
         return ev
 
     t0 = time.time() - st["elapsed_s"]
@@ -185,7 +220,9 @@ def train(out: Path, minutes: float = 40.0, steps: int | None = None, resume: bo
         task = progress.add_task("target", total=steps or None, loss=float("nan"), tps=0.0)
         while True:
             elapsed = time.time() - t0
-            frac = max(elapsed / budget_s if budget_s else 0.0, st["step"] / steps if steps else 0.0)
+            frac = max(
+                elapsed / budget_s if budget_s else 0.0, st["step"] / steps if steps else 0.0
+            )
             if frac >= 1.0:
                 break
             optimizer.learning_rate = lr_at(st["step"], frac, lr, warmup)
@@ -199,8 +236,10 @@ def train(out: Path, minutes: float = 40.0, steps: int | None = None, resume: bo
             progress.update(task, advance=1, loss=losses[-1], tps=tps)
             if st["step"] % log_every == 0:
                 recent = float(np.mean(losses[-log_every:]))
-                log(f"step {st['step']} loss {recent:.4f} lr {lr_at(st['step'], frac, lr, warmup):.2e} "
-                    f"tok/s {tps:.0f} elapsed {elapsed / 60:.1f} min")
+                log(
+                    f"step {st['step']} loss {recent:.4f} lr {lr_at(st['step'], frac, lr, warmup):.2e} "
+                    f"tok/s {tps:.0f} elapsed {elapsed / 60:.1f} min"
+                )
             due_ckpt, due_eval = timer.due()
             if due_eval:
                 do_eval()
@@ -213,12 +252,18 @@ def train(out: Path, minutes: float = 40.0, steps: int | None = None, resume: bo
     save_checkpoint(ckpt, model, optimizer, st)
     save_model_dir(model, config, cache / "tokenizer", out)
     run_tokens = (st["step"] - start_step) * batch * seq
-    summary = {"step": st["step"], "tokens": st["tokens"], "losses": losses, "final": final,
-               "tokens_per_s": run_tokens / max(time.time() - start_t, 1e-9),
-               "wall_s": st["elapsed_s"], "params": sum(v.size for _, v in
-                                                        tree_flatten(model.parameters()))}
-    (out / "train_summary.json").write_text(json.dumps(
-        {k: v for k, v in summary.items() if k != "losses"}, indent=1) + "\n")
+    summary = {
+        "step": st["step"],
+        "tokens": st["tokens"],
+        "losses": losses,
+        "final": final,
+        "tokens_per_s": run_tokens / max(time.time() - start_t, 1e-9),
+        "wall_s": st["elapsed_s"],
+        "params": sum(v.size for _, v in tree_flatten(model.parameters())),
+    }
+    (out / "train_summary.json").write_text(
+        json.dumps({k: v for k, v in summary.items() if k != "losses"}, indent=1) + "\n"
+    )
     log(f"done: {json.dumps({k: v for k, v in summary.items() if k != 'losses'})}")
     return summary
 
@@ -238,9 +283,19 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model and corpus subset")
     a = p.parse_args(argv)
     cfg = SMOKE_CONFIG if a.smoke else TARGET_CONFIG
-    train(a.out, a.minutes, a.steps, a.resume, cfg, a.batch, a.seq, a.lr,
-          eval_every_s=a.eval_every, ckpt_every_s=a.ckpt_every,
-          corpus_limit=40 if a.smoke else None)
+    train(
+        a.out,
+        a.minutes,
+        a.steps,
+        a.resume,
+        cfg,
+        a.batch,
+        a.seq,
+        a.lr,
+        eval_every_s=a.eval_every,
+        ckpt_every_s=a.ckpt_every,
+        corpus_limit=40 if a.smoke else None,
+    )
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from dflash_mlx import corpus  # noqa: E402
-from dflash_mlx.train_target import SMOKE_CONFIG, train  # noqa: E402
+from dflash_mlx import corpus
+from dflash_mlx.train_target import SMOKE_CONFIG, train
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,18 @@ def test_train_loss_drops_saves_and_resumes(tmp_path, corpus_dir):
     pattern = np.arange(40, 72, dtype=np.uint16)
     data = np.tile(pattern, 300)
     out = tmp_path / "tgt"
-    kw = dict(config=SMOKE_CONFIG, batch=4, seq=32, lr=1e-2, warmup=5, minutes=5.0,
-              eval_windows=2, corpus_dir=corpus_dir, train_tokens=data, quiet=True)
+    kw = {
+        "config": SMOKE_CONFIG,
+        "batch": 4,
+        "seq": 32,
+        "lr": 1e-2,
+        "warmup": 5,
+        "minutes": 5.0,
+        "eval_windows": 2,
+        "corpus_dir": corpus_dir,
+        "train_tokens": data,
+        "quiet": True,
+    }
     first = train(out, steps=30, **kw)
     losses = first["losses"]
     assert len(losses) == 30 and first["step"] == 30
