@@ -39,8 +39,16 @@ from dflash_mlx import corpus
 from dflash_mlx.checkpoint import drafter_config, save_drafter
 from dflash_mlx.config import DrafterArgs
 from dflash_mlx.drafter import DFlashDrafter
-from dflash_mlx.selector import select_path, top_candidates
-from dflash_mlx.train_common import CheckpointTimer, lr_at, make_progress
+from dflash_mlx.selector import top_candidates
+from dflash_mlx.train_common import (
+    CheckpointTimer,
+    evaluate_drafter,
+    held_windows,
+    lr_at,
+    make_blocks,
+    make_progress,
+    target_pass,
+)
 from dflash_mlx.train_target import load_checkpoint, save_checkpoint
 
 DEMO_DRAFTER = {
@@ -57,34 +65,6 @@ DEMO_DRAFTER = {
 }
 
 
-def target_pass(model, x: mx.array, layer_ids):
-    """Run a qwen3-style mlx-lm target on x [S, T] without a cache.
-
-    Args:
-        model: the mlx-lm model (``model.model`` holds embed_tokens, layers, norm).
-        x: token ids [S, T].
-        layer_ids: decoder layers whose outputs form the context features.
-
-    Returns:
-        (features [S, T, len(layer_ids) * H], greedy next tokens [S, T] where entry p is
-        the target's argmax after reading x[:, : p + 1]).
-    """
-    inner = model.model
-    h = inner.embed_tokens(x)
-    outs = {}
-    for i, layer in enumerate(inner.layers):
-        h = layer(h, "causal", None)
-        outs[i] = h
-    logits = _head(model, inner.norm(h))
-    feats = mx.concatenate([outs[i] for i in layer_ids], axis=-1)
-    return mx.stop_gradient(feats), mx.argmax(logits, axis=-1).astype(mx.int32)
-
-
-def _head(model, h):
-    head = getattr(model, "lm_head", None)
-    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
-
-
 def init_drafter(config: dict, seed: int = 0) -> DFlashDrafter:
     """A fresh drafter: identity conv (the module default), codebooks ~N(0, 0.02^2).
 
@@ -99,45 +79,6 @@ def init_drafter(config: dict, seed: int = 0) -> DFlashDrafter:
     sel.successor_codebook = 0.02 * mx.random.normal(sel.successor_codebook.shape)
     mx.eval(model.parameters())
     return model
-
-
-def make_blocks(
-    x: np.ndarray,
-    teacher: np.ndarray,
-    n_blocks: int,
-    B: int,
-    mask_id: int,
-    rng: np.random.Generator,
-    window: int | None = None,
-):
-    """Pick anchors and build block inputs, labels, RoPE offsets and the attention mask.
-
-    Args:
-        x: token windows [S, T]. teacher: [S, T], entry p = label for position p + 1.
-        n_blocks: blocks per window (distinct anchors in [1, T - B]).
-        B: block size. mask_id: mask token id. rng: numpy generator.
-        window: sliding window of the drafter (context rows visible: the last window - 1).
-
-    Returns:
-        dict of numpy arrays: ids [N, B], labels [N, B-1], offsets [N], mask [N, 1, B, T+B].
-    """
-    S, T = x.shape
-    anchors = np.stack(
-        [np.sort(rng.choice(np.arange(1, T - B + 1), n_blocks, replace=False)) for _ in range(S)]
-    )  # [S, nb]
-    a = anchors.reshape(-1)
-    rows = np.repeat(np.arange(S), n_blocks)
-    ids = np.full((len(a), B), mask_id, dtype=np.int32)
-    ids[:, 0] = x[rows, a]
-    pos = a[:, None] + np.arange(B - 1)[None, :]  # label of row k sits at teacher[a + k - 1]
-    labels = teacher[rows[:, None], pos].astype(np.int32)
-    col = np.arange(T)[None, :]
-    ctx = col < a[:, None]
-    if window:
-        ctx &= col >= a[:, None] - (window - 1)
-    mask = np.concatenate([ctx, np.ones((len(a), B), bool)], axis=1)[:, None, None, :]
-    mask = np.broadcast_to(mask, (len(a), 1, B, T + B))
-    return {"ids": ids, "labels": labels, "offsets": a.astype(np.int32), "mask": mask}
 
 
 def drafter_losses(
@@ -202,71 +143,6 @@ def selector_scores(drafter, logits, h, anchor_ids, labels):
     a = sel.predecessor_codebook[pred] * sel.hidden_projection(h)  # [N, L, R]
     pair = (sel.successor_codebook[cand] @ a[..., None])[..., 0]  # [N, L, K]
     return U + pair, target
-
-
-def evaluate_drafter(
-    drafter, target, windows: np.ndarray, layer_ids, n_blocks: int, mask_id: int, seed: int = 1234
-) -> dict:
-    """Teacher-forced acceptance figures on held-out windows.
-
-    Per block (anchor drawn at random), row k counts as accepted while every row <= k equals
-    the target's greedy token given the true prefix. Reports per-position top-1 accuracy and
-    Recall@K, and tau = 1 + mean accepted rows for argmax drafting (DFlash 1), the greedy
-    selector walk (DFlash 2) and the top-K oracle.
-
-    Args:
-        drafter: the drafter. target: the mlx-lm target. windows: [n, T] token windows.
-        layer_ids: target layers of the features. n_blocks: anchors per window.
-        mask_id: mask token id. seed: anchor seed (fixed for comparable evaluations).
-    """
-    rng = np.random.default_rng(seed)
-    B, K = drafter.args.block_size, drafter.args.selector_top_k
-    W = target.model.embed_tokens.weight
-    acc = {"argmax": [], "selector": [], "oracle": []}
-    for i in range(0, len(windows), 8):
-        x = mx.array(windows[i : i + 8])
-        feats, teacher = target_pass(target, x, layer_ids)
-        blk = make_blocks(
-            np.array(x), np.array(teacher), n_blocks, B, mask_id, rng, drafter.args.sliding_window
-        )
-        ids = mx.array(blk["ids"])
-        kv = drafter.context_kv(drafter.project_context(feats), 0)
-        kv = [(mx.repeat(k, n_blocks, 0), mx.repeat(v, n_blocks, 0)) for k, v in kv]
-        h = drafter(
-            target.model.embed_tokens(ids), kv, mx.array(blk["offsets"]), B, mx.array(blk["mask"])
-        )[:, 1:]
-        logits = drafter.logits(h, lambda t: t @ W.T).astype(mx.float32)
-        labels = mx.array(blk["labels"])
-        U, cand = top_candidates(logits, K)
-        acc["argmax"].append(mx.argmax(logits, -1) == labels)
-        acc["oracle"].append((cand == labels[..., None].astype(cand.dtype)).any(-1))
-        if drafter.has_selector:
-            sel = drafter.candidate_selector
-            path, _ = select_path(
-                U,
-                cand,
-                ids[:, 0],
-                sel.hidden_projection(h),
-                sel.predecessor_codebook,
-                sel.successor_codebook,
-            )
-            chosen = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), -1)[..., 0]
-            acc["selector"].append(chosen.astype(mx.int32) == labels)
-    out = {}
-    for name, parts in acc.items():
-        if not parts:
-            continue
-        ok = np.array(mx.concatenate(parts, axis=0))  # [N, B-1]
-        run = np.cumprod(ok, axis=1)
-        out[f"tau_{name}"] = float(1 + run.sum(1).mean())
-        out[f"pos_{name}"] = [round(float(v), 4) for v in ok.mean(0)]
-    return out
-
-
-def _eval_windows(stream: np.ndarray, seq: int, n: int) -> np.ndarray:
-    count = (len(stream) - 1) // seq
-    pick = np.linspace(0, count - 1, min(n, count)).astype(int)
-    return np.stack([stream[p * seq : (p + 1) * seq] for p in pick]).astype(np.int32)
 
 
 def default_layer_ids(n_layers: int, n_taps: int = 5) -> list:
@@ -360,7 +236,7 @@ def train(
         st = load_checkpoint(ckpt, drafter, optimizer)
     weights = mx.exp(-mx.arange(B - 1, dtype=mx.float32) / gamma)
     W = target.model.embed_tokens.weight
-    held = _eval_windows(heldout_tokens, seq, eval_windows)
+    held = held_windows(heldout_tokens, seq, eval_windows)
     state = [drafter.state, optimizer.state]
     loss_and_grad = nn.value_and_grad(drafter, drafter_losses)
 

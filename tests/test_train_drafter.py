@@ -10,12 +10,8 @@ pytest.importorskip("tokenizers")
 
 from dflash_mlx import corpus
 from dflash_mlx.checkpoint import drafter_config, load_drafter, random_drafter
-from dflash_mlx.train_drafter import (
-    make_blocks,
-    selector_scores,
-    target_pass,
-    train,
-)
+from dflash_mlx.train_common import make_blocks, target_pass
+from dflash_mlx.train_drafter import selector_scores, train
 from dflash_mlx.train_target import SMOKE_CONFIG
 from dflash_mlx.train_target import train as train_target
 
