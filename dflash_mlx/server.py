@@ -1,0 +1,514 @@
+"""OpenAI-compatible HTTP server with DFlash speculative decoding.
+
+``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent events or
+not), ``GET /v1/models``, ``GET /health``. One generation runs at a time; requests wait in a
+bounded FIFO queue (503 when full); a client that disconnects cancels its generation at the
+next cycle. One prompt cache is kept across requests, so a chat history re-sent each turn
+prefills only its new part.
+
+Threads: the HTTP server answers each connection in its own thread (parsing, tokenizing,
+writing); all MLX work runs in the thread that calls ``run_server`` (the main thread), which
+is the one ``dflash_mlx.decode`` creates its stream in.
+
+    python -m dflash_mlx.server --model TARGET --drafter DRAFTER [--port 8080] [--api-key K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import os
+import queue
+import select
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import List, Optional
+
+# Imported here, in the main thread, on purpose: decode.py makes its MLX stream at import.
+from . import generation
+from .errors import DFlashError
+from .openai_schema import (
+    GEN_DEFAULTS, APIError, bad, chunk, completion, dflash_stats, new_id, now, parse_request,
+    usage,
+    usage_chunk,
+)
+
+logger = logging.getLogger("dflash_mlx.server")
+
+MAX_BODY = 32 * 1024 * 1024
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
+    """The warning printed when the server listens beyond loopback with no key."""
+    if host in LOOPBACK or api_key:
+        return None
+    return (f"warning: listening on {host} without --api-key; anyone who can reach this "
+            "machine can use the model (pass --api-key or bind to 127.0.0.1)")
+
+
+def context_length(model) -> Optional[int]:
+    """The target's max_position_embeddings (from its args or config.json), or None."""
+    target = getattr(model, "target", model)
+    for obj in (target, getattr(target, "language_model", None)):
+        args = getattr(obj, "args", None)
+        for src in (args, getattr(args, "text_config", None)):
+            v = src.get("max_position_embeddings") if isinstance(src, dict) else getattr(
+                src, "max_position_embeddings", None)
+            if isinstance(v, int) and v > 0:
+                return v
+    cfg = Path(getattr(model, "target_path", "") or ".") / "config.json"
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None
+    v = data.get("max_position_embeddings") or (data.get("text_config") or {}).get(
+        "max_position_embeddings")
+    return v if isinstance(v, int) and v > 0 else None
+
+
+@dataclass
+class Job:
+    """One queued generation. ``out`` receives ("data", GenerationResponse), ("error",
+    APIError) and finally ("end", None); ``cancel`` is set when the client goes away."""
+
+    ids: List[int]
+    gen: dict
+    out: "queue.Queue" = field(default_factory=queue.Queue)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class Engine:
+    """The generation worker: a bounded FIFO of jobs, run one at a time."""
+
+    def __init__(self, model, tokenizer, max_queue: int = 16):
+        self.model, self.tokenizer = model, tokenizer
+        self.jobs: "queue.Queue[Job]" = queue.Queue(maxsize=max(1, int(max_queue)))
+        self.cache = None
+        self.running = False
+        self.current: Optional[Job] = None
+        self.stopping = threading.Event()
+
+    def submit(self, job: Job) -> bool:
+        """Queue a job; False when the queue is full."""
+        if self.stopping.is_set():
+            return False
+        try:
+            self.jobs.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
+
+    def run(self) -> None:
+        """Serve jobs until ``stop``; call from the thread that owns the MLX stream."""
+        self.cache = self.model.make_cache()
+        while not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            try:
+                self._run(job)
+            except BaseException:  # KeyboardInterrupt mid-generation: answer, then stop
+                job.out.put(("error", APIError(503, "the server is shutting down")))
+                job.out.put(("end", None))
+                raise
+        self._drain()
+
+    def stop(self) -> None:
+        """Stop after the current generation, which is cancelled at its next cycle."""
+        self.stopping.set()
+        job = self.current
+        if job is not None:
+            job.cancel.set()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            job.out.put(("error", APIError(503, "the server is shutting down")))
+            job.out.put(("end", None))
+
+    def _run(self, job: Job) -> None:
+        if job.cancel.is_set():
+            job.out.put(("end", None))
+            return
+        self.running, self.current = True, job
+        gen = generation.stream_generate(
+            self.model, self.tokenizer, job.ids, prompt_cache=self.cache, **job.gen
+        )
+        try:
+            for r in gen:
+                job.out.put(("data", r))
+                if job.cancel.is_set():
+                    logger.info("client gone: generation cancelled")
+                    break
+        except DFlashError as e:
+            job.out.put(("error", bad(str(e))))
+        except Exception as e:  # never let one request take the server down
+            logger.exception("generation failed")
+            self.cache = self.model.make_cache()  # its contents are unknown now
+            job.out.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}")))
+        finally:
+            gen.close()
+            self.running, self.current = False, None
+            job.out.put(("end", None))
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP exchange; the shared state lives on ``self.server``."""
+
+    server_version = "dflash-mlx"
+    protocol_version = "HTTP/1.0"
+
+    # ------------------------------------------------------------------ plumbing
+    def log_message(self, fmt, *args):
+        logger.info("%s %s", self.address_string(), fmt % args)
+
+    def _send_json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _error(self, err: APIError) -> None:
+        self._send_json(err.status, err.body())
+
+    def _client_gone(self) -> bool:
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _authorized(self) -> bool:
+        key = self.server.api_key
+        if not key:
+            return True
+        got = self.headers.get("Authorization", "")
+        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+        return hmac.compare_digest(token.encode(), key.encode())
+
+    def _guard(self, fn) -> None:
+        try:
+            fn()
+        except APIError as e:
+            self._safe_error(e)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as e:  # the server never dies on a bad request
+            logger.exception("request failed")
+            self._safe_error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def _safe_error(self, err: APIError) -> None:
+        try:
+            self._error(err)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ routes
+    def do_GET(self):
+        self._guard(self._get)
+
+    def do_POST(self):
+        self._guard(self._post)
+
+    def _path(self) -> str:
+        return self.path.split("?", 1)[0].rstrip("/") or "/"
+
+    def _get(self):
+        path = self._path()
+        if path == "/health":
+            eng = self.server.engine
+            return self._send_json(200, {"status": "ok", "model": self.server.model_name,
+                                         "running": eng.running, "queued": eng.jobs.qsize()})
+        if not path.startswith("/v1/"):
+            raise APIError(404, f"no route {path}; see /v1/models", code="not_found")
+        if not self._authorized():
+            raise self._unauthorized()
+        card = {"id": self.server.model_name, "object": "model", "created": self.server.created,
+                "owned_by": "dflash-mlx"}
+        if path == "/v1/models":
+            return self._send_json(200, {"object": "list", "data": [card]})
+        if path.startswith("/v1/models/"):
+            name = path[len("/v1/models/"):]
+            if self.server.knows(name):
+                return self._send_json(200, card)
+            raise self._unknown_model(name)
+        raise APIError(404, f"no route {path}", code="not_found")
+
+    def _unauthorized(self) -> APIError:
+        return APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                        code="invalid_api_key")
+
+    def _unknown_model(self, name) -> APIError:
+        return APIError(404, f"model '{name}' is not served here; this server serves "
+                        f"'{self.server.model_name}'", "model", "model_not_found")
+
+    def _post(self):
+        path = self._path()
+        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}.get(path)
+        if kind is None:
+            raise APIError(404, f"no route {path}", code="not_found")
+        if not self._authorized():
+            raise self._unauthorized()
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise bad("a Content-Length header is required") from None
+        if length > MAX_BODY:
+            raise APIError(413, f"request body over {MAX_BODY} bytes")
+        raw = self.rfile.read(length) if length > 0 else b""
+        srv = self.server
+        req = parse_request(raw, kind, srv.defaults, srv.engine.model.block_size)
+        if req.model is not None and not srv.knows(req.model):
+            raise self._unknown_model(req.model)
+        ids = srv.tokenize(req)
+        ctx = srv.context
+        if ctx is not None:
+            if len(ids) >= ctx:
+                raise bad(f"the prompt is {len(ids)} tokens; this model's context is {ctx} "
+                          "tokens; shorten the prompt", "messages" if kind == "chat" else "prompt",
+                          "context_length_exceeded")
+            req.gen["max_tokens"] = min(req.gen["max_tokens"], ctx - len(ids))
+        job = Job(ids, req.gen)
+        if not srv.engine.submit(job):
+            raise APIError(503, "the server is busy (request queue full); retry later",
+                           code="server_busy")
+        try:
+            self._answer(req, job)
+        finally:
+            job.cancel.set()  # no-op when finished; stops the generation otherwise
+
+    # ------------------------------------------------------------------ answering
+    def _next(self, job: Job):
+        """Next item from the worker; None when the client went away meanwhile."""
+        while True:
+            try:
+                return job.out.get(timeout=0.1)
+            except queue.Empty:
+                if self._client_gone():
+                    job.cancel.set()
+                    return None
+
+    def _answer(self, req, job: Job) -> None:
+        kind, rid, created = req.kind, new_id(req.kind), now()
+        name = self.server.model_name
+        block = req.gen.get("block_size") or self.server.engine.model.block_size
+        texts, accepted, last, started = [], 0, None, False
+
+        def send(obj) -> None:
+            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            self.wfile.flush()
+
+        while True:
+            item = self._next(job)
+            if item is None:
+                return
+            tag, val = item
+            if tag == "end":
+                break
+            if tag == "error":
+                if not started:
+                    raise val
+                send(val.body())
+                break
+            r, last = val, val
+            accepted += r.accepted
+            if not req.stream:
+                texts.append(r.text)
+                continue
+            if not started:
+                started = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                if kind == "chat":
+                    send(chunk(kind, rid, name, created, "", role=True,
+                               include_usage=req.include_usage))
+            try:
+                if r.text:
+                    send(chunk(kind, rid, name, created, r.text,
+                               include_usage=req.include_usage))
+                if r.finish_reason:
+                    send(chunk(kind, rid, name, created, None if kind == "chat" else "",
+                               r.finish_reason, include_usage=req.include_usage))
+            except OSError:
+                job.cancel.set()
+                return
+        if last is None:
+            raise APIError(500, "the generation produced nothing")
+        use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
+        stats = dflash_stats(last, accepted, block)
+        if not req.stream:
+            return self._send_json(200, completion(kind, rid, name, created, "".join(texts),
+                                                   last.finish_reason, use, stats))
+        if req.include_usage:
+            send(usage_chunk(kind, rid, name, created, use, stats))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+class DFlashHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer holding the engine and the serving options."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr, engine: Engine, model_name: str, api_key: Optional[str],
+                 defaults: Optional[dict]):
+        super().__init__(addr, Handler)
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
+        self.created = now()
+        self.context = context_length(engine.model)
+        model = engine.model
+        names = {model_name, Path(str(model_name)).name, "default_model"}
+        for p in (getattr(model, "target_path", ""),):
+            if p:
+                names |= {str(p), Path(str(p)).name}
+        self.names = {n for n in names if n}
+        self._tok_lock = threading.Lock()
+
+    def knows(self, name: str) -> bool:
+        return name in self.names
+
+    def tokenize(self, req) -> List[int]:
+        """Prompt ids: chat messages through the chat template, completions raw."""
+        tok = self.engine.tokenizer
+        try:
+            with self._tok_lock:
+                ids = generation.encode_prompt(tok, req.prompt, raw=req.kind == "completion")
+        except DFlashError as e:
+            raise bad(str(e), "prompt") from None
+        except Exception as e:  # e.g. a chat template refusing the roles' order
+            raise bad(f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
+                      "messages") from None
+        vocab = self.engine.model.adapter.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad(f"token ids must be in [0, {vocab})", "prompt")
+        return ids
+
+
+def make_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8080,
+                api_key: Optional[str] = None, defaults: Optional[dict] = None,
+                max_queue: int = 16) -> DFlashHTTPServer:
+    """Bind the HTTP server (port 0 picks a free one); ``run_server`` serves it."""
+    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, _, _, _, addr = info[0]
+
+    class _Server(DFlashHTTPServer):
+        address_family = family
+
+    return _Server(addr, Engine(model, tokenizer, max_queue), model_name, api_key, defaults)
+
+
+def run_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8080,
+               api_key: Optional[str] = None, defaults: Optional[dict] = None,
+               max_queue: int = 16) -> None:
+    """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
+
+    Call it from the main thread: generation runs in the calling thread, HTTP in others.
+
+    Args:
+        model, tokenizer: from ``dflash_mlx.load``. model_name: the id clients ask for.
+        host, port: where to listen (loopback by default). api_key: require
+            'Authorization: Bearer <key>' on /v1/*. defaults: decoding defaults
+            (max_tokens, temperature, top_p, top_k, min_p, presence_penalty,
+            frequency_penalty, repetition_penalty, block_size, use_selector, seed) that
+            requests override. max_queue: requests that may wait behind the running one.
+    """
+    unknown = set(defaults or {}) - set(GEN_DEFAULTS)
+    if unknown:
+        logger.warning("ignoring unknown decoding defaults: %s", ", ".join(sorted(unknown)))
+    httpd = make_server(model, tokenizer, model_name, host, port, api_key, defaults, max_queue)
+    warn = bind_warning(host, api_key)
+    if warn:
+        print(warn, file=sys.stderr, flush=True)
+    h, p = httpd.server_address[:2]
+    shown = f"[{h}]" if ":" in str(h) else h
+    print(f"dflash serve: '{model_name}' listening on http://{shown}:{p}/v1 "
+          f"(queue {httpd.engine.jobs.maxsize}, api key {'on' if api_key else 'off'})",
+          flush=True)
+    engine = httpd.engine
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+    web = threading.Thread(target=httpd.serve_forever, name="dflash-http", daemon=True)
+    web.start()
+    try:
+        engine.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop()
+        engine._drain()
+        httpd.shutdown()
+        httpd.server_close()
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _load(model: str, drafter: Optional[str]):
+    """(model, tokenizer, name): through the registry (aliases) when it is there."""
+    try:
+        from .registry import load_model
+    except ImportError:
+        from .loading import load
+
+        return (*load(model, drafter=drafter), model)
+    out = load_model(model, drafter)
+    return out if len(out) == 3 else (*out, model)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m dflash_mlx.server", description=__doc__.split(
+        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="target directory, Hub id or alias")
+    p.add_argument("--drafter", default=None, help="drafter directory or Hub id")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                   help="require this bearer key (default: $DFLASH_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--no-selector", action="store_true")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        model, tokenizer, name = _load(a.model, a.drafter)
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
+    defaults = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
+                "top_k": a.top_k, "min_p": a.min_p, "block_size": a.block_size,
+                "use_selector": False if a.no_selector else None, "seed": a.seed}
+    try:
+        run_server(model, tokenizer, name, a.host, a.port, a.api_key, defaults, a.max_queue)
+    except OSError as e:
+        print(f"error: cannot listen on {a.host}:{a.port} ({e.strerror or e})", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()
