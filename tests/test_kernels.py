@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from metal_emu.emulator import EmulatedKernel, compiler  # noqa: E402
+from metal_emu.emulator import EmulatedKernel, RaceDetected, compiler  # noqa: E402
 
 from dflash_mlx import kernels  # noqa: E402
 from dflash_mlx.conv import two_tap_conv as conv_reference  # noqa: E402
@@ -175,7 +175,7 @@ def test_select_sampled_edges_of_the_cdf(backend):
     above the final cdf value picks K - 1 (clipped). Uniforms are drawn in [0, 1); 1.5
     forces the clip whatever the rounding of cdf[-1]."""
     name, factory = backend
-    U, cand, anchor, g, A, Bc = _selector_inputs(1, 3, seed=2)
+    U, cand, anchor, g, A, _ = _selector_inputs(1, 3, seed=2)
     U = mx.zeros_like(U).at[..., -1].add(30.0).at[..., 0].add(-200.0)  # q[0] underflows to 0
     zeros = mx.zeros_like(A)
     uniforms = mx.array([[0.0, 0.999999, 1.5]])
@@ -221,8 +221,9 @@ def test_env_var_forces_reference(monkeypatch):
 
 @pytest.mark.skipif(compiler() is None, reason="no C++ compiler")
 def test_emulator_models_threadgroup_memory_and_barriers():
-    """Harness self-check: a threadgroup reversal needs shared memory and a real barrier,
-    and an element the body does not write stays poisoned (NaN)."""
+    """Harness self-check: a threadgroup reversal needs shared memory and a barrier; without
+    the barrier the result depends on thread order and the harness says so. An element the
+    body does not write stays poisoned (NaN)."""
     src = """
     threadgroup float buf[64];
     const uint i = thread_position_in_threadgroup.x;
@@ -241,5 +242,10 @@ def test_emulator_models_threadgroup_memory_and_barriers():
     got = np.array(out)
     assert np.isnan(got[0])
     np.testing.assert_array_equal(got[1:], want[1:])
+    no_barrier = src.replace("metal::threadgroup_barrier", "// ")
+    racy = EmulatedKernel("rev_racy", ["inp"], ["out"], no_barrier)
+    with pytest.raises(RaceDetected):
+        racy(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
+             output_shapes=[(100,)], output_dtypes=[mx.float32])
     with pytest.raises(NotImplementedError):
         EmulatedKernel("s", ["inp"], ["out"], "out[0] = simd_sum(inp[0]);")

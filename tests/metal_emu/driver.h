@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,43 +53,82 @@ void save(const std::string& dir, int idx, const std::vector<T>& v) {
 namespace emu {
 using Body = std::function<void(uint3, uint3, uint3, uint3, uint3, uint3, uint)>;
 
+// One Metal thread of the current threadgroup, run as a fiber.
+struct Fiber {
+  ucontext_t ctx;
+  std::unique_ptr<char[]> stack;  // not zero-filled: allocation stays cheap
+  std::function<void()> fn;
+  bool done = false;
+};
+inline ucontext_t scheduler_ctx;
+inline Fiber* running = nullptr;
+
+inline void fiber_main() {
+  running->fn();
+  running->done = true;  // uc_link returns to the scheduler
+}
+inline void fiber_yield_at_barrier() { swapcontext(&running->ctx, &scheduler_ctx); }
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "metal_emu: %s\n", what);
+  std::exit(3);
+}
+
+// Run one threadgroup: phase by phase, every live fiber runs until its next barrier (or its
+// end) in the given order. All threads must reach each barrier (Metal requires it).
+inline void run_group(std::vector<std::function<void()>>& threads, bool reverse) {
+  const size_t n = threads.size();
+  std::vector<Fiber> fibers(n);
+  for (size_t i = 0; i < n; ++i) {
+    Fiber& f = fibers[i];
+    f.fn = threads[i];
+    constexpr size_t kStack = 64 * 1024;
+    f.stack.reset(new char[kStack]);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.get();
+    f.ctx.uc_stack.ss_size = kStack;
+    f.ctx.uc_link = &scheduler_ctx;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  barrier_hook = fiber_yield_at_barrier;
+  for (;;) {
+    for (size_t j = 0; j < n; ++j) {
+      Fiber& f = fibers[reverse ? n - 1 - j : j];
+      if (f.done) continue;
+      running = &f;
+      swapcontext(&scheduler_ctx, &f.ctx);
+    }
+    size_t done = 0;
+    for (auto& f : fibers) done += f.done ? 1 : 0;
+    if (done == n) break;
+    if (done != 0) fail("some threads of a threadgroup finished while others wait at a barrier");
+  }
+  running = nullptr;
+  barrier_hook = nullptr;
+}
+
 // dispatchThreads semantics: threadgroups of size tg tile the grid; edge groups are partial.
-// Groups run one after another. Without barriers, a group's threads run serially in index
-// order; with barriers, each thread is an OS thread and threadgroup_barrier() waits for all
-// threads of the group.
-inline void launch(uint3 grid, uint3 tg, bool threaded, const Body& body) {
+// Groups run one after another (in reverse order too when `reverse`).
+inline void launch(uint3 grid, uint3 tg, bool reverse, const Body& body) {
   uint3 ngroups = {(grid.x + tg.x - 1) / tg.x, (grid.y + tg.y - 1) / tg.y,
                    (grid.z + tg.z - 1) / tg.z};
-  for (uint gz = 0; gz < ngroups.z; ++gz)
-    for (uint gy = 0; gy < ngroups.y; ++gy)
-      for (uint gx = 0; gx < ngroups.x; ++gx) {
-        uint3 gpos = {gx, gy, gz};
-        uint3 size = {std::min(tg.x, grid.x - gx * tg.x), std::min(tg.y, grid.y - gy * tg.y),
-                      std::min(tg.z, grid.z - gz * tg.z)};
-        std::vector<std::function<void()>> threads;
-        for (uint lz = 0; lz < size.z; ++lz)
-          for (uint ly = 0; ly < size.y; ++ly)
-            for (uint lx = 0; lx < size.x; ++lx) {
-              uint3 local = {lx, ly, lz};
-              uint3 global = {gx * tg.x + lx, gy * tg.y + ly, gz * tg.z + lz};
-              uint index = (lz * size.y + ly) * size.x + lx;
-              threads.push_back([=, &body] {
-                body(global, local, gpos, size, ngroups, grid, index);
-              });
-            }
-        if (!threaded) {
-          emu::current_barrier = nullptr;
-          for (auto& t : threads) t();
-          continue;
+  const uint total = ngroups.x * ngroups.y * ngroups.z;
+  for (uint gi = 0; gi < total; ++gi) {
+    const uint g = reverse ? total - 1 - gi : gi;
+    const uint3 gpos = {g % ngroups.x, (g / ngroups.x) % ngroups.y, g / (ngroups.x * ngroups.y)};
+    const uint3 size = {std::min(tg.x, grid.x - gpos.x * tg.x),
+                        std::min(tg.y, grid.y - gpos.y * tg.y),
+                        std::min(tg.z, grid.z - gpos.z * tg.z)};
+    std::vector<std::function<void()>> threads;
+    for (uint lz = 0; lz < size.z; ++lz)
+      for (uint ly = 0; ly < size.y; ++ly)
+        for (uint lx = 0; lx < size.x; ++lx) {
+          const uint3 local = {lx, ly, lz};
+          const uint3 global = {gpos.x * tg.x + lx, gpos.y * tg.y + ly, gpos.z * tg.z + lz};
+          const uint index = (lz * size.y + ly) * size.x + lx;
+          threads.push_back([=, &body] { body(global, local, gpos, size, ngroups, grid, index); });
         }
-        Barrier barrier;
-        barrier.count = static_cast<int>(threads.size());
-        emu::current_barrier = &barrier;
-        std::vector<os_thread> pool;
-        pool.reserve(threads.size());
-        for (auto& t : threads) pool.emplace_back(t);
-        for (auto& t : pool) t.join();
-        emu::current_barrier = nullptr;
-      }
+    run_group(threads, reverse);
+  }
 }
 }  // namespace emu

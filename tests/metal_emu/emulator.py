@@ -5,8 +5,11 @@ so the dispatch code in ``dflash_mlx.kernels`` can be pointed at it unchanged. T
 function signature follows MLX's rules (inputs by dtype, ``const constant T&`` for 0-d
 inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and thread attributes only when the
 source mentions them). The body is compiled against ``metal_shim.h`` and a generated driver
-runs it over the whole grid: threadgroup by threadgroup, serially when the body has no
-barrier, else one OS thread per Metal thread joined by a real barrier.
+runs it over the whole grid, threadgroup by threadgroup; the threads of a group are
+cooperative fibers and ``threadgroup_barrier`` suspends each until the whole group has
+arrived. Every launch runs twice, with groups and threads (between barriers) in forward and
+in reverse order; differing results mean the body has a race (e.g. a missing barrier) and
+raise ``RaceDetected``.
 
 Arrays travel through raw files: float dtypes as float32 (bf16 / fp16 values convert exactly),
 integers as their own 32-bit type. Outputs start poisoned (NaN / 0xDEADBEEF) like MLX's
@@ -22,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -59,6 +62,10 @@ def compiler() -> Optional[str]:
     return None
 
 
+class RaceDetected(RuntimeError):
+    """The kernel's output depends on the order in which its threads run."""
+
+
 class EmulatedKernel:
     """Drop-in stand-in for ``mx.fast.metal_kernel`` that runs the body with g++.
 
@@ -91,13 +98,19 @@ class EmulatedKernel:
                 _, ftype = _TYPES[a.dtype]
                 np.asarray(a.astype(mx.float32) if ftype == np.float32 else a,
                            dtype=ftype).tofile(f"{tmp}/in{i}.bin")
-            res = subprocess.run([str(exe), tmp], capture_output=True, text=True)
-            if res.returncode != 0:
-                raise RuntimeError(f"emulated kernel {self.name} failed: {res.stderr}")
-            outs = []
-            for i, (shape, dt) in enumerate(zip(output_shapes, output_dtypes)):
-                raw = np.fromfile(f"{tmp}/out{i}.bin", dtype=_TYPES[dt][1]).reshape(shape)
-                outs.append(mx.array(raw).astype(dt))
+            runs = []
+            for order in ("forward", "reverse"):
+                res = subprocess.run([str(exe), tmp, order], capture_output=True, text=True)
+                if res.returncode != 0:
+                    raise RuntimeError(f"emulated kernel {self.name} failed: {res.stderr}")
+                runs.append([np.fromfile(f"{tmp}/out{i}.bin", dtype=_TYPES[dt][1])
+                             for i, dt in enumerate(output_dtypes)])
+            for i, (a, b) in enumerate(zip(*runs)):
+                if a.tobytes() != b.tobytes():
+                    raise RaceDetected(f"{self.name}: output {self.output_names[i]} differs "
+                                       "between forward and reverse thread order")
+            outs = [mx.array(raw.reshape(shape)).astype(dt)
+                    for raw, shape, dt in zip(runs[0], output_shapes, output_dtypes)]
         if init_value is not None:
             raise NotImplementedError("init_value is not emulated")
         return outs
@@ -158,19 +171,18 @@ class EmulatedKernel:
         tuse = f"<{', '.join(targs)}>" if targs else ""
         gx, gy, gz = grid
         tx, ty, tz = (min(t, g) for t, g in zip(threadgroup, grid))
-        threaded = "threadgroup_barrier" in _strip_comments(src)
         return "\n".join([
             '#include "metal_shim.h"',
             '#include "driver.h"',
             self.header,
-            tdecl + f"void kernel_body(\n  " + ",\n  ".join(params) + ") {",
+            tdecl + "void kernel_body(\n  " + ",\n  ".join(params) + ") {",
             src,
             "}",
             "int main(int argc, char** argv) {",
             "  const std::string dir = argv[1];",
+            "  const bool reverse = argc > 2 && std::string(argv[2]) == \"reverse\";",
             *setup,
-            f"  emu::launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, "
-            f"{'true' if threaded else 'false'},",
+            f"  emu::launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, reverse,",
             "    [&](uint3 thread_position_in_grid, uint3 thread_position_in_threadgroup,",
             "        uint3 threadgroup_position_in_grid, uint3 threads_per_threadgroup,",
             "        uint3 threadgroups_per_grid, uint3 threads_per_grid,",

@@ -6,8 +6,10 @@
 //   * address-space qualifiers (device, constant, thread) are dropped; `threadgroup` becomes
 //     `static`, i.e. storage shared by every thread of the function. The driver runs one
 //     threadgroup at a time, so this is exactly threadgroup-shared memory.
-//   * threadgroup_barrier(): a real barrier over the OS threads that run one threadgroup
-//     (one std::thread per Metal thread). Kernels without barriers run serially.
+//   * threads of a threadgroup are cooperative fibers (ucontext); threadgroup_barrier()
+//     suspends the calling fiber until every thread of its group has reached it. Between
+//     barriers the fibers run one after another in a chosen order (forward or reverse), so a
+//     missing barrier or a cross-thread race shows up as a result that depends on the order.
 //   * bfloat16_t / bfloat: float storage, round-to-nearest-even to bf16 on every store.
 //   * float16_t / half: the compiler's _Float16 (IEEE binary16, RNE conversions).
 //   * metal:: math on float (exp, max, min, fma, abs, ...).
@@ -20,20 +22,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
+
+#include <ucontext.h>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <mutex>
-
-namespace emu {
-using os_thread = std::thread;  // `thread` is a Metal qualifier macro below
-}
 
 typedef uint32_t uint;
 typedef unsigned long ulong;
@@ -77,32 +75,15 @@ typedef bfloat16_t bfloat;
 typedef _Float16 float16_t;
 typedef _Float16 half;
 
-// One barrier object per threadgroup, shared by the OS threads that emulate it.
+// threadgroup_barrier() hands control back to the driver's scheduler (see driver.h).
 namespace emu {
-struct Barrier {
-  std::mutex m;
-  std::condition_variable cv;
-  int count = 1, waiting = 0;
-  unsigned long generation = 0;
-  void wait() {
-    std::unique_lock<std::mutex> lock(m);
-    unsigned long gen = generation;
-    if (++waiting == count) {
-      waiting = 0;
-      ++generation;
-      cv.notify_all();
-    } else {
-      cv.wait(lock, [&] { return gen != generation; });
-    }
-  }
-};
-inline Barrier* current_barrier = nullptr;
+inline void (*barrier_hook)() = nullptr;
 }  // namespace emu
 
 namespace metal {
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4 };
 inline void threadgroup_barrier(mem_flags) {
-  if (emu::current_barrier) emu::current_barrier->wait();
+  if (emu::barrier_hook) emu::barrier_hook();
 }
 
 inline float exp(float x) { return std::exp(x); }
