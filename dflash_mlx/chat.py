@@ -1,0 +1,236 @@
+"""The interactive ``dflash chat`` loop.
+
+The whole message history is re-sent each turn with one ``PromptCache`` kept for the
+session, so a new turn prefills only its own tokens. Ctrl-C stops an answer at the next
+cycle boundary (the caches stay consistent) and keeps the session; a second Ctrl-C stops at
+once and starts a fresh cache. Ctrl-D or /exit leaves.
+"""
+
+from __future__ import annotations
+
+import select
+import signal
+import sys
+from typing import Dict, List, Optional
+
+HELP = """commands:
+  /help            this list
+  /reset           forget the conversation (keeps the system prompt)
+  /system <text>   set the system prompt and start over (/system alone clears it)
+  /stats           statistics of the last answer and the session
+  /exit            leave (also Ctrl-D)
+a line ending in \\ continues on the next line; pasted multi-line text is one message.
+Ctrl-C stops the current answer."""
+
+
+class _StopFlag:
+    """SIGINT handler for the duration of an answer: the first Ctrl-C asks to stop at the
+    next cycle, a second one interrupts immediately."""
+
+    def __init__(self):
+        self.hit = 0
+        self._old = None
+
+    def __enter__(self):
+        self.hit = 0
+        try:
+            self._old = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread
+            self._old = None
+        return self
+
+    def _handle(self, signum, frame):
+        self.hit += 1
+        if self.hit > 1:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
+
+
+class ChatSession:
+    """One terminal conversation over a loaded model.
+
+    Args:
+        model, tokenizer: from ``load``. name: shown in the banner.
+        gen: keyword arguments for ``stream_generate``. system: system prompt.
+        show_stats: print a stats line after each answer.
+    """
+
+    def __init__(self, model, tokenizer, name: str, gen: Dict, system: Optional[str] = None,
+                 show_stats: bool = True, stdin=None, stdout=None):
+        from rich.console import Console
+
+        self.model, self.tok, self.name, self.gen = model, tokenizer, name, gen
+        self.system = system
+        self.show_stats = show_stats
+        self.stdin = stdin or sys.stdin
+        self.out = stdout or sys.stdout
+        self.con = Console(file=self.out, highlight=False, soft_wrap=True)
+        self.history: List[Dict[str, str]] = []
+        self.cache = model.make_cache()
+        self.last = None
+        self.turns = 0
+        self.total_generated = 0
+        self.total_prefilled = 0
+        self.tty = self.stdin.isatty()
+        if self.tty:
+            try:
+                import readline  # noqa: F401 - line editing and history for input()
+            except ImportError:  # pragma: no cover
+                pass
+
+    # -- input
+    def _more_pending(self) -> bool:
+        if not self.tty:
+            return False
+        try:
+            return bool(select.select([self.stdin], [], [], 0.02)[0])
+        except (OSError, ValueError):
+            return False
+
+    def _read(self) -> Optional[str]:
+        """One message (None at end of input); handles trailing backslashes and pastes."""
+        lines: List[str] = []
+        prompt = ">>> "
+        while True:
+            if self.tty:
+                line = input(prompt)
+            else:
+                self.out.write(prompt)
+                self.out.flush()
+                line = self.stdin.readline()
+                if not line:
+                    raise EOFError
+                line = line.rstrip("\n")
+            if line.endswith("\\"):
+                lines.append(line[:-1])
+                prompt = "... "
+                continue
+            lines.append(line)
+            if self._more_pending():
+                prompt = ""
+                continue
+            return "\n".join(lines)
+
+    # -- commands
+    def reset(self) -> None:
+        self.history = []
+        self.cache = self.model.make_cache()
+
+    def messages(self) -> List[Dict[str, str]]:
+        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
+        return sys_msg + self.history
+
+    def stats_text(self) -> str:
+        r = self.last
+        if r is None:
+            return "no answers yet"
+        acc = " ".join(f"{round(100 * a)}" for a in r.acceptance)
+        from .cli import sparkline
+
+        return (
+            f"last answer: prefilled {r.prompt_processed} of {r.prompt_tokens} prompt tokens "
+            f"({r.prompt_tokens - r.prompt_processed} from cache), {r.prompt_tps:.1f} tok/s\n"
+            f"             generated {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s, "
+            f"tau {r.tau:.2f} over {r.cycles} cycles\n"
+            f"             acceptance {sparkline(r.acceptance)}  {acc} % by block position\n"
+            f"session:     {self.turns} answers, {self.total_generated} tokens generated, "
+            f"{self.total_prefilled} prefilled, {len(self.cache.tokens)} tokens in cache, "
+            f"peak memory {r.peak_memory:.2f} GB"
+        )
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means leave."""
+        cmd, _, arg = line.strip().partition(" ")
+        cmd = cmd.lower()
+        if cmd in ("/exit", "/quit", "/q"):
+            return False
+        if cmd in ("/help", "/?"):
+            self.con.print(HELP, markup=False)
+        elif cmd == "/reset":
+            self.reset()
+            self.con.print("[dim]conversation cleared[/dim]")
+        elif cmd == "/system":
+            self.system = arg.strip() or None
+            self.reset()
+            self.con.print(
+                "[dim]system prompt " + ("set" if self.system else "cleared")
+                + "; conversation cleared[/dim]"
+            )
+        elif cmd == "/stats":
+            self.con.print(self.stats_text(), markup=False)
+        else:
+            self.con.print(f"unknown command {cmd}; /help lists the commands", markup=False)
+        return True
+
+    # -- one turn
+    def answer(self, text: str) -> None:
+        from .generation import stream_generate
+
+        self.history.append({"role": "user", "content": text})
+        pieces: List[str] = []
+        last = None
+        stopped = False
+        gen = stream_generate(
+            self.model, self.tok, self.messages(), prompt_cache=self.cache, **self.gen
+        )
+        try:
+            with _StopFlag() as flag:
+                for r in gen:
+                    last = r
+                    if r.text:
+                        pieces.append(r.text)
+                        self.out.write(r.text)
+                        self.out.flush()
+                    if flag.hit:
+                        stopped = True
+                        break
+        except KeyboardInterrupt:
+            # Stopped mid-cycle: the caches may be half-updated, so start a fresh one.
+            stopped = True
+            self.cache = self.model.make_cache()
+        finally:
+            gen.close()
+        self.out.write("\n")
+        self.out.flush()
+        reply = "".join(pieces)
+        self.history.append({"role": "assistant", "content": reply})
+        if last is not None:
+            self.last = last
+            self.turns += 1
+            self.total_generated += last.generation_tokens
+            self.total_prefilled += last.prompt_processed
+        if stopped:
+            self.con.print("[yellow]\\[stopped][/yellow] [dim]the session continues[/dim]")
+        if self.show_stats and last is not None:
+            self.con.print(
+                f"[dim]{last.prompt_processed} new prompt tokens · {last.generation_tokens} "
+                f"tokens at {last.generation_tps:.1f} tok/s · tau {last.tau:.2f}[/dim]"
+            )
+
+    def loop(self) -> None:
+        self.con.print(
+            f"[bold]dflash chat[/bold] · {self.name} · block {self.gen.get('block_size')}"
+            f" · /help for commands, Ctrl-D to leave"
+        )
+        while True:
+            try:
+                line = self._read()
+            except EOFError:
+                self.out.write("\n")
+                break
+            except KeyboardInterrupt:
+                self.out.write("\n")
+                self.con.print("[dim](Ctrl-D or /exit to leave)[/dim]")
+                continue
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("/") and "\n" not in line.strip():
+                if not self.command(line):
+                    break
+                continue
+            self.answer(line)
+        self.out.flush()
