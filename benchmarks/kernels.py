@@ -177,6 +177,14 @@ def print_table(rows: List[Dict], device: str) -> None:
         ms = "n/a" if r["ms"] is None else f"{r['ms']:.3f}"
         print(f"{r['block']:>5}  {r['op']:<13} {r['path']:<10} {r['calls']:>5} "
               f"{r['nodes']:>6} {r['dispatches']:>6} {ms:>9}")
+    for block in sorted({r["block"] for r in rows}):
+        per = {(r["op"], r["path"]): r for r in rows if r["block"] == block and "check" not in r}
+        for path in ("reference", "kernel"):
+            conv, sel = per[("conv", path)], per[("selector T=0", path)]
+            ms = None if conv["ms"] is None else conv["ms"] + sel["ms"]
+            print(f"block {block} {path:>9}: conv + selector (T=0) per cycle: "
+                  f"{conv['dispatches'] + sel['dispatches']} dispatches, "
+                  + ("time n/a (no Metal)" if ms is None else f"{ms:.3f} ms"))
     for r in rows:
         if "check" in r:
             print(f"block {r['block']}: emulated kernels vs reference: {r['check']}")

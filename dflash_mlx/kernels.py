@@ -128,6 +128,8 @@ def select_launch(kernel, U, cand, anchor, g, A, B, temperature=0.0, uniforms=No
     if not mx.issubdtype(cand.dtype, mx.integer):
         raise ValueError(f"cand must hold integer token ids, got {cand.dtype}")
     W = lanes or lanes_per_candidate(K, R)
+    if K * W > 1024:
+        raise ValueError(f"top-k {K} x lanes {W} exceeds 1024 threads per threadgroup")
     # 64-bit ids are not passed to the kernel; 32-bit ids cover any vocabulary
     cand = cand if cand.dtype in (mx.uint32, mx.int32) else cand.astype(mx.uint32)
     anchor = anchor.reshape(Bsz)

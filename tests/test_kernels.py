@@ -209,7 +209,23 @@ def test_reference_fallback_off_metal(monkeypatch):
     inputs = _selector_inputs(1, 7, R=32, V=50)
     path, q = kernels.select_path(*inputs)
     assert mx.array_equal(path, select_reference(*inputs)[0]) and q is None
-    assert not kernels._kernels  # nothing was built
+    if not HAS_METAL:
+        assert not kernels._kernels  # nothing was built
+
+
+@pytest.mark.skipif(not HAS_METAL, reason="needs a Metal GPU (mx.metal.is_available())")
+def test_public_functions_dispatch_to_kernels_on_metal(monkeypatch):
+    monkeypatch.delenv(kernels.REFERENCE_ENV, raising=False)
+    assert kernels.use_metal()
+    x = mx.random.normal((2, 16, H)).astype(mx.bfloat16)
+    base, dyn = mx.random.normal((2, H)), mx.random.normal((2, 16, 2, G_ODD))
+    out = kernels.two_tap_conv(x, base, dyn, 8)
+    np.testing.assert_allclose(_f32(out), _f32(conv_reference(x, base, dyn, 8)),
+                               rtol=2e-2, atol=2e-2)
+    inputs = _selector_inputs(2, 7)
+    path, q = kernels.select_path(*inputs)
+    assert mx.array_equal(path, select_reference(*inputs)[0]) and q is None
+    assert set(kernels._kernels) == {"two_tap_conv", "path_select"}
 
 
 def test_env_var_forces_reference(monkeypatch):

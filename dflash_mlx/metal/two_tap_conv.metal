@@ -27,9 +27,9 @@ const int G = dyn_shape[3];
 if (c >= uint(H) || t >= uint(L)) {
   return;
 }
-const uint group = c / uint(H / G);
+const uint gi = c / uint(H / G);                   // dynamic group of channel c
 const size_t row = size_t(b) * L + t;                 // flat (b, t)
-const size_t dyn_row = row * TAPS * G + group;        // dyn[b, t, 0, group]
+const size_t dyn_row = row * TAPS * G + gi;        // dyn[b, t, 0, gi]
 const uint pos = t % uint(BLOCK);                     // row index inside its block
 
 float acc = (float(base[c]) + float(dyn[dyn_row])) * float(x[row * H + c]);
