@@ -112,6 +112,7 @@ def decode(
         else:
             first = sample_rows(target_probs(last, params), sub)
         anchor = first.item()
+        history.append(anchor)
         clock.lap("prefill")
         yield Cycle([anchor], prompt_tokens=len(todo), timings=dict(clock.split))
         n_gen = 1
@@ -139,6 +140,7 @@ def decode(
                 n_acc, targets = accept_greedy(rows, drafts)
                 bonus = targets[n_acc]
             else:
+                q_full = mx.zeros((0, rows.shape[-1])) if q_full is None else q_full
                 n_acc, bonus = accept_sampled(target_probs(rows, params), drafts, q_full, k_acc)
             mx.eval(n_acc, bonus, drafts)  # the cycle's one host sync
             a = n_acc.item()

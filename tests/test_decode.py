@@ -74,3 +74,24 @@ def test_max_tokens_is_exact_and_block_shrinks_at_the_end(pairs):
     finally:
         model.drafter = real
     assert out == ref
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_greedy_with_penalties_matches_mlx_lm_processors_per_position(pairs, kind):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, tok = pairs(kind, "d2")
+    ids = tok.encode(PROMPTS[0])
+    kw = dict(presence_penalty=0.8, repetition_penalty=1.3, frequency_penalty=0.4)
+    ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=48,
+                                       logits_processors=make_logits_processors(**kw))]
+    real = model.drafter
+    model.drafter = OracleDrafter(real, ids + ref + [0] * 20, wrong_at=(6,))
+    try:
+        params = SamplingParams(processors=make_logits_processors(**kw))
+        out = []
+        for c in decode(model, ids, model.make_cache(), params, max_tokens=48, block_size=8):
+            out += c.tokens
+    finally:
+        model.drafter = real
+    assert out == ref

@@ -1,0 +1,146 @@
+"""Sampling is lossless: the acceptance rule alone, and end to end on a tiny vocabulary."""
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.utils import load_model
+
+from dflash_mlx.acceptance import SamplingParams, accept_sampled, target_probs
+from dflash_mlx.checkpoint import load_drafter
+from dflash_mlx.decode import decode
+from dflash_mlx.state import DFlashModel
+from dflash_mlx.target import TargetAdapter
+from tiny_models import build_drafter, build_target
+
+
+def tv(a, b):
+    return 0.5 * np.abs(np.asarray(a) - np.asarray(b)).sum()
+
+
+@pytest.mark.parametrize(
+    "temp,top_p,min_p,top_k", [(1.0, 1.0, 0.0, 0), (0.7, 0.9, 0.0, 0), (1.3, 1.0, 0.1, 4),
+                               (0.8, 0.8, 0.0, 3)]
+)
+def test_target_probs_is_the_law_mlx_lm_samples_from(temp, top_p, min_p, top_k):
+    mx.random.seed(0)
+    logits = mx.random.normal((1, 10)) * 2
+    N = 40000
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    draws = make_sampler(temp, top_p, min_p, top_k=top_k)(mx.repeat(logprobs, N, axis=0))
+    emp = np.bincount(np.array(draws), minlength=10) / N
+    p = np.array(target_probs(logits, SamplingParams(temp, top_p, min_p, top_k))[0])
+    assert np.all(emp[p == 0] == 0)
+    assert tv(emp, p) < 0.02
+
+
+def test_acceptance_rule_alone_reproduces_the_target_rows():
+    """Fixed p rows: the token at each emitted position must follow that row's law."""
+    rng = np.random.default_rng(0)
+    V, n = 6, 4
+    p = rng.dirichlet(np.ones(V) * 0.7, size=n).astype(np.float32)  # [n, V]
+    q = rng.dirichlet(np.ones(V) * 0.7, size=n - 1).astype(np.float32)  # [n-1, V]
+    P, Q = mx.array(p), mx.array(q)
+    trials = 6000
+    counts = np.zeros((n, V))
+    key = mx.random.key(1)
+    for _ in range(trials):
+        key, k1, k2 = mx.random.split(key, 3)
+        drafts = mx.random.categorical(mx.log(Q), key=k1).astype(mx.uint32)
+        a, bonus = accept_sampled(P, drafts, Q, k2)
+        out = np.array(drafts)[: a.item()].tolist() + [bonus.item()]
+        for i, t in enumerate(out):
+            counts[i, t] += 1
+    for i in range(n):
+        emp = counts[i] / counts[i].sum()
+        assert counts[i].sum() > 150
+        # 3 sigma of the TV estimator at this sample size, bounded away from a broken rule
+        assert tv(emp, p[i]) < 3 * np.sqrt(V / counts[i].sum()) / 2 + 0.01, (i, emp, p[i])
+
+
+def test_acceptance_rule_rejects_with_a_wrong_proposal_law():
+    """Sanity that the statistic can fail: claiming q = p while drafting from q breaks it."""
+    rng = np.random.default_rng(3)
+    V = 6
+    p = rng.dirichlet(np.ones(V) * 0.5, size=2).astype(np.float32)
+    q = rng.dirichlet(np.ones(V) * 0.5, size=1).astype(np.float32)
+    P, Q = mx.array(p), mx.array(q)
+    counts = np.zeros(V)
+    key = mx.random.key(2)
+    for _ in range(3000):
+        key, k1, k2 = mx.random.split(key, 3)
+        d = mx.random.categorical(mx.log(Q), key=k1).astype(mx.uint32)
+        a, bonus = accept_sampled(P, d, P[:1], k2)  # wrong q
+        counts[(np.array(d).tolist()[: a.item()] + [bonus.item()])[0]] += 1
+    assert tv(counts / counts.sum(), p[0]) > 0.05
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("v8")
+    build_target(root / "t", "qwen3", tokenizer=False, vocab_size=8, seed=5)
+    build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)
+    target = load_model(root / "t")[0]
+    drafter = load_drafter(root / "d", mx.float32)
+    return DFlashModel(target, drafter, TargetAdapter(target, drafter.args.target_layer_ids))
+
+
+def exact_law(model, prompt, n, temp, top_p, top_k, presence):
+    """Joint law of the first n generated tokens, by enumeration with mlx-lm's processors."""
+    procs = make_logits_processors(presence_penalty=presence or None)
+    params = SamplingParams(temp, top_p, 0.0, top_k)
+    law = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, pr in law.items():
+            seq = mx.array(prompt + list(prefix))
+            logits = model.target(seq[None])[:, -1].astype(mx.float32)
+            for proc in procs:
+                logits = proc(seq, logits)
+            p = np.array(target_probs(logits, params)[0])
+            for t in range(8):
+                if p[t] > 0:
+                    nxt[prefix + (t,)] = pr * p[t]
+        law = nxt
+    return law
+
+
+@pytest.mark.parametrize(
+    "selector,temp,top_p,top_k,presence",
+    [(True, 1.0, 1.0, 0, 0.0), (True, 0.8, 0.9, 5, 0.0), (True, 1.0, 1.0, 0, 1.5),
+     (False, 0.7, 1.0, 4, 1.0)],
+)
+def test_end_to_end_sampling_matches_the_target_law(small_vocab_pair, selector, temp, top_p,
+                                                    top_k, presence):
+    model = small_vocab_pair
+    prompt = [2, 5, 1, 7]
+    n, trials = 4, 1000
+    law = exact_law(model, prompt, n, temp, top_p, top_k, presence)
+    procs = make_logits_processors(presence_penalty=presence or None)
+    params = SamplingParams(temp, top_p, 0.0, top_k, procs)
+    samples, drafted_accepted = [], 0
+    key = mx.random.key(11)
+    for _ in range(trials):
+        key, sub = mx.random.split(key)
+        out = []
+        for c in decode(model, prompt, model.make_cache(), params, max_tokens=n, block_size=4,
+                        use_selector=selector, key=sub):
+            out += c.tokens
+            drafted_accepted += c.accepted
+        samples.append(tuple(out[:n]))
+    assert drafted_accepted > trials // 4  # drafts really were accepted along the way
+    for pos in range(1, n):  # marginal law of each later position
+        exact = np.zeros(8)
+        for seq, pr in law.items():
+            exact[seq[pos]] += pr
+        emp = np.bincount([s[pos] for s in samples], minlength=8) / trials
+        assert tv(emp, exact) < 0.07, (pos, emp, exact)
+    exact2 = {}
+    for seq, pr in law.items():
+        exact2[seq[1:3]] = exact2.get(seq[1:3], 0) + pr
+    keys = sorted(set(exact2) | {s[1:3] for s in samples})
+    emp2 = [sum(s[1:3] == k for s in samples) / trials for k in keys]
+    assert tv(emp2, [exact2.get(k, 0) for k in keys]) < 0.12
+    assert all(k in exact2 for k in {s[1:3] for s in samples})  # no impossible pair drawn

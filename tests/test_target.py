@@ -1,0 +1,69 @@
+"""Target adapter: layer capture and exact rollback of hybrid (Gated DeltaNet) state."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+from dflash_mlx.acceptance import SamplingParams
+from dflash_mlx.decode import decode
+from dflash_mlx.errors import UnsupportedModelError
+from dflash_mlx.target import TargetAdapter
+from oracle import OracleDrafter
+from test_decode import reference
+
+
+def test_captured_features_are_the_tapped_layer_outputs(pairs):
+    model, tok = pairs("qwen3", "d2")
+    ids = mx.array(tok.encode("def parse_args("))[None]
+    logits, feats = model.adapter(ids, model.adapter.make_cache())
+    inner = model.target.model
+    h = inner.embed_tokens(ids)
+    outs = []
+    for layer in inner.layers:
+        h = layer(h, "causal", None)
+        outs.append(h)
+    want = mx.concatenate([outs[i] for i in model.drafter.args.target_layer_ids], axis=-1)
+    assert feats.shape == (1, ids.shape[1], 2 * 64)
+    assert mx.allclose(feats, want, atol=1e-5)
+    assert mx.allclose(logits, model.target(ids), atol=1e-5)
+
+
+@pytest.mark.parametrize("wrong", [(2,), (5,), (1, 4)])
+def test_hybrid_state_after_every_cycle_equals_decoding_only_committed_tokens(pairs, wrong):
+    model, tok = pairs("qwen3_5", "d2")
+    ids = tok.encode("import os\nfor i in")
+    ref = reference(model, ids, 60)
+    cache = model.make_cache()
+    shadow = make_prompt_cache(model.target)  # fed only the committed tokens
+    fed = 0
+    real = model.drafter
+    model.drafter = OracleDrafter(real, ids + ref, wrong_at=wrong)
+    partial = 0
+    try:
+        for c in decode(model, ids, cache, SamplingParams(), max_tokens=48, block_size=8):
+            new = cache.tokens[fed:]
+            model.target(mx.array(new)[None], cache=shadow)
+            fed = len(cache.tokens)
+            partial += 0 < c.accepted < c.drafted
+            n_checked = 0
+            for mine, theirs in zip(cache.target, shadow):
+                if isinstance(mine, ArraysCache):
+                    for a, b in zip(mine.cache, theirs.cache):
+                        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+                        n_checked += 1
+                else:
+                    assert mine.offset == theirs.offset
+            assert n_checked == 4  # two recurrent layers x (conv state, recurrent state)
+    finally:
+        model.drafter = real
+    assert partial > 3 if min(wrong) > 1 else partial == 0
+
+
+def test_unsupported_architecture_is_named():
+    class Fake:
+        model_type = "mamba"
+        model = None
+
+    with pytest.raises(UnsupportedModelError, match="'mamba' is not supported"):
+        TargetAdapter(Fake(), [0])
