@@ -71,6 +71,10 @@ class ChatSession:
         self.con = Console(file=self.out, highlight=False, soft_wrap=True)
         self.history: List[Dict[str, str]] = []
         self.cache = model.make_cache()
+        # Token-exact transcript (template text and ids through the last answer), so the
+        # next turn appends to exactly what the cache holds, as mlx-lm's chat does.
+        self.prev_text: Optional[str] = None
+        self.prev_ids: List[int] = []
         self.last = None
         self.turns = 0
         self.total_generated = 0
@@ -119,6 +123,26 @@ class ChatSession:
     def reset(self) -> None:
         self.history = []
         self.cache = self.model.make_cache()
+        self.prev_text, self.prev_ids = None, []
+
+    def prompt_ids(self) -> tuple:
+        """(template text, ids) of the whole conversation so far, ready for an answer.
+
+        The ids are the previous transcript's ids followed by the tokens of the new
+        template text only; when the template rewrites earlier turns (some strip reasoning
+        from old answers) the whole text is tokenized afresh.
+        """
+        from .generation import encode_prompt
+
+        msgs = self.messages()
+        try:
+            full = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that cannot render text
+            return None, encode_prompt(self.tok, msgs)
+        if self.prev_text is not None and isinstance(full, str) and full.startswith(self.prev_text):
+            tail = self.tok.encode(full[len(self.prev_text):], add_special_tokens=False)
+            return full, self.prev_ids + list(tail)
+        return full, encode_prompt(self.tok, msgs)
 
     def messages(self) -> List[Dict[str, str]]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
@@ -171,16 +195,17 @@ class ChatSession:
         from .generation import stream_generate
 
         self.history.append({"role": "user", "content": text})
+        full, ids = self.prompt_ids()
         pieces: List[str] = []
+        answer_ids: List[int] = []
         last = None
         stopped = False
-        gen = stream_generate(
-            self.model, self.tok, self.messages(), prompt_cache=self.cache, **self.gen
-        )
+        gen = stream_generate(self.model, self.tok, ids, prompt_cache=self.cache, **self.gen)
         try:
             with _StopFlag() as flag:
                 for r in gen:
                     last = r
+                    answer_ids.extend(r.tokens)
                     if r.text:
                         pieces.append(r.text)
                         self.out.write(r.text)
@@ -196,8 +221,10 @@ class ChatSession:
             gen.close()
         self.out.write("\n")
         self.out.flush()
-        reply = "".join(pieces)
+        reply = self.tok.decode(answer_ids) if answer_ids else "".join(pieces)
         self.history.append({"role": "assistant", "content": reply})
+        if full is not None:
+            self.prev_text, self.prev_ids = full + reply, ids + answer_ids
         if last is not None:
             self.last = last
             self.turns += 1
