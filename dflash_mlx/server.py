@@ -26,6 +26,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -48,7 +49,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
     """The warning printed when the server listens beyond loopback with no key."""
-    if host in LOOPBACK or api_key:
+    if host in LOOPBACK or host.startswith("127.") or api_key:
         return None
     return (f"warning: listening on {host} without --api-key; anyone who can reach this "
             "machine can use the model (pass --api-key or bind to 127.0.0.1)")
@@ -94,6 +95,7 @@ class Engine:
         self.cache = None
         self.running = False
         self.current: Optional[Job] = None
+        self.served = self.cancelled = 0
         self.stopping = threading.Event()
 
     def submit(self, job: Job) -> bool:
@@ -139,7 +141,8 @@ class Engine:
             job.out.put(("end", None))
 
     def _run(self, job: Job) -> None:
-        if job.cancel.is_set():
+        if job.cancel.is_set():  # its client left while it waited
+            self.cancelled += 1
             job.out.put(("end", None))
             return
         self.running, self.current = True, job
@@ -149,8 +152,9 @@ class Engine:
         try:
             for r in gen:
                 job.out.put(("data", r))
-                if job.cancel.is_set():
+                if job.cancel.is_set() and not r.finish_reason:
                     logger.info("client gone: generation cancelled")
+                    self.cancelled += 1
                     break
         except DFlashError as e:
             job.out.put(("error", bad(str(e))))
@@ -160,6 +164,7 @@ class Engine:
             job.out.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}")))
         finally:
             gen.close()
+            self.served += 1
             self.running, self.current = False, None
             job.out.put(("end", None))
 
@@ -169,6 +174,8 @@ class Handler(BaseHTTPRequestHandler):
 
     server_version = "dflash-mlx"
     protocol_version = "HTTP/1.0"
+    timeout = 600  # seconds a stalled client may block its own handler thread
+    _checked = 0.0  # when the connection was last checked for a disconnect
 
     # ------------------------------------------------------------------ plumbing
     def log_message(self, fmt, *args):
@@ -232,8 +239,9 @@ class Handler(BaseHTTPRequestHandler):
         path = self._path()
         if path == "/health":
             eng = self.server.engine
-            return self._send_json(200, {"status": "ok", "model": self.server.model_name,
-                                         "running": eng.running, "queued": eng.jobs.qsize()})
+            return self._send_json(200, {
+                "status": "ok", "model": self.server.model_name, "running": eng.running,
+                "queued": eng.jobs.qsize(), "served": eng.served, "cancelled": eng.cancelled})
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route {path}; see /v1/models", code="not_found")
         if not self._authorized():
@@ -296,12 +304,16 @@ class Handler(BaseHTTPRequestHandler):
     def _next(self, job: Job):
         """Next item from the worker; None when the client went away meanwhile."""
         while True:
-            try:
-                return job.out.get(timeout=0.1)
-            except queue.Empty:
+            now_ = time.monotonic()
+            if now_ - self._checked > 0.1:
+                self._checked = now_
                 if self._client_gone():
                     job.cancel.set()
                     return None
+            try:
+                return job.out.get(timeout=0.1)
+            except queue.Empty:
+                pass
 
     def _answer(self, req, job: Job) -> None:
         kind, rid, created = req.kind, new_id(req.kind), now()
@@ -422,6 +434,7 @@ def run_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port:
     """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
 
     Call it from the main thread: generation runs in the calling thread, HTTP in others.
+    The caller warns about a non-loopback host without a key (see ``bind_warning``).
 
     Args:
         model, tokenizer: from ``dflash_mlx.load``. model_name: the id clients ask for.
@@ -435,9 +448,6 @@ def run_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port:
     if unknown:
         logger.warning("ignoring unknown decoding defaults: %s", ", ".join(sorted(unknown)))
     httpd = make_server(model, tokenizer, model_name, host, port, api_key, defaults, max_queue)
-    warn = bind_warning(host, api_key)
-    if warn:
-        print(warn, file=sys.stderr, flush=True)
     h, p = httpd.server_address[:2]
     shown = f"[{h}]" if ":" in str(h) else h
     print(f"dflash serve: '{model_name}' listening on http://{shown}:{p}/v1 "
@@ -500,6 +510,9 @@ def main(argv=None) -> None:
     except DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    warn = bind_warning(a.host, a.api_key)
+    if warn:
+        print(warn, file=sys.stderr, flush=True)
     defaults = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
                 "top_k": a.top_k, "min_p": a.min_p, "block_size": a.block_size,
                 "use_selector": False if a.no_selector else None, "seed": a.seed}

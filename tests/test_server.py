@@ -8,6 +8,7 @@ Every client loop is bounded in count and time.
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -291,6 +292,7 @@ def _wait_health(server, pred, limit=20.0):
 
 def test_aborted_stream_is_cancelled(server, client, local, name):
     msgs = [{"role": "user", "content": "Hello world!"}]
+    before = _http(server + "/health", key=None)[1]["cancelled"]
     stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=3000,
                                             temperature=0, stream=True, logit_bias=NO_EOS)
     for n, _ in enumerate(stream):
@@ -298,10 +300,27 @@ def test_aborted_stream_is_cancelled(server, client, local, name):
             break
     stream.close()  # the client goes away mid-generation
     # 3000 tokens would take far longer: the generation was cancelled at its next cycle
-    _wait_health(server, lambda h: not h["running"] and h["queued"] == 0, limit=15)
+    h = _wait_health(server, lambda h: not h["running"] and h["queued"] == 0, limit=15)
+    assert h["cancelled"] == before + 1
     want = _expected(local, msgs, 6)
     r = client.chat.completions.create(model=name, messages=msgs, max_tokens=6, temperature=0)
     assert r.choices[0].message.content == want
+
+
+def test_disconnected_non_streaming_client_is_cancelled(server, client, name):
+    before = _http(server + "/health", key=None)[1]["cancelled"]
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello"}],
+                       "max_tokens": 3000, "logit_bias": NO_EOS}).encode()
+    host, port = server.rsplit("/", 1)[1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                 b"application/json\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    _wait_health(server, lambda h: h["running"])
+    sock.close()
+    h = _wait_health(server, lambda h: not h["running"], limit=15)
+    assert h["cancelled"] == before + 1
+    assert client.models.list().data[0].id == name
 
 
 def test_bad_requests(server, client, name):
