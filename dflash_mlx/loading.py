@@ -27,6 +27,15 @@ def is_hub_id(name: str) -> bool:
     )
 
 
+def hub_cache_dir() -> Optional[str]:
+    """The Hub cache, read from the environment at call time (HF_HUB_CACHE, then HF_HOME)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    return None
+
+
 def resolve_path(name: str, what: str = "model", offline: Optional[bool] = None) -> Path:
     """A local directory for a local path or a Hub id (downloaded or taken from the cache).
 
@@ -53,7 +62,10 @@ def resolve_path(name: str, what: str = "model", offline: Optional[bool] = None)
 
     try:
         return Path(
-            snapshot_download(str(name), allow_patterns=ALLOW_PATTERNS, local_files_only=offline)
+            snapshot_download(
+                str(name), allow_patterns=ALLOW_PATTERNS, local_files_only=offline,
+                cache_dir=hub_cache_dir(),
+            )
         )
     except LocalEntryNotFoundError:
         if offline:

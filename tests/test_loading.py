@@ -1,0 +1,163 @@
+"""Loading: the public path, Hub resolution, and a one-line error for every bad input."""
+
+import json
+import shutil
+
+import pytest
+
+from dflash_mlx import DFlashError, load
+from dflash_mlx.loading import resolve_path
+from tiny_models import build_drafter
+
+
+def copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def one_line(err):
+    msg = str(err.value)
+    assert "\n" not in msg and len(msg) < 300
+    return msg
+
+
+def test_load_returns_target_drafter_and_tokenizer(tiny_dir):
+    model, tok = load(str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"))
+    assert model.target.model_type == "qwen3"
+    assert model.drafter.has_selector and model.block_size == 16
+    assert tok.encode("hello")
+
+
+def test_dflash1_checkpoint_loads_without_selector(tiny_dir):
+    model, _ = load(str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d1_qwen3"))
+    assert not model.drafter.has_selector
+
+
+def test_missing_paths(tiny_dir, tmp_path):
+    with pytest.raises(DFlashError) as e:
+        load(str(tmp_path / "nope" / "x"), drafter=str(tiny_dir / "d2_qwen3"))
+    assert "neither a local directory nor a Hub id" in one_line(e)
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(tmp_path / "empty"))
+    one_line(e)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(tmp_path / "empty"))
+    assert "no config.json" in one_line(e)
+
+
+def test_missing_and_corrupt_safetensors(tiny_dir, tmp_path):
+    d = copy(tiny_dir / "d2_qwen3", tmp_path / "d")
+    (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(d))
+    assert "cannot read model.safetensors" in one_line(e)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(d))
+    assert "no *.safetensors" in one_line(e)
+
+
+def test_corrupt_config(tiny_dir, tmp_path):
+    d = copy(tiny_dir / "d2_qwen3", tmp_path / "d")
+    (d / "config.json").write_text("{ oops")
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(d))
+    assert "not valid JSON" in one_line(e)
+    cfg = json.loads((tiny_dir / "d2_qwen3" / "config.json").read_text())
+    del cfg["hidden_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(d))
+    assert "lacks hidden_size" in one_line(e)
+
+
+def test_tensor_shapes_must_match_config(tiny_dir, tmp_path):
+    d = copy(tiny_dir / "d2_qwen3", tmp_path / "d")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] += 16
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(d))
+    assert "has shape" in one_line(e)
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (dict(vocab_size=999), "vocabulary 999 does not match the target's"),
+        (dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), "hidden size 32"),
+        (dict(target_layer_ids=[0, 7]), "reads target layers [7]"),
+        (dict(num_target_layers=64, target_layer_ids=[0, 1]), "made for a 64-layer target"),
+    ],
+)
+def test_drafter_that_does_not_fit_the_target(tiny_dir, tmp_path, change, needle):
+    from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+
+    base = dict(hidden_size=64, vocab_size=320, num_target_layers=4, target_layer_ids=[0, 2],
+                mask_token_id=1, selector_rank=8)
+    base.update(change)
+    cfg = drafter_config(**base)
+    save_drafter(tmp_path / "d", random_drafter(cfg), cfg)
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter=str(tmp_path / "d"))
+    assert needle in one_line(e)
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(block_size=17), "block size 17 is out of range; this drafter supports 2..16"),
+        (dict(block_size=1), "block size 1 is out of range"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(top_k=-1), "top_k must be >= 0"),
+        (dict(max_tokens=0), "max_tokens must be at least 1"),
+    ],
+)
+def test_bad_generation_options(pairs, kw, needle):
+    from dflash_mlx import generate
+
+    model, tok = pairs("qwen3", "d2")
+    with pytest.raises(DFlashError) as e:
+        generate(model, tok, "hi", **kw)
+    assert needle in one_line(e)
+
+
+def test_empty_prompt(pairs):
+    from dflash_mlx import generate
+
+    model, tok = pairs("qwen3", "d2")
+    with pytest.raises(DFlashError, match="prompt is empty"):
+        generate(model, tok, [])
+
+
+def test_hub_id_resolves_from_a_fake_offline_cache(tmp_path, monkeypatch, tiny_dir):
+    """A Hub id is looked up in HF_HOME's cache layout without any network."""
+    hub = tmp_path / "hf" / "hub" / "models--acme--tiny-drafter"
+    snap = hub / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_dir / "d2_qwen3", snap)
+    (hub / "refs").mkdir(parents=True)
+    (hub / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    p = resolve_path("acme/tiny-drafter", "drafter", offline=True)
+    assert (p / "config.json").is_file()
+    with pytest.raises(DFlashError) as e:
+        resolve_path("acme/not-cached", "drafter", offline=True)
+    assert "not in the local Hugging Face cache" in one_line(e)
+
+
+def test_hub_download_calls_snapshot_download_with_allow_patterns(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    seen = {}
+
+    def fake(repo_id, allow_patterns=None, local_files_only=False, **kw):
+        seen.update(repo_id=repo_id, allow=allow_patterns, offline=local_files_only)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert resolve_path("acme/model", offline=False) == tmp_path
+    assert seen["repo_id"] == "acme/model" and not seen["offline"]
+    assert "*.safetensors" in seen["allow"] and "*.json" in seen["allow"]
