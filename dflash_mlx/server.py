@@ -284,6 +284,9 @@ class Handler(BaseHTTPRequestHandler):
         if req.model is not None and not srv.knows(req.model):
             raise self._unknown_model(req.model)
         ids = srv.tokenize(req)
+        vocab = srv.engine.model.adapter.vocab_size
+        if any(not 0 <= t < vocab for t in req.gen.get("logit_bias") or {}):
+            raise bad(f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
         ctx = srv.context
         if ctx is not None:
             if len(ids) >= ctx:
@@ -336,7 +339,8 @@ class Handler(BaseHTTPRequestHandler):
                 if not started:
                     raise val
                 send(val.body())
-                break
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
             r, last = val, val
             accepted += r.accepted
             if not req.stream:
@@ -392,11 +396,12 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         for p in (getattr(model, "target_path", ""),):
             if p:
                 names |= {str(p), Path(str(p)).name}
-        self.names = {n for n in names if n}
+        self.names = {n.lower() for n in names if n}
         self._tok_lock = threading.Lock()
 
     def knows(self, name: str) -> bool:
-        return name in self.names
+        """Whether ``name`` is the served model (its name or its directory, any case)."""
+        return name.lower() in self.names
 
     def tokenize(self, req) -> List[int]:
         """Prompt ids: chat messages through the chat template, completions raw."""

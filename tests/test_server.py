@@ -166,6 +166,7 @@ def test_health_and_models(server, client, name):
     ids = [m.id for m in client.models.list().data]
     assert ids == [name]
     assert client.models.retrieve(name).id == name
+    assert client.models.retrieve(name.upper()).id == name
 
 
 def test_chat_matches_generate_with_usage(client, local, name):
@@ -276,7 +277,7 @@ def test_eight_concurrent_streams(client, local, name):
     for t in threads:
         t.join(max(0.1, deadline - time.monotonic()))
     assert not errors and all(not t.is_alive() for t in threads)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g[0] == w and len(g[1]) == 1
 
 
@@ -336,6 +337,10 @@ def test_bad_requests(server, client, name):
     assert _http(chat, ok, key="wrong")[0] == 401
     assert _http(server + "/v1/models", key=None)[0] == 401
     assert _http(server + "/v1/nothing", ok)[0] == 404
+    assert _http(chat, {**ok, "logit_bias": {"999999": 5}})[0] == 400
+    assert _http(chat, {**ok, "n": 3})[0] == 400
+    assert _http(chat, {**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+                 )[0] == 400
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=name, messages=ok["messages"], temperature=-1)
     with pytest.raises(openai.BadRequestError):
