@@ -103,6 +103,8 @@ def decode(
             drafter.append_context(feats, cache.drafter)
             mx.eval(logits[:, -1], cache.state)
         cache.tokens = list(prompt)
+        if adapter.is_hybrid:
+            cache.checkpoint = (len(prompt), adapter.snapshot(cache.target))
         history = list(prompt)
         last = process_rows(logits[0, -1:], mx.array(history), mx.array([], mx.uint32),
                             params.processors)

@@ -50,15 +50,16 @@ class ContextCache:
             keys, values = keys[:, :, -self.window :], values[:, :, -self.window :]
         self.keys, self.values = keys, values
 
-    def trim(self, n: int) -> bool:
-        """Drop the last n rows; False when they are no longer all held (caller resets)."""
-        if n == 0:
-            return True
-        if n > self.size or (self.window is not None and self.offset > self.size):
-            return False
+    def trim(self, n: int) -> None:
+        """Drop the last n rows (positions offset-n ..). Rows the window already dropped
+        are not brought back: the drafter then sees less context, which costs acceptance,
+        never correctness."""
+        n = min(n, self.offset)
         self.offset -= n
-        self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
-        return True
+        if n >= self.size:
+            self.keys = self.values = None
+        elif n:
+            self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
 
     @property
     def state(self):

@@ -10,7 +10,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptance import SamplingParams
-from .decode import Cycle, decode
+from .decode import decode
 from .errors import DFlashError
 from .state import DFlashModel, PromptCache
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -57,13 +57,15 @@ class PromptCache:
     target: list
     drafter: List[ContextCache]
     tokens: List[int] = field(default_factory=list)
+    # (token count, recurrent-state snapshot) taken after the last prefill, hybrids only
+    checkpoint: Optional[Tuple[int, list]] = None
 
     def reuse(self, model: DFlashModel, prompt: List[int]) -> int:
         """Keep the longest usable cached prefix of prompt; return its length.
 
         At least one prompt token is always left to run (its logits start generation).
-        Caches that cannot drop tokens (recurrent layers) are reset unless the cached
-        tokens are a prefix of the prompt.
+        Recurrent layers cannot drop tokens: they go back to the checkpoint taken after the
+        last prefill when that is still a prefix, else everything is reset.
         """
         n = 0
         limit = min(len(self.tokens), len(prompt) - 1)
@@ -72,12 +74,16 @@ class PromptCache:
         have = len(self.tokens)
         if n == have:
             return n
-        ok = model.adapter.trim_to(self.target, n, have)
-        ok = ok and all(c.trim(have - n) for c in self.drafter)
-        if not ok or n == 0:
-            self.target, self.drafter = model.adapter.make_cache(), model.drafter.make_cache()
-            self.tokens = []
-            return 0
+        adapter = model.adapter
+        if not adapter.trim_to(self.target, n, have):
+            ck = self.checkpoint
+            if ck is None or ck[0] > n or not adapter.restore(self.target, ck[1], ck[0], have):
+                self.target, self.drafter = adapter.make_cache(), model.drafter.make_cache()
+                self.tokens, self.checkpoint = [], None
+                return 0
+            n = ck[0]
+        for c in self.drafter:
+            c.trim(have - n)
         del self.tokens[n:]
         return n
 

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from .errors import UnsupportedModelError
 
@@ -180,6 +180,18 @@ class TargetAdapter:
                     "past its window; use a shorter context"
                 )
 
+    def restore(self, cache: list, snap: list, n_keep: int, n_have: int) -> bool:
+        """Put recurrent layers back to a snapshot taken at n_keep tokens and trim the
+        attention layers to match; False if some layer cannot."""
+        if any(not isinstance(c, ArraysCache) and not c.is_trimmable() for c in cache):
+            return False
+        for c, s in zip(cache, snap):
+            if isinstance(c, ArraysCache):
+                c.cache = list(s)
+            else:
+                c.trim(n_have - n_keep)
+        return True
+
     def trim_to(self, cache: list, n_keep: int, n_have: int) -> bool:
         """Drop cached tokens beyond n_keep (prefix reuse); False if a layer cannot."""
         drop = n_have - n_keep
@@ -191,7 +203,3 @@ class TargetAdapter:
             c.trim(drop)
         return True
 
-
-def is_kv(c) -> bool:
-    """True for a plain attention cache."""
-    return isinstance(c, KVCache)

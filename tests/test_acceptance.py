@@ -1,6 +1,5 @@
 """Sampling is lossless: the acceptance rule alone, and end to end on a tiny vocabulary."""
 
-import itertools
 
 import mlx.core as mx
 import numpy as np

@@ -7,7 +7,6 @@ import pytest
 
 from dflash_mlx import DFlashError, load
 from dflash_mlx.loading import resolve_path
-from tiny_models import build_drafter
 
 
 def copy(src, dst):
