@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 from .errors import DFlashError, IncompatibleDrafterError
+
+if TYPE_CHECKING:
+    from .state import DFlashModel
 
 # Files a model directory needs; weights are safetensors only.
 ALLOW_PATTERNS = [
