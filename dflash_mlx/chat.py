@@ -137,7 +137,7 @@ class ChatSession:
         msgs = self.messages()
         try:
             full = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except Exception:  # noqa: BLE001 - a template that cannot render text
+        except Exception:
             return None, encode_prompt(self.tok, msgs)
         if self.prev_text is not None and isinstance(full, str) and full.startswith(self.prev_text):
             tail = self.tok.encode(full[len(self.prev_text):], add_special_tokens=False)

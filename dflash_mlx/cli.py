@@ -33,7 +33,7 @@ def _err(msg: str) -> None:
 class _Group(TyperGroup):
     """Typer group whose errors are one line on stderr with exit code 2."""
 
-    def main(self, *args, standalone_mode: bool = True, **kwargs):  # noqa: D401
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except _cx.NoArgsIsHelpError as e:
@@ -370,7 +370,7 @@ def models(
             {
                 "alias": e.alias, "target": e.target(), "quants": e.targets,
                 "drafters": list(e.drafters), "block_size": e.block_size, "kind": e.kind,
-                "cached_targets": tc, "cached_drafters": dict(zip(e.drafters, ds)),
+                "cached_targets": tc, "cached_drafters": dict(zip(e.drafters, ds, strict=True)),
                 "note": e.note,
             }
             for e, tc, ds in rows

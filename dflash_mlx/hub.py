@@ -133,7 +133,7 @@ def _cached(repo_id: str) -> Optional[Path]:
         )
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         return None
-    except Exception:  # noqa: BLE001 - any cache oddity means "not usable"
+    except Exception:
         return None
 
 
@@ -163,7 +163,8 @@ def fetch(
         raise DFlashError(f"{what} path {name} is a file; pass the checkpoint's directory")
     if not is_hub_id(str(name)):
         raise DFlashError(
-            f"{what} '{name}' is neither a local directory nor a Hub id (owner/name); check the path"
+            f"{what} '{name}' is neither a local directory nor a Hub id (owner/name); "
+            "check the path"
         )
     if offline is None:
         offline = env_offline()
@@ -193,7 +194,7 @@ def fetch(
         raise DFlashError(
             f"{what} {name} does not exist on the Hugging Face Hub (or is private); check the id"
         ) from None
-    except (HfHubHTTPError, OSError, Exception) as e:  # noqa: BLE001 - network failures vary
+    except (HfHubHTTPError, OSError, Exception) as e:
         got = _cached(name)
         if got is not None:
             if not quiet:
@@ -239,7 +240,7 @@ def _download(name: str, what: str, quiet: bool) -> Path:
         raise DFlashError(
             f"download of {what} {name} interrupted; run the same command again to resume"
         ) from None
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise DFlashError(
             f"download of {what} {name} failed ({reason[:120]}); run the same command again to "

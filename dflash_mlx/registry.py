@@ -209,7 +209,9 @@ def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = No
     from .loading import is_hub_id
 
     if not model or not str(model).strip():
-        raise DFlashError("--model is empty; pass an alias (see `dflash models`), a Hub id or a directory")
+        raise DFlashError(
+            "--model is empty; pass an alias (see `dflash models`), a Hub id or a directory"
+        )
     model = str(model).strip()
     entry = find(model)
     if entry is not None:
@@ -221,8 +223,9 @@ def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = No
                        if not d.is_dir() or not any(d.glob("*.safetensors"))]
             if missing:
                 raise DFlashError(
-                    f"the {entry.alias} model is not installed ({missing[0]} is missing); reinstall "
-                    f"dflash-mlx or set {DEMO_ENV} to a directory with target/ and drafter/"
+                    f"the {entry.alias} model is not installed ({missing[0]} is missing); "
+                    f"reinstall dflash-mlx or set {DEMO_ENV} to a directory with target/ and "
+                    "drafter/"
                 )
         target = entry.target(quant)
         drafters = [drafter] if drafter else list(entry.drafters)

@@ -9,10 +9,9 @@ import time
 import types
 
 import pytest
+from cli_helpers import REPO_ROOT, build_pair, cli_env, fake_cache_repo
 from typer.testing import CliRunner
 
-from cli_helpers import REPO_ROOT, build_pair, cli_env, fake_cache_repo
-from dflash_mlx import registry
 from dflash_mlx.cli import app, sparkline
 
 runner = CliRunner()
@@ -254,7 +253,7 @@ def test_serve_passes_model_and_defaults(pair, fake_server):
                "--block-size", 4, "--no-selector", "--max-queue", 3, "--seed", 1)
     assert r.exit_code == 0, r.stderr
     (args, kw), = fake_server
-    model, tok, name = args
+    model, _tok, name = args
     assert name == "target" and model.block_size == 8
     assert kw["host"] == "127.0.0.1" and kw["port"] == 9123 and kw["api_key"] is None
     assert kw["max_queue"] == 3

@@ -8,8 +8,8 @@ import types
 from pathlib import Path
 
 import pytest
-
 from cli_helpers import build_pair, fake_cache_repo
+
 from dflash_mlx import hub, registry
 from dflash_mlx.errors import DFlashError
 
@@ -143,7 +143,7 @@ def test_demo_alias(tmp_path, monkeypatch, pair):
     assert r.block_size == 8
     with pytest.raises(DFlashError, match="--quant does not apply"):
         registry.resolve("demo", quant="8bit")
-    m, tok, name = registry.load_model("demo")
+    m, _, name = registry.load_model("demo")
     assert name == "demo" and m.block_size == 8
 
 
@@ -178,7 +178,7 @@ def test_offline_load_from_fake_cache_with_drafter_fallback(hf_home, pair, no_ne
     fake_cache_repo(cache, "tiny-org/Tiny-Qwen3-4bit", pair / "target")
     # Only the second drafter repo is cached: the first is skipped.
     snap = fake_cache_repo(cache, "z-lab/Tiny-Qwen3-DFlash2", pair / "drafter")
-    m, tok, name = registry.load_model("tiny-qwen3", offline=True)
+    m, _, name = registry.load_model("tiny-qwen3", offline=True)
     assert name == "Tiny-Qwen3"
     assert Path(m.drafter_path) == snap
     assert "models--tiny-org--Tiny-Qwen3-4bit" in m.target_path
@@ -259,7 +259,7 @@ def test_download_with_size_preview_and_fallback(hf_home, pair, monkeypatch):
     calls, notices = [], []
     _mock_hub(monkeypatch, {"tiny-org/Tiny-Qwen3-4bit": pair / "target",
                             "z-lab/Tiny-Qwen3-DFlash2": pair / "drafter"}, calls)
-    m, tok, name = registry.load_model("Tiny-Qwen3", log=notices.append)
+    _, _, name = registry.load_model("Tiny-Qwen3", log=notices.append)
     assert name == "Tiny-Qwen3"
     cache = str(hf_home / "hub")
     assert ("download", "tiny-org/Tiny-Qwen3-4bit", cache) in calls
