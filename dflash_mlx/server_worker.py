@@ -96,7 +96,7 @@ class Engine:
             for r in gen:
                 job.out.put(("data", r))
                 if job.cancel.is_set() and not r.finish_reason:
-                    logger.info("client gone: generation cancelled")
+                    logger.info("generation cancelled (client gone or server stopping)")
                     self.cancelled += 1
                     break
         except DFlashError as e:
