@@ -379,27 +379,36 @@ def models(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="dflash models", title_justify="left", show_lines=False)
+    table = Table(title="dflash models", title_justify="left")
     table.add_column("alias", style="bold cyan", no_wrap=True)
-    table.add_column("target (--quant)")
-    table.add_column("drafters (tried in order)")
-    table.add_column("block", justify="right")
-    table.add_column("kind")
+    table.add_column("target · --quant", no_wrap=True)
+    table.add_column("drafters, tried in order", no_wrap=True)
     table.add_column("in cache")
     for e, tc, ds in rows:
-        quants = "" if e.local else " (" + ", ".join(e.targets) + ")"
-        drafters = "\n".join(e.drafters)
+        alias = f"{e.alias}\n[dim]{e.kind} · block {e.block_size}[/dim]"
+        target = _short(e.target())
+        if not e.local:
+            target += "\n[dim]" + " ".join(e.targets) + "[/dim]"
+        drafters = "\n".join(_short(d) for d in e.drafters)
         if tc or any(s is not None for s in ds):
-            parts = [f"target {q} {hub.human_size(s)}" for q, s in tc.items()]
+            parts = [f"{q} {hub.human_size(s)}" for q, s in tc.items()]
             parts += [f"drafter {hub.human_size(s)}" for s in ds if s is not None][:1]
-            cached = "[green]" + ", ".join(parts) + "[/green]"
+            cached = "[green]" + "\n".join(parts) + "[/green]"
         else:
             cached = "[dim]no[/dim]"
-        table.add_row(e.alias, e.target() + quants, drafters, str(e.block_size), e.kind, cached)
+        table.add_row(alias, target, drafters, cached)
     con = Console(highlight=False)
     con.print(table)
     con.print(f"[dim]Hub cache: {hub.cache_dir()} · any Hub id or directory also works with "
               "--model (and --drafter)[/dim]")
+
+
+def _short(path: str) -> str:
+    """A package-data path relative to the installed package's parent, else as given."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isabs(path) and path.startswith(pkg + os.sep):
+        return os.path.relpath(path, pkg)
+    return path
 
 
 # ----------------------------------------------------------------------------- serve
@@ -413,7 +422,7 @@ def serve(
     drafter: Optional[str] = typer.Option(None, "--drafter", help=_DRAFTER_HELP),
     quant: Optional[str] = typer.Option(None, "--quant", help=_QUANT_HELP),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
-    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on (0: a free one)."),
     api_key: Optional[str] = typer.Option(
         None, "--api-key", help="Require 'Authorization: Bearer KEY' (also DFLASH_API_KEY).",
         envvar="DFLASH_API_KEY",
@@ -434,8 +443,8 @@ def serve(
 ):
     """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models)."""
     _check_options(max_tokens, temp, top_p, top_k, min_p, presence_penalty, block_size)
-    if not 0 < port < 65536:
-        raise DFlashError(f"--port must be in 1..65535 (got {port})")
+    if not 0 <= port < 65536:
+        raise DFlashError(f"--port must be in 0..65535 (got {port}); 0 picks a free port")
     if max_queue < 1:
         raise DFlashError(f"--max-queue must be at least 1 (got {max_queue})")
     if host not in _LOOPBACK and not host.startswith("127.") and not api_key:
