@@ -6,6 +6,7 @@ accepted count is needed to roll the caches back.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
@@ -18,7 +19,14 @@ from .acceptance import (
 )
 from .state import DFlashModel, PromptCache
 
-generation_stream = mx.new_stream(mx.default_device())
+_local = threading.local()
+
+
+def generation_stream() -> mx.Stream:
+    """A dedicated stream for the decode loop, one per thread (MLX streams are per thread)."""
+    if getattr(_local, "stream", None) is None:
+        _local.stream = mx.new_stream(mx.default_device())
+    return _local.stream
 
 
 @dataclass
@@ -94,7 +102,7 @@ def decode(
     """
     adapter, drafter = model.adapter, model.drafter
     key = mx.random.key(int(time.time_ns() % 2**31)) if key is None else key
-    with mx.stream(generation_stream):
+    with mx.stream(generation_stream()):
         reused = cache.reuse(model, prompt)
         todo = prompt[reused:]
         clock = _Clock(True)

@@ -11,7 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from .errors import UnsupportedModelError
 
@@ -139,8 +139,15 @@ class TargetAdapter:
 
     # -- forward with capture ------------------------------------------------------
     def make_cache(self) -> list:
-        """Fresh mlx-lm caches for the target."""
-        return make_prompt_cache(self.model)
+        """Fresh mlx-lm caches for the target.
+
+        Sliding-window layers get a plain KVCache (the model's windowed mask keeps the
+        attention identical): a rotating buffer cannot take back a rejected suffix.
+        """
+        caches = make_prompt_cache(self.model)
+        return [
+            KVCache() if isinstance(c, RotatingKVCache) and c.keep == 0 else c for c in caches
+        ]
 
     def __call__(self, ids: mx.array, cache: list) -> Tuple[mx.array, mx.array]:
         """Run the target on ids [1, n]; return (logits [1, n, V], features [1, n, nT*H])."""

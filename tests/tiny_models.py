@@ -84,6 +84,9 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
             },
             **base,
         }
+    if kind == "muse_glimmer":  # soft-capped logits, sliding + full attention
+        return {"model_type": "muse_glimmer", "sliding_window": 8, "rope_theta": 10000.0,
+                "qk_scale_factor": 1.0, **base}
     raise ValueError(kind)
 
 
