@@ -146,10 +146,12 @@ def suggest(name: str, n: int = 3) -> List[str]:
     aliases = {e.alias.lower(): e.alias for e in entries()}
     key = name.strip().lower().split("/")[-1]
     key = _strip_quant(key)
-    hits = difflib.get_close_matches(key, list(aliases), n=n, cutoff=0.5)
+    hits = sorted((a for a in aliases if key and a.startswith(key)), key=len)
+    hits += [h for h in difflib.get_close_matches(key, list(aliases), n=n, cutoff=0.5)
+             if h not in hits]
     if not hits:
-        hits = [a for a in aliases if key and (key in a or a in key)][:n]
-    return [aliases[h] for h in hits]
+        hits = [a for a in aliases if key and (key in a or a in key)]
+    return [aliases[h] for h in hits[:n]]
 
 
 _QUANT_SUFFIX = re.compile(

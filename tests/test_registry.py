@@ -91,6 +91,7 @@ def test_unknown_alias_suggests(name, expect):
     msg = str(e.value)
     assert "\n" not in msg and f"unknown model alias '{name}'" in msg
     assert expect in msg and "dflash models" in msg
+    assert registry.suggest(name)[0] == expect
 
 
 def test_bad_quant_and_quant_on_hub_id():
