@@ -72,6 +72,14 @@ def test_two_turns_reuse_cache_then_reset_and_exit(pair):
         turn(c, "hello there")
         s3 = stats(c)
         assert s3["prefilled"] == s3["prompt"] == s1["prompt"]  # a fresh conversation
+        # A paste of several lines is one message: one answer, not three.
+        c.send("pasted one\npasted two\npasted three\n")
+        c.expect(r"new prompt tokens")
+        c.expect_exact(PROMPT)
+        c.sendline("/stats")
+        c.expect(r"session:\s+(\d+) answers")
+        assert int(c.match.group(1)) == 4
+        c.expect_exact(PROMPT)
         c.sendline("/exit")
         c.expect(pexpect.EOF)
     finally:
