@@ -228,6 +228,39 @@ def test_public_functions_dispatch_to_kernels_on_metal(monkeypatch):
     assert set(kernels._kernels) == {"two_tap_conv", "path_select"}
 
 
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler")
+def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
+    """The Metal branch of the public functions, as TwoTapConv and PathSelector reach it,
+    with the cached kernels replaced by their emulations."""
+    from dflash_mlx.conv import TwoTapConv
+    from dflash_mlx.selector import PathSelector
+
+    monkeypatch.setattr(kernels, "use_metal", lambda: True)
+    monkeypatch.setattr(kernels, "_kernels", {
+        n: kernels.build_kernel(n, EmulatedKernel) for n in kernels.KERNEL_IO})
+    mx.random.seed(4)
+    conv = TwoTapConv(H, kernel_size=2, group_size=16)
+    conv.kernel_projection.weight = 0.02 * mx.random.normal(conv.kernel_projection.weight.shape)
+    conv.base_kernel = mx.random.normal(conv.base_kernel.shape)
+    u = mx.random.normal((1, 16, H))  # [B, L, H]
+    y0, d1 = conv.prepare(u, 8)
+    d = conv.kernel_projection(u).reshape(1, 16, 2, 2, G_ODD)
+    np.testing.assert_allclose(np.array(y0), np.array(conv_reference(
+        u, conv.base_kernel[0], d[:, :, 0], 8)), rtol=1e-5, atol=1e-5)
+    sel = PathSelector(32, rank=64, vocab_size=300)
+    sel.predecessor_codebook = 0.3 * mx.random.normal((300, 64))
+    sel.successor_codebook = 0.3 * mx.random.normal((300, 64))
+    logits, hidden = mx.random.normal((2, 7, 300)), mx.random.normal((2, 7, 32))
+    anchor = mx.array([3, 9])
+    tokens, cand, q, path = sel(logits, hidden, anchor, 16)
+    U = mx.take_along_axis(logits, cand.astype(mx.int32), axis=-1)
+    g = sel.hidden_projection(hidden)
+    ref_path, _ = select_reference(U, cand, anchor, g, sel.predecessor_codebook,
+                                   sel.successor_codebook)
+    assert q is None and mx.array_equal(path, ref_path)
+    assert all(k.calls > 0 for k in kernels._kernels.values())
+
+
 def test_env_var_forces_reference(monkeypatch):
     monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
     assert not kernels.use_metal()

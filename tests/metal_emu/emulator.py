@@ -88,6 +88,8 @@ class EmulatedKernel:
     def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup,
                  template=None, init_value=None, verbose=False, stream=None):
         """Compile (cached by source hash) and run over the grid; returns mx arrays."""
+        if init_value is not None:
+            raise NotImplementedError("init_value is not emulated")
         self.calls += 1
         template = list(template or [])
         arrays = [mx.array(a) for a in inputs]
@@ -111,8 +113,6 @@ class EmulatedKernel:
                                        "between forward and reverse thread order")
             outs = [mx.array(raw.reshape(shape)).astype(dt)
                     for raw, shape, dt in zip(runs[0], output_shapes, output_dtypes)]
-        if init_value is not None:
-            raise NotImplementedError("init_value is not emulated")
         return outs
 
     def _driver(self, arrays, output_shapes, output_dtypes, grid, threadgroup, template):
