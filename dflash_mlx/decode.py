@@ -105,6 +105,7 @@ def decode(
     with mx.stream(generation_stream()):
         reused = cache.reuse(model, prompt)
         todo = prompt[reused:]
+        cache.busy = True  # caches and cache.tokens disagree until the next yield
         clock = _Clock(True)
         for s in range(0, len(todo), prefill_step_size):
             logits, feats = adapter(mx.array(todo[s : s + prefill_step_size])[None], cache.target)
@@ -124,6 +125,7 @@ def decode(
         anchor = first.item()
         history.append(anchor)
         clock.lap("prefill")
+        cache.busy = False
         yield Cycle([anchor], prompt_tokens=len(todo), timings=dict(clock.split))
         n_gen = 1
         while n_gen < max_tokens:
@@ -141,6 +143,7 @@ def decode(
                 clock.lap("selector", drafts)
             else:
                 drafts = mx.array([], dtype=mx.uint32)
+            cache.busy = True
             snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
             v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
             clock.lap("verify", v_logits, feats)
@@ -159,7 +162,10 @@ def decode(
             adapter.rollback(cache.target, b, a + 1, snap)
             drafter.append_context(feats[:, : a + 1], cache.drafter)
             cache.tokens += [anchor] + committed[:-1]
+            # Roll back / append on the device while the host builds the next cycle.
+            mx.async_eval(cache.state)
             clock.lap("rollback", cache.state)
+            cache.busy = False
             history += committed
             anchor = committed[-1]
             n_gen += len(committed)

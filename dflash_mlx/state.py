@@ -59,6 +59,8 @@ class PromptCache:
     tokens: List[int] = field(default_factory=list)
     # (token count, recurrent-state snapshot) taken after the last prefill, hybrids only
     checkpoint: Optional[Tuple[int, list]] = None
+    # True while a cycle is mutating the caches; an interrupted cycle leaves it set
+    busy: bool = False
 
     def reuse(self, model: DFlashModel, prompt: List[int]) -> int:
         """Keep the longest usable cached prefix of prompt; return its length.
@@ -67,6 +69,9 @@ class PromptCache:
         Recurrent layers cannot drop tokens: they go back to the checkpoint taken after the
         last prefill when that is still a prefix, else everything is reset.
         """
+        if self.busy:  # interrupted mid-cycle (e.g. Ctrl-C): contents unknown, start over
+            self.target, self.drafter = model.adapter.make_cache(), model.drafter.make_cache()
+            self.tokens, self.checkpoint, self.busy = [], None, False
         n = 0
         limit = min(len(self.tokens), len(prompt) - 1)
         while n < limit and self.tokens[n] == prompt[n]:

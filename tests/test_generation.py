@@ -96,3 +96,28 @@ def test_seeded_sampling_is_reproducible(pairs):
     a = generate(model, tok, "hello", max_tokens=20, temperature=0.9, seed=3)
     b = generate(model, tok, "hello", max_tokens=20, temperature=0.9, seed=3)
     assert a == b
+
+
+def test_a_cycle_interrupted_mid_verify_leaves_a_usable_cache(pairs, monkeypatch):
+    """Ctrl-C inside a cycle: the next call must still equal a cold run."""
+    model, tok = pairs("qwen3", "d2")
+    cache = model.make_cache()
+    calls = {"n": 0}
+    real_call = type(model.adapter).__call__
+
+    def flaky(self, ids, c):
+        calls["n"] += 1
+        out = real_call(self, ids, c)
+        if calls["n"] == 3:  # the verify already wrote into the caches
+            mx.eval(out)
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(type(model.adapter), "__call__", flaky)
+    try:
+        list(stream_generate(model, tok, "def parse_args(", max_tokens=30, prompt_cache=cache))
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(type(model.adapter), "__call__", real_call)
+    warm = generate(model, tok, "def parse_args(", max_tokens=20, prompt_cache=cache)
+    assert warm == generate(model, tok, "def parse_args(", max_tokens=20)
