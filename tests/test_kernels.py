@@ -296,5 +296,10 @@ def test_emulator_models_threadgroup_memory_and_barriers():
     with pytest.raises(RaceDetected):
         racy(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
              output_shapes=[(100,)], output_dtypes=[mx.float32])
+    divergent = EmulatedKernel("div", ["inp"], ["out"], "if (thread_position_in_grid.x % 2) {\n"
+                               + src.split("if (thread_position_in_grid.x != 0)")[0] + "}")
+    with pytest.raises(RuntimeError, match="barrier"):  # barrier in divergent control flow
+        divergent(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
+                  output_shapes=[(100,)], output_dtypes=[mx.float32])
     with pytest.raises(NotImplementedError):
         EmulatedKernel("s", ["inp"], ["out"], "out[0] = simd_sum(inp[0]);")

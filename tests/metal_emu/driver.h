@@ -59,6 +59,7 @@ struct Fiber {
   std::unique_ptr<char[]> stack;  // not zero-filled: allocation stays cheap
   std::function<void()> fn;
   bool done = false;
+  long barriers = 0;  // barriers passed so far
 };
 inline ucontext_t scheduler_ctx;
 inline Fiber* running = nullptr;
@@ -67,7 +68,10 @@ inline void fiber_main() {
   running->fn();
   running->done = true;  // uc_link returns to the scheduler
 }
-inline void fiber_yield_at_barrier() { swapcontext(&running->ctx, &scheduler_ctx); }
+inline void fiber_yield_at_barrier() {
+  ++running->barriers;
+  swapcontext(&running->ctx, &scheduler_ctx);
+}
 
 [[noreturn]] inline void fail(const char* what) {
   std::fprintf(stderr, "metal_emu: %s\n", what);
@@ -102,6 +106,8 @@ inline void run_group(std::vector<std::function<void()>>& threads, bool reverse)
     for (auto& f : fibers) done += f.done ? 1 : 0;
     if (done == n) break;
     if (done != 0) fail("some threads of a threadgroup finished while others wait at a barrier");
+    for (auto& f : fibers)
+      if (f.barriers != fibers[0].barriers) fail("threads wait at different barrier counts");
   }
   running = nullptr;
   barrier_hook = nullptr;
