@@ -22,14 +22,15 @@ SUPPORTED = {
 }
 
 
-class _Tap(nn.Module):
-    """Wraps one decoder layer; records its output while a capture is active."""
+class _Wrapper(nn.Module):
+    """An instance wrapper that forwards unknown attributes (e.g. ``is_linear``) inward.
 
-    def __init__(self, layer: nn.Module, store: Dict[int, mx.array], index: int):
+    Non-parameter state is kept out of the module tree with ``object.__setattr__``.
+    """
+
+    def __init__(self, inner: nn.Module):
         super().__init__()
-        self.inner = layer
-        object.__setattr__(self, "_store", store)
-        object.__setattr__(self, "_index", index)
+        self.inner = inner
 
     def __getattr__(self, name):
         try:
@@ -38,6 +39,15 @@ class _Tap(nn.Module):
             if name == "inner" or "inner" not in self:
                 raise
             return getattr(self["inner"], name)
+
+
+class _Tap(_Wrapper):
+    """Wraps one decoder layer; records its output while a capture is active."""
+
+    def __init__(self, layer: nn.Module, store: Dict[int, mx.array], index: int):
+        super().__init__(layer)
+        object.__setattr__(self, "_store", store)
+        object.__setattr__(self, "_index", index)
 
     def __call__(self, *args, **kwargs):
         out = self.inner(*args, **kwargs)
@@ -46,21 +56,12 @@ class _Tap(nn.Module):
         return out
 
 
-class _Recorder(nn.Module):
+class _Recorder(_Wrapper):
     """Wraps a recurrent mixer (Gated DeltaNet); keeps its last input for replay."""
 
     def __init__(self, mixer: nn.Module):
-        super().__init__()
-        self.inner = mixer
+        super().__init__(mixer)
         object.__setattr__(self, "_last", None)
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "inner" or "inner" not in self:
-                raise
-            return getattr(self["inner"], name)
 
     def __call__(self, x, mask=None, cache=None):
         object.__setattr__(self, "_last", (x, mask))
