@@ -50,7 +50,7 @@ class _Group(TyperGroup):
         except DFlashError as e:
             _err(str(e))
             sys.exit(USAGE_EXIT)
-        except (_cx.Abort, KeyboardInterrupt, EOFError):
+        except (typer.Abort, KeyboardInterrupt, EOFError):
             print("\ninterrupted", file=sys.stderr, flush=True)
             sys.exit(130)
         if isinstance(rv, int) and rv:

@@ -274,3 +274,22 @@ def test_serve_warns_without_key_off_loopback(pair, fake_server):
 def test_sparkline():
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
     assert sparkline([]) == ""
+
+
+def test_run_ctrl_c_and_closed_pipe_exit_quietly(pair):
+    pexpect = pytest.importorskip("pexpect")
+    args = ["-m", "dflash_mlx.cli", "run", *map(str, model_args(pair)), "hello", "-m", 100000]
+    c = pexpect.spawn(sys.executable, [str(a) for a in args], env=cli_env(), cwd=str(REPO_ROOT),
+                      encoding="utf-8", timeout=60)
+    time.sleep(2.0)
+    c.sendintr()
+    c.expect(pexpect.EOF)
+    c.close()
+    assert c.exitstatus == 130 and "interrupted" in c.before and "Traceback" not in c.before
+    # `dflash run ... | head -c 5`: the reader goes away mid-stream.
+    p = subprocess.Popen([sys.executable, *[str(a) for a in args[:-1]], "3000"], env=cli_env(),
+                         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(5)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(60) != 0 and "Traceback" not in err
