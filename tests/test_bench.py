@@ -1,0 +1,81 @@
+"""dflash bench: prompts, the report's structure and the blog's diagnostics on tiny models."""
+
+import json
+
+import pytest
+
+from dflash_mlx import DFlashError
+from dflash_mlx.bench import latency_split, load_prompts, run_bench
+from dflash_mlx.bench_report import print_report, write_json, write_plot
+
+
+def test_prompts_from_jsonl_and_errors(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    assert load_prompts(str(f), 2) == ["a", "b"]
+    assert load_prompts(None, 5, prompt="x") == ["x"]
+    f.write_text('{"text": "a"}\n')
+    with pytest.raises(DFlashError, match="p.jsonl:1 is not a JSON object with a 'prompt'"):
+        load_prompts(str(f), 2)
+    with pytest.raises(DFlashError, match="is not a file"):
+        load_prompts(str(tmp_path / "nope.jsonl"), 2)
+    with pytest.raises(DFlashError, match="give --prompt or --dataset"):
+        load_prompts(None, 2)
+
+
+def test_report_has_every_method_position_and_figure(pairs, tmp_path):
+    from rich.console import Console
+
+    model, tok = pairs("qwen3", "d2")
+    rep = run_bench(model, tok, ["def parse_args(", "import os\n"], max_tokens=24, block_size=8)
+    assert set(rep["methods"]) == {"autoregressive", "dflash1", "dflash2"}
+    assert rep["methods"]["autoregressive"]["speedup"] == pytest.approx(1.0)
+    for m in ("dflash1", "dflash2"):
+        assert rep["methods"][m]["tau"] >= 1.0 and rep["methods"][m]["tokens"] == 48
+        assert len(rep["positions"][f"acceptance_{m}"]) == 7
+    r1, r16 = rep["positions"]["recall@1"], rep["positions"]["recall@16"]
+    assert len(r1) == 7 and all(a <= b for a, b in zip(r1, r16))
+    assert rep["tau_oracle"] >= rep["tau_top1_teacher_forced"] >= 1.0
+    rep["latency_split"] = latency_split(model, tok.encode("def f("), 16, 8, 0.0)
+    shares = [v for k, v in rep["latency_split"].items() if k != "cycle_ms"]
+    assert abs(sum(shares) - 1.0) < 0.05
+    print_report(rep, Console(file=open(tmp_path / "out.txt", "w"), width=120))
+    write_json(rep, tmp_path / "r.json")
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["block_size"] == 8
+    pytest.importorskip("matplotlib")
+    write_plot(rep, tmp_path / "r.png")
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_teacher_forced_recall_equals_the_inference_path_anchor_by_anchor(pairs):
+    """The batched, masked drafter pass of the bench must see exactly what decoding sees."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx.selector import top_candidates
+
+    model, tok = pairs("qwen3", "d2")
+    ids = tok.encode("def parse_args(")
+    model.drafter.args.selector_top_k = 128  # wide enough that hits are not all zero
+    try:
+        rep = run_bench(model, tok, ["def parse_args("], max_tokens=12, block_size=4)
+    finally:
+        model.drafter.args.selector_top_k = 16
+    cont = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=12)]
+    seq, L = ids + cont, 3
+    hits1, hitsk, n = np.zeros(L), np.zeros(L), 0
+    for a in range(len(ids), len(seq) - L):
+        cache = model.make_cache()
+        _, feats = model.adapter(mx.array(seq[:a])[None], cache.target)
+        model.drafter.append_context(feats, cache.drafter)
+        h = model.drafter.step(model.embed_block(mx.array([seq[a]], mx.uint32), 4), cache.drafter)
+        _, cand = top_candidates(model.drafter.logits(h[:, 1:], model.adapter.lm_head), 128)
+        labels = np.array(seq[a + 1 : a + 1 + L])
+        cand = np.array(cand[0])
+        hits1 += cand[:, 0] == labels
+        hitsk += (cand == labels[:, None]).any(1)
+        n += 1
+    assert rep["positions"]["recall@1"] == pytest.approx((hits1 / n).tolist())
+    assert hitsk.sum() > 0
+    assert rep["positions"]["recall@128"] == pytest.approx((hitsk / n).tolist())
