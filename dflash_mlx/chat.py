@@ -8,7 +8,10 @@ once and starts a fresh cache. Ctrl-D or /exit leaves.
 
 from __future__ import annotations
 
+import math
+import re
 import select
+import shutil
 import signal
 import sys
 from typing import Dict, List, Optional
@@ -21,6 +24,25 @@ HELP = """commands:
   /exit            leave (also Ctrl-D)
 a line ending in \\ continues on the next line; pasted multi-line text is one message.
 Ctrl-C stops the current answer."""
+
+
+_MARKDOWN = re.compile(r"(^|\n)(#{1,6} |```|\s*[-*] |\s*\d+\. |> )|\*\*[^*\n]+\*\*|`[^`\n]+`")
+
+
+def looks_like_markdown(text: str) -> bool:
+    """True when text uses markdown worth rendering (headings, fences, lists, bold, code)."""
+    return bool(_MARKDOWN.search(text))
+
+
+def rows_used(text: str, width: int) -> Optional[int]:
+    """Terminal rows that text printed from column 0 (plus a final newline) occupies, or
+    None when that cannot be known (control characters, tabs)."""
+    from rich.cells import cell_len
+
+    if any(ord(ch) < 32 and ch != "\n" for ch in text) or "\x7f" in text:
+        return None
+    width = max(int(width), 1)
+    return sum(max(1, math.ceil(cell_len(line) / width)) for line in text.split("\n"))
 
 
 class _StopFlag:
@@ -60,12 +82,13 @@ class ChatSession:
     """
 
     def __init__(self, model, tokenizer, name: str, gen: Dict, system: Optional[str] = None,
-                 show_stats: bool = True, stdin=None, stdout=None):
+                 show_stats: bool = True, stdin=None, stdout=None, markdown: bool = True):
         from rich.console import Console
 
         self.model, self.tok, self.name, self.gen = model, tokenizer, name, gen
         self.system = system
         self.show_stats = show_stats
+        self.markdown = markdown
         self.stdin = stdin or sys.stdin
         self.out = stdout or sys.stdout
         self.con = Console(file=self.out, highlight=False, soft_wrap=True)
@@ -221,6 +244,8 @@ class ChatSession:
             gen.close()
         self.out.write("\n")
         self.out.flush()
+        if not stopped:
+            self._render_markdown("".join(pieces))
         reply = self.tok.decode(answer_ids) if answer_ids else "".join(pieces)
         self.history.append({"role": "assistant", "content": reply})
         if full is not None:
@@ -237,6 +262,24 @@ class ChatSession:
                 f"[dim]{last.prompt_processed} new prompt tokens · {last.generation_tokens} "
                 f"tokens at {last.generation_tps:.1f} tok/s · tau {last.tau:.2f}[/dim]"
             )
+
+    def _render_markdown(self, shown: str) -> None:
+        """Replace the streamed answer by its rendered markdown, when the terminal allows:
+        stdout is a terminal and the whole answer is still on screen."""
+        if not (self.markdown and shown.strip() and looks_like_markdown(shown)):
+            return
+        isatty = getattr(self.out, "isatty", None)
+        if not (isatty and isatty()):
+            return
+        size = shutil.get_terminal_size()
+        n = rows_used(shown, size.columns)
+        if n is None or n >= size.lines - 1:
+            return
+        from rich.markdown import Markdown
+
+        self.out.write(f"\x1b[{n}F\x1b[J")  # back to the answer's first row, clear below
+        self.out.flush()
+        self.con.print(Markdown(shown))
 
     def loop(self) -> None:
         self.con.print(

@@ -325,6 +325,9 @@ def chat(
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Paths and the time split."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-turn stats line."),
+    no_markdown: bool = typer.Option(
+        False, "--no-markdown", help="Keep answers as streamed (no markdown rendering)."
+    ),
 ):
     """Chat in the terminal; caches persist across turns. /help lists the commands."""
     _check_options(max_tokens, temp, top_p, top_k, min_p, presence_penalty, block_size)
@@ -341,7 +344,8 @@ def chat(
         presence_penalty=presence_penalty, block_size=block_size or m.block_size,
         use_selector=not no_selector, seed=seed,
     )
-    ChatSession(m, tok, name, gen, system=system, show_stats=not quiet).loop()
+    ChatSession(m, tok, name, gen, system=system, show_stats=not quiet,
+                markdown=not no_markdown).loop()
 
 
 # ----------------------------------------------------------------------------- models

@@ -136,3 +136,45 @@ def test_session_logic_without_a_terminal(pair):
     assert "prefilled" in text and len(s.history) == 2
     ids = tok.apply_chat_template(s.messages()[:2], add_generation_prompt=True)
     assert s.prev_ids[: len(ids)] == list(ids)
+
+
+class _TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_markdown_rendered_in_place_once_a_turn_ends(pair, monkeypatch):
+    import types
+
+    from dflash_mlx import generation, load
+    from dflash_mlx.chat import ChatSession, looks_like_markdown, rows_used
+
+    assert looks_like_markdown("# Title\ntext") and looks_like_markdown("use `x` here")
+    assert looks_like_markdown("- a\n- b") and not looks_like_markdown("plain words, 3 * 4.")
+    assert rows_used("ab\ncdefg", 4) == 3 and rows_used("a\x08b", 80) is None
+
+    model, tok = load(str(pair / "target"), drafter=str(pair / "drafter"))
+    reply = "## Plan\n\n- **one**\n- two\n"
+
+    def fake_stream(*a, **k):
+        yield types.SimpleNamespace(
+            text=reply, tokens=tok.encode(reply, add_special_tokens=False), finish_reason="stop",
+            prompt_tokens=5, prompt_processed=5, prompt_tps=1.0, generation_tokens=3,
+            generation_tps=1.0, tau=1.0, cycles=1, peak_memory=0.0, acceptance=[],
+        )
+
+    monkeypatch.setattr(generation, "stream_generate", fake_stream)
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setenv("LINES", "40")
+    out = _TTY()
+    s = ChatSession(model, tok, "tiny", dict(max_tokens=4), stdin=io.StringIO(""), stdout=out)
+    s.answer("plan it")
+    text = out.getvalue()
+    n = rows_used(reply + "\n", 80) - 1
+    assert text.startswith(reply + "\n" + f"\x1b[{n}F\x1b[J")
+    assert "•" in text and "Plan" in text  # rich's rendering of the list and heading
+    plain = _TTY()
+    s = ChatSession(model, tok, "tiny", dict(max_tokens=4), stdin=io.StringIO(""), stdout=plain,
+                    markdown=False)
+    s.answer("plan it")
+    assert plain.getvalue().startswith(reply + "\n") and "F\x1b[J" not in plain.getvalue()
