@@ -23,30 +23,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-STAGES = ["drafter", "conv", "selector", "verify", "acceptance", "rollback", "host"]
-
-
-def conv_seconds(drafter, block: int, reps: int = 20) -> float:
-    """Seconds per cycle spent in the drafter's conv calls (both sides, all layers)."""
-    if not drafter.has_selector:
-        return 0.0
-    H = drafter.args.hidden_size
-    x = mx.random.normal((1, block, H)).astype(drafter.fc.weight.dtype)
-    mx.eval(x)
-
-    def once():
-        outs = []
-        for layer in drafter.layers:
-            for conv in (layer.attention_conv, layer.mlp_conv):
-                u, d1 = conv.prepare(x, block)
-                outs.append(conv.finish(u, d1, block))
-        mx.eval(outs)
-
-    once()
-    t = time.perf_counter()
-    for _ in range(reps):
-        once()
-    return (time.perf_counter() - t) / reps
+from dflash_mlx.bench import STAGES, conv_seconds  # noqa: E402
 
 
 def profile(model, tok, prompt, max_tokens, block, selector):
