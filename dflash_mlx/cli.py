@@ -134,8 +134,6 @@ def _check_block(model, block_size: Optional[int]) -> None:
 def _load(model: str, drafter, quant, offline, quiet: bool, verbose: bool):
     from .registry import load_model
 
-    if quiet:
-        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     m, tok, name = load_model(model, drafter=drafter, quant=quant, offline=offline or None,
                               quiet=quiet)
     if verbose:
