@@ -1,7 +1,7 @@
 """The generation worker of ``dflash_mlx.server``: a bounded FIFO of jobs run one at a time
-in the thread that calls ``Engine.run`` (the main thread: ``dflash_mlx.decode`` makes its MLX
-stream at import, in the importing thread), with cancellation at the next cycle and one prompt
-cache shared by all requests."""
+in the thread that calls ``Engine.run`` (MLX streams are per thread; the decode loop makes its
+own on first use there), with cancellation at the next cycle and one prompt cache shared by
+all requests."""
 
 from __future__ import annotations
 
