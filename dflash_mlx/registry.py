@@ -321,5 +321,15 @@ def load_model(
         if len(errors) == 1:
             raise DFlashError(errors[0])
         raise DFlashError(f"{errors[0]} (also tried {', '.join(res.drafters[1:])})")
-    m, tok = load(str(tpath), drafter=str(dpath), offline=True)
+    try:
+        m, tok = load(str(tpath), drafter=str(dpath), offline=True)
+    except DFlashError:
+        raise
+    except (RuntimeError, KeyError, OSError, ValueError, TypeError, AttributeError) as e:
+        # mlx / mlx-lm on a corrupt or unsupported checkpoint: one line, not a traceback.
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise DFlashError(
+            f"cannot load {res.display_name} from {tpath} ({type(e).__name__}: {reason}); "
+            "re-download it or check that mlx-lm supports this model"
+        ) from None
     return m, tok, res.display_name

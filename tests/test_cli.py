@@ -190,7 +190,14 @@ def _bad_cases(pair, foreign, tmp):
 
 
 def test_bad_inputs_one_line_exit_2(pair, foreign_drafter, tmp_path):
+    import shutil
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(pair / "target", corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
     cases = _bad_cases(pair, foreign_drafter, tmp_path)
+    cases["corrupt weights"] = (
+        ["run", "--model", corrupt, "--drafter", pair / "drafter", "hi"], "re-download it")
     for name, (args, needle) in cases.items():
         r = invoke(*args, input="")
         assert r.exit_code == 2, (name, r.exit_code, r.stdout, r.stderr, r.exception)
