@@ -34,6 +34,8 @@ class _Group(TyperGroup):
     """Typer group whose errors are one line on stderr with exit code 2."""
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:  # an embedding caller handles errors itself
+            return super().main(*args, standalone_mode=False, **kwargs)
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except _cx.NoArgsIsHelpError as e:
@@ -321,7 +323,7 @@ def chat(
     offline: bool = typer.Option(
         False, "--offline", help="Use the local Hugging Face cache only (also HF_HUB_OFFLINE=1)."
     ),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Paths and the time split."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-turn stats line."),
     no_markdown: bool = typer.Option(
         False, "--no-markdown", help="Keep answers as streamed (no markdown rendering)."
