@@ -1,4 +1,4 @@
-"""The ``dflash`` command line: run, chat, models and serve.
+"""The ``dflash`` command line: run, chat, models, serve (and bench, in cli_bench).
 
 Only typer is imported at module level: MLX, mlx-lm, huggingface_hub and the engine are
 imported inside the commands, so ``dflash --help`` stays instant. Every bad input ends with
@@ -468,6 +468,11 @@ def serve(
     )
     run_server(m, tok, name, host=host, port=port, api_key=api_key, defaults=defaults,
                max_queue=max_queue)
+
+
+from .cli_bench import bench as _bench  # noqa: E402
+
+app.command(name="bench")(_bench)
 
 
 def main():  # pragma: no cover - console entry for `python -m dflash_mlx.cli`
