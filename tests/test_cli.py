@@ -189,8 +189,11 @@ def _bad_cases(pair, foreign, tmp):
     }
 
 
-def test_bad_inputs_one_line_exit_2(pair, foreign_drafter, tmp_path):
+def test_bad_inputs_one_line_exit_2(pair, foreign_drafter, tmp_path, monkeypatch):
     import shutil
+
+    (tmp_path / "no-demo").mkdir()
+    monkeypatch.setenv("DFLASH_DEMO_DIR", str(tmp_path / "no-demo"))  # an install without it
 
     corrupt = tmp_path / "corrupt"
     shutil.copytree(pair / "target", corrupt)
