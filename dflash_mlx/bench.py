@@ -21,6 +21,7 @@ import numpy as np
 from .acceptance import SamplingParams
 from .decode import decode
 from .errors import DFlashError
+from .drafter import block_mask
 from .selector import top_candidates
 
 METHODS = ("autoregressive", "dflash1", "dflash2")
@@ -141,12 +142,7 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
         N = len(a)
         blk = np.full((N, block), drafter.args.mask_token_id, dtype=np.uint32)
         blk[:, 0] = np.array(seq)[a]
-        col = np.arange(T)[None]
-        ctx = col < a[:, None]
-        if win:
-            ctx &= col >= a[:, None] - (win - 1)
-        mask = np.concatenate([ctx, np.ones((N, block), bool)], 1)[:, None, None, :]
-        mask = mx.array(np.broadcast_to(mask, (N, 1, block, T + block)))
+        mask = mx.array(block_mask(a, T, block, win))
         emb = adapter.embed(mx.array(blk)) * drafter.args.input_embedding_scale
         h = drafter(emb.astype(drafter.fc.weight.dtype),
                     [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],

@@ -10,6 +10,7 @@ from typing import List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -18,6 +19,26 @@ from .conv import TwoTapConv
 from .selector import PathSelector
 
 Offset = Union[int, mx.array]
+
+
+def block_mask(anchors: np.ndarray, context: int, block: int, window: Optional[int]) -> np.ndarray:
+    """Attention mask for many blocks drafted at once over one shared context (training,
+    teacher-forced evaluation): block j sees the context rows before its anchor (the last
+    ``window - 1`` of them on sliding layers) and all of its own rows.
+
+    Args:
+        anchors: absolute anchor positions [N]. context: context rows T. block: rows per block.
+        window: the drafter's sliding window, or None.
+
+    Returns:
+        bool mask [N, 1, block, T + block].
+    """
+    col = np.arange(context)[None, :]
+    ctx = col < anchors[:, None]  # [N, T]
+    if window:
+        ctx &= col >= anchors[:, None] - (window - 1)
+    mask = np.concatenate([ctx, np.ones((len(anchors), block), bool)], axis=1)
+    return np.broadcast_to(mask[:, None, None, :], (len(anchors), 1, block, context + block))
 
 
 class ContextCache:

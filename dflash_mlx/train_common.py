@@ -9,6 +9,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from dflash_mlx.drafter import block_mask
 from dflash_mlx.selector import select_path, top_candidates
 
 
@@ -210,12 +211,7 @@ def make_blocks(
     ids[:, 0] = x[rows, a]
     pos = a[:, None] + np.arange(B - 1)[None, :]  # label of row k sits at teacher[a + k - 1]
     labels = teacher[rows[:, None], pos].astype(np.int32)
-    col = np.arange(T)[None, :]
-    ctx = col < a[:, None]
-    if window:
-        ctx &= col >= a[:, None] - (window - 1)
-    mask = np.concatenate([ctx, np.ones((len(a), B), bool)], axis=1)[:, None, None, :]
-    mask = np.broadcast_to(mask, (len(a), 1, B, T + B))
+    mask = block_mask(a, T, B, window)
     return {"ids": ids, "labels": labels, "offsets": a.astype(np.int32), "mask": mask}
 
 
