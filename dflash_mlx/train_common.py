@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx.drafter import block_mask
+from dflash_mlx.target import TargetAdapter
 from dflash_mlx.selector import select_path, top_candidates
 
 
@@ -154,31 +155,25 @@ def evaluate_lm(model, held, seq: int, limit: int | None) -> dict:
 
 
 def target_pass(model, x: mx.array, layer_ids):
-    """Run a qwen3-style mlx-lm target on x [S, T] without a cache.
+    """Run a frozen mlx-lm target on x [S, T] without a cache, capturing layer outputs
+    through the same ``TargetAdapter`` the decoder uses.
 
     Args:
-        model: the mlx-lm model (``model.model`` holds embed_tokens, layers, norm).
-        x: token ids [S, T].
+        model: the mlx-lm model. x: token ids [S, T].
         layer_ids: decoder layers whose outputs form the context features.
 
     Returns:
         (features [S, T, len(layer_ids) * H], greedy next tokens [S, T] where entry p is
         the target's argmax after reading x[:, : p + 1]).
     """
-    inner = model.model
-    h = inner.embed_tokens(x)
-    outs = {}
-    for i, layer in enumerate(inner.layers):
-        h = layer(h, "causal", None)
-        outs[i] = h
-    logits = _head(model, inner.norm(h))
-    feats = mx.concatenate([outs[i] for i in layer_ids], axis=-1)
+    adapter = _adapters.get(id(model))
+    if adapter is None or adapter.layer_ids != list(layer_ids):
+        adapter = _adapters[id(model)] = TargetAdapter(model, layer_ids)
+    logits, feats = adapter(x, None)
     return mx.stop_gradient(feats), mx.argmax(logits, axis=-1).astype(mx.int32)
 
 
-def _head(model, h):
-    head = getattr(model, "lm_head", None)
-    return head(h) if head is not None else model.model.embed_tokens.as_linear(h)
+_adapters: dict = {}
 
 
 def make_blocks(
