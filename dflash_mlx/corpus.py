@@ -83,12 +83,13 @@ def read_source(root: Path, rel_path: str) -> str:
     return (Path(root) / rel_path).read_text(encoding="utf-8", errors="replace")
 
 
-def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB):
+def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB, special_tokens=None):
     """Train a byte-level BPE tokenizer.
 
     Args:
         texts: iterable of training strings (one per file).
         vocab_size: total vocabulary size, special tokens included.
+        special_tokens: ids 0.. in order (default: EOS, mask, pad).
 
     Returns:
         A ``tokenizers.Tokenizer``; ids 0..2 are EOS, mask and pad.
@@ -100,7 +101,7 @@ def train_tokenizer(texts, vocab_size: int = DEFAULT_VOCAB):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(special_tokens or SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+from dflash_mlx.corpus import train_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -29,18 +30,7 @@ CORPUS = (
 
 def build_tokenizer(path: Path, vocab_size: int = 320) -> int:
     """Train a tiny byte-level BPE into path; return its vocabulary size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS], trainer)
+    tok = train_tokenizer([CORPUS], vocab_size, SPECIALS)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     cfg = {
