@@ -1,0 +1,163 @@
+"""Self-distillation data: the target's own greedy answers, with the features the drafter
+reads, generated in batches and written in resumable shards.
+
+Usage::
+
+    python -m dflash_mlx.train.distill --out .work/distill [--split heldout] [--max-new 192]
+
+Each shard directory holds, for its sequences concatenated: ``tokens`` (prompt + answer,
+int32), ``teacher`` (the target's argmax after each fed token, i.e. the label of the next
+position; int32), ``feats`` (float16 outputs of ``target_layer_ids`` for each fed token,
+``[n, len(layer_ids) * H]``), and ``starts`` / ``prompt_lens`` per sequence. Every sequence
+has one more token than it has features (its last token was never fed). A shard is written to
+a temporary name and renamed, so an interrupted run resumes at the next missing shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache
+
+from dflash_mlx.target import TargetAdapter
+from dflash_mlx.train.prompts import build_prompts
+
+FP16_MAX = 65000.0
+
+
+def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
+    """Greedy answers for a batch of tokenized prompts (left-padded), with features.
+
+    Args:
+        adapter: a TargetAdapter tapping the layers to record. prompts: lists of ids.
+        eos: ids that end an answer. max_new: answer budget.
+
+    Returns:
+        list of (tokens, teacher, feats float16) per prompt, trimmed after its EOS.
+    """
+    B, L = len(prompts), max(len(p) for p in prompts)
+    pad = [L - len(p) for p in prompts]
+    x = mx.array([[0] * n + p for n, p in zip(pad, prompts)])
+    cache = [BatchKVCache(pad) for _ in adapter.inner.layers]
+    logits, feats = adapter(x, cache)
+    feats = mx.clip(feats, -FP16_MAX, FP16_MAX)  # rare outliers must not become inf
+    teach = [mx.argmax(logits, axis=-1)]  # [B, L]
+    feat_parts, tok = [feats.astype(mx.float16)], teach[0][:, -1:]
+    mx.eval(tok, feat_parts, teach)
+    toks, done = [np.array(tok)], np.zeros(B, bool)
+    for _ in range(max_new - 1):
+        done |= np.isin(toks[-1][:, 0], eos)
+        if done.all():
+            break
+        logits, feats = adapter(tok, cache)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        feat_parts.append(mx.clip(feats, -FP16_MAX, FP16_MAX).astype(mx.float16))
+        mx.async_eval(tok, feat_parts[-1])
+        toks.append(np.array(tok))
+    gen = np.concatenate(toks, axis=1)  # [B, steps]
+    F = np.array(mx.concatenate(feat_parts, axis=1))  # [B, L + steps - 1, D]
+    T = np.concatenate([np.array(teach[0]), gen[:, 1:]], axis=1)
+    out = []
+    for b, p in enumerate(prompts):
+        g = gen[b].tolist()
+        n = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
+        fed = len(p) + n - 1
+        tokens = np.array(p + g[:n], np.int32)
+        out.append((tokens, T[b, pad[b] : pad[b] + fed], F[b, pad[b] : pad[b] + fed]))
+    return out
+
+
+def write_shard(path: Path, seqs, prompt_lens) -> None:
+    """Write one shard atomically (temporary directory, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    lens = [len(s[0]) for s in seqs]
+    np.save(tmp / "tokens.npy", np.concatenate([s[0] for s in seqs]))
+    np.save(tmp / "teacher.npy", np.concatenate([s[1] for s in seqs]).astype(np.int32))
+    np.save(tmp / "feats.npy", np.concatenate([s[2] for s in seqs]))
+    np.save(tmp / "starts.npy", np.cumsum([0] + lens[:-1]).astype(np.int64))
+    np.save(tmp / "prompt_lens.npy", np.array(prompt_lens, np.int32))
+    tmp.rename(path)
+
+
+def run(
+    target,
+    tokenizer,
+    out: Path,
+    layer_ids,
+    split: str = "train",
+    max_new: int = 192,
+    batch: int = 48,
+    shard_size: int = 192,
+    limit: int | None = None,
+    log=print,
+) -> dict:
+    """Generate every missing shard of a split.
+
+    Args:
+        target, tokenizer: the mlx-lm target and its tokenizer. out: data folder.
+        layer_ids: target layers to record. split: prompt split. max_new: answer budget.
+        batch: prompts per generation batch. shard_size: prompts per shard.
+        limit: use only the first ``limit`` prompts (smoke runs).
+    """
+    out = Path(out) / split
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"layer_ids": list(layer_ids), "max_new": max_new}
+    (out / "meta.json").write_text(json.dumps(meta))
+    adapter = TargetAdapter(target, layer_ids)
+    prompts = build_prompts(split)[:limit]
+    eos = sorted(set(tokenizer.eos_token_ids))
+    total = {"tokens": 0, "seconds": 0.0}
+    for s0 in range(0, len(prompts), shard_size):
+        path = out / f"shard_{s0 // shard_size:04d}"
+        if path.exists():
+            continue
+        t0 = time.time()
+        ids = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], add_generation_prompt=True
+            )
+            for p in prompts[s0 : s0 + shard_size]
+        ]
+        order = np.argsort([len(i) for i in ids])  # similar lengths share a batch
+        seqs = [None] * len(ids)
+        for b0 in range(0, len(ids), batch):
+            pick = order[b0 : b0 + batch]
+            for i, r in zip(pick, generate_batch(adapter, [ids[i] for i in pick], eos, max_new)):
+                seqs[i] = r
+        write_shard(path, seqs, [len(i) for i in ids])
+        n = sum(len(s[0]) for s in seqs)
+        dt = time.time() - t0
+        total["tokens"] += n
+        total["seconds"] += dt
+        log(f"{path.name}: {len(ids)} prompts, {n} tokens, {n / dt:.0f} tok/s")
+    return total
+
+
+def main(argv=None) -> None:
+    """Command-line entry point (see the module docstring)."""
+    from dflash_mlx.gguf import load_gguf, packaged_gguf
+    from dflash_mlx.train_drafter import default_layer_ids
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--split", choices=["train", "heldout"], default="train")
+    p.add_argument("--max-new", type=int, default=192)
+    p.add_argument("--batch", type=int, default=48)
+    p.add_argument("--limit", type=int, default=None)
+    a = p.parse_args(argv)
+    target, tok, cfg = load_gguf(packaged_gguf())
+    ids = default_layer_ids(cfg["num_hidden_layers"])
+    run(target, tok, a.out, ids, a.split, a.max_new, a.batch, limit=a.limit)
+
+
+if __name__ == "__main__":
+    main()
