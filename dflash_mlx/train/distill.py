@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.prompts import build_prompts
 
 FP16_MAX = 65000.0
+PREFILL_CHUNK = 128
 
 
 def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
@@ -46,11 +46,15 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
     pad = [L - len(p) for p in prompts]
     x = mx.array([[0] * n + p for n, p in zip(pad, prompts)])
     cache = [BatchKVCache(pad) for _ in adapter.inner.layers]
-    logits, feats = adapter(x, cache)
-    feats = mx.clip(feats, -FP16_MAX, FP16_MAX)  # rare outliers must not become inf
-    teach = [mx.argmax(logits, axis=-1)]  # [B, L]
-    feat_parts, tok = [feats.astype(mx.float16)], teach[0][:, -1:]
-    mx.eval(tok, feat_parts, teach)
+    # Prefill in chunks: logits of a whole batch of long prompts would pass 2**31 elements.
+    teach, feat_parts = [], []
+    for c in range(0, L, PREFILL_CHUNK):
+        logits, feats = adapter(x[:, c : c + PREFILL_CHUNK], cache)
+        teach.append(mx.argmax(logits, axis=-1))
+        feat_parts.append(mx.clip(feats, -FP16_MAX, FP16_MAX).astype(mx.float16))
+        mx.eval(teach[-1], feat_parts[-1])
+    teach = mx.concatenate(teach, axis=1)  # [B, L]
+    tok = teach[:, -1:]
     toks, done = [np.array(tok)], np.zeros(B, bool)
     for _ in range(max_new - 1):
         done |= np.isin(toks[-1][:, 0], eos)
@@ -63,7 +67,7 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
         toks.append(np.array(tok))
     gen = np.concatenate(toks, axis=1)  # [B, steps]
     F = np.array(mx.concatenate(feat_parts, axis=1))  # [B, L + steps - 1, D]
-    T = np.concatenate([np.array(teach[0]), gen[:, 1:]], axis=1)
+    T = np.concatenate([np.array(teach), gen[:, 1:]], axis=1)
     out = []
     for b, p in enumerate(prompts):
         g = gen[b].tolist()

@@ -1,0 +1,138 @@
+"""Training batches for the drafter from self-distillation shards (see ``distill.py``).
+
+A batch holds S answers, each padded to a common length T, and ``n_blocks`` anchors per
+answer. An anchor a is an answer position (decoding never anchors inside the prompt); its
+block is ``[x_a, mask, ...]`` at positions a..a+B-1, it sees the context rows < a, and row k
+is labelled with the target's greedy token for position a+k. Rows past the end of the answer
+get weight 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from dflash_mlx.drafter import block_mask
+
+
+@dataclass
+class Seq:
+    """One distilled sequence: where its rows live in a shard."""
+
+    shard: int
+    tok0: int  # first token in the shard's tokens
+    feat0: int  # first feature row in the shard's feats
+    n: int  # tokens (features: n - 1)
+    prompt: int  # prompt tokens
+
+
+class ShardSet:
+    """Every finished shard of a split, features memory-mapped.
+
+    Args:
+        root: the split folder (e.g. ``.work/distill/train``).
+        min_answer: skip sequences whose answer is shorter than this.
+    """
+
+    def __init__(self, root: Path, min_answer: int = 2):
+        self.root = Path(root)
+        self.shards, self.seqs = [], []
+        for i, d in enumerate(sorted(p for p in self.root.glob("shard_*") if p.is_dir())):
+            if d.name.endswith(".tmp"):
+                continue
+            tokens = np.load(d / "tokens.npy")
+            teacher = np.load(d / "teacher.npy")
+            feats = np.load(d / "feats.npy", mmap_mode="r")
+            starts = np.load(d / "starts.npy")
+            plens = np.load(d / "prompt_lens.npy")
+            ends = np.append(starts[1:], len(tokens))
+            f0 = 0
+            k = len(self.shards)
+            for s, e, p in zip(starts, ends, plens):
+                n = int(e - s)
+                if n - p >= min_answer:
+                    self.seqs.append(Seq(k, int(s), f0, n, int(p)))
+                f0 += n - 1
+            self.shards.append((tokens, teacher, feats))
+        if not self.seqs:
+            raise FileNotFoundError(f"no finished shards under {self.root}")
+
+    @property
+    def tokens(self) -> int:
+        """Answer tokens held (the positions anchors are drawn from)."""
+        return sum(s.n - s.prompt for s in self.seqs)
+
+    def rows(self, s: Seq):
+        """(tokens [n], teacher [n-1], feats [n-1, D] float32) of one sequence."""
+        tokens, teacher, feats = self.shards[s.shard]
+        f = np.asarray(feats[s.feat0 : s.feat0 + s.n - 1], dtype=np.float32)
+        return tokens[s.tok0 : s.tok0 + s.n], teacher[s.feat0 : s.feat0 + s.n - 1], f
+
+
+def _bucket(n: int, step: int = 64) -> int:
+    return -(-n // step) * step
+
+
+def build_batch(
+    data: ShardSet,
+    picks,
+    n_blocks: int,
+    B: int,
+    mask_id: int,
+    rng: np.random.Generator,
+    window: int | None = None,
+    anchors=None,
+):
+    """Batch arrays for the sequences ``picks`` (indices into ``data.seqs``).
+
+    Args:
+        data: the shards. picks: sequence indices [S]. n_blocks: anchors per sequence.
+        B: block size. mask_id: the mask token. rng: anchor generator.
+        window: the drafter's sliding window. anchors: fixed anchors [S, n_blocks] (eval).
+
+    Returns:
+        dict of numpy arrays: feats [S, T, D], ids [N, B], labels [N, B-1],
+        valid [N, B-1] (0 past the answer's end), offsets [N], mask [N, 1, B, T + B].
+    """
+    seqs = [data.seqs[i] for i in picks]
+    T = _bucket(max(s.n - 1 for s in seqs))
+    parts = [data.rows(s) for s in seqs]
+    D = parts[0][2].shape[1]
+    feats = np.zeros((len(seqs), T, D), np.float32)
+    ids = np.full((len(seqs) * n_blocks, B), mask_id, np.int32)
+    labels = np.zeros((len(seqs) * n_blocks, B - 1), np.int32)
+    valid = np.zeros((len(seqs) * n_blocks, B - 1), np.float32)
+    offs = np.zeros(len(seqs) * n_blocks, np.int32)
+    for j, (s, (tok, teach, f)) in enumerate(zip(seqs, parts)):
+        feats[j, : s.n - 1] = f
+        if anchors is None:
+            lo, hi = s.prompt, s.n - 2  # anchor a needs teacher[a] (row 1's label)
+            a = rng.integers(lo, hi + 1, size=n_blocks)
+        else:
+            a = anchors[j]
+        rows = slice(j * n_blocks, (j + 1) * n_blocks)
+        ids[rows, 0] = tok[a]
+        pos = a[:, None] + np.arange(B - 1)[None, :]  # row k's label is teacher[a + k - 1]
+        ok = pos <= s.n - 2
+        labels[rows] = np.where(ok, teach[np.minimum(pos, s.n - 2)], 0)
+        valid[rows] = ok
+        offs[rows] = a
+    mask = block_mask(offs, T, B, window)
+    return {
+        "feats": feats,
+        "ids": ids,
+        "labels": labels,
+        "valid": valid,
+        "offsets": offs,
+        "mask": mask,
+    }
+
+
+def eval_anchors(data: ShardSet, n_seqs: int, n_blocks: int, seed: int = 1234):
+    """Fixed (sequence picks, anchors) for comparable held-out evaluations."""
+    rng = np.random.default_rng(seed)
+    picks = np.linspace(0, len(data.seqs) - 1, min(n_seqs, len(data.seqs))).astype(int)
+    anchors = [rng.integers(data.seqs[i].prompt, data.seqs[i].n - 1, size=n_blocks) for i in picks]
+    return picks, np.stack(anchors)

@@ -1,0 +1,338 @@
+"""Train a DFlash 2 drafter on self-distillation shards (the target's own greedy answers).
+
+Usage::
+
+    python -m dflash_mlx.train.drafter --data .work/distill --out .work/demo_drafter \
+        --minutes 120 [--resume]
+
+Recipe (DFlash, plus the DFlash 2 conv and selector): every answer's stored target features
+are the context; random anchors inside the answer start blocks ``[x_a, mask, ...]`` that see
+the context rows < a; all blocks of a batch run in one pass (stacked on the batch axis with
+per-block RoPE offsets and an explicit attention mask). Row k is trained with cross-entropy
+against the target's greedy token for position a+k, weighted by exp(-(k-1)/gamma); the
+selector with a cross-entropy over the K lattice candidates of row k (gold inserted when it is
+missing from the top-K), the gold previous token as predecessor. The conv starts as the
+identity and the codebooks near zero, so the untrained drafter is plain DFlash.
+
+Published files are written by :func:`dflash_mlx.checkpoint.save_drafter` (bf16, the
+released format); ``train_state/`` keeps float32 weights and AdamW state for ``--resume``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.optimizers as optim
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from dflash_mlx.checkpoint import drafter_config, save_drafter
+from dflash_mlx.selector import select_path, top_candidates
+from dflash_mlx.target import TargetAdapter
+from dflash_mlx.train.data import ShardSet, build_batch, eval_anchors
+from dflash_mlx.train_common import CheckpointTimer, lr_at, make_progress
+from dflash_mlx.train_drafter import init_drafter, selector_scores
+from dflash_mlx.train_target import load_checkpoint, save_checkpoint
+
+DEMO_SHAPE = {
+    "num_hidden_layers": 2,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "block_size": 8,
+    "selector_rank": 32,
+    "selector_top_k": 16,
+    "conv_group_size": 16,
+    "sliding_window": 2048,
+}
+
+
+def losses(
+    drafter, feats, embeds, anchor_ids, offsets, mask, labels, weights, head, n_blocks, sel_weight
+):
+    """Weighted block cross-entropy plus the selector cross-entropy.
+
+    Args:
+        drafter: the drafter being trained. feats: context features [S, T, D].
+        embeds: block embeddings [N, B, H]. anchor_ids: [N]. offsets: anchor positions [N].
+        mask: [N, 1, B, T + B]. labels: [N, B-1]. weights: [N, B-1] (position weight,
+        0 past the answer). head: the target's LM head. n_blocks: blocks per sequence.
+        sel_weight: factor of the selector loss.
+
+    Returns:
+        (total, block CE, selector CE).
+    """
+    B = embeds.shape[1]
+    kv = drafter.context_kv(drafter.project_context(feats), 0)
+    kv = [(mx.repeat(k, n_blocks, axis=0), mx.repeat(v, n_blocks, axis=0)) for k, v in kv]
+    h = drafter(embeds, kv, offsets, B, mask)[:, 1:]  # [N, B-1, H]
+    logits = drafter.logits(h, head).astype(mx.float32)  # [N, B-1, V]
+    wsum = mx.maximum(weights.sum(), 1.0)
+    ce = (nn.losses.cross_entropy(logits, labels) * weights).sum() / wsum
+    scores, gold = selector_scores(drafter, mx.stop_gradient(logits), h, anchor_ids, labels)
+    sel = (nn.losses.cross_entropy(scores, gold) * weights).sum() / wsum
+    return ce + sel_weight * sel, ce, sel
+
+
+def to_device(blk: dict, adapter: TargetAdapter, scale: float, dtype):
+    """Batch arrays on the device, with the block embeddings."""
+    ids = mx.array(blk["ids"])
+    emb = adapter.embed(ids)
+    emb = (emb * scale if scale != 1.0 else emb).astype(dtype)
+    return (
+        mx.array(blk["feats"]),
+        emb,
+        ids[:, 0],
+        mx.array(blk["offsets"]),
+        mx.array(blk["mask"]),
+        mx.array(blk["labels"]),
+    )
+
+
+def evaluate(drafter, adapter, data: ShardSet, picks, anchors, batch: int = 8) -> dict:
+    """Teacher-forced acceptance on held-out answers: tau for top-1 drafting (DFlash 1),
+    the greedy selector walk (DFlash 2) and the top-K oracle, and per-position accuracy.
+
+    A row counts as accepted while it and every row before it equal the target's token.
+    """
+    a = drafter.args
+    B, K, nb = a.block_size, a.selector_top_k, anchors.shape[1]
+    hits = {"argmax": [], "selector": [], "oracle": []}
+    for i in range(0, len(picks), batch):
+        blk = build_batch(
+            data,
+            picks[i : i + batch],
+            nb,
+            B,
+            a.mask_token_id,
+            None,
+            a.sliding_window,
+            anchors[i : i + batch],
+        )
+        feats, emb, anchor, offs, mask, labels = to_device(
+            blk, adapter, a.input_embedding_scale, drafter.fc.weight.dtype
+        )
+        kv = drafter.context_kv(drafter.project_context(feats), 0)
+        kv = [(mx.repeat(k, nb, 0), mx.repeat(v, nb, 0)) for k, v in kv]
+        h = drafter(emb, kv, offs, B, mask)[:, 1:]
+        logits = drafter.logits(h, adapter.lm_head).astype(mx.float32)
+        U, cand = top_candidates(logits, K)
+        sel = drafter.candidate_selector
+        path, _ = select_path(
+            U,
+            cand,
+            anchor,
+            sel.hidden_projection(h),
+            sel.predecessor_codebook,
+            sel.successor_codebook,
+        )
+        chosen = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), -1)[..., 0]
+        valid = np.array(blk["valid"]) > 0
+        for name, ok in (
+            ("argmax", mx.argmax(logits, -1) == labels),
+            ("selector", chosen.astype(mx.int32) == labels),
+            ("oracle", (cand == labels[..., None].astype(cand.dtype)).any(-1)),
+        ):
+            hits[name].append(np.array(ok) & valid)
+    out = {}
+    for name, parts in hits.items():
+        ok = np.concatenate(parts)  # [N, B-1]
+        out[f"tau_{name}"] = round(float(1 + np.cumprod(ok, axis=1).sum(1).mean()), 4)
+        out[f"pos_{name}"] = [round(float(v), 3) for v in ok.mean(0)]
+    return out
+
+
+def make_step(drafter, optimizer, head, n_blocks, sel_weight):
+    """A compiled optimizer step over one batch; returns (loss, ce, selector ce)."""
+    state = [drafter.state, optimizer.state]
+    loss_and_grad = nn.value_and_grad(drafter, losses)
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(feats, emb, anchor, offs, mask, labels, weights):
+        out, grads = loss_and_grad(
+            drafter, feats, emb, anchor, offs, mask, labels, weights, head, n_blocks, sel_weight
+        )
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        optimizer.update(drafter, grads)
+        return out
+
+    return step, state
+
+
+def setup(target, data_dir: Path, out: Path, shape: dict, lr: float, resume: bool, seed: int):
+    """Data, drafter, optimizer and counters (restored with ``resume``)."""
+    meta = json.loads((Path(data_dir) / "train" / "meta.json").read_text())
+    adapter = TargetAdapter(target, meta["layer_ids"])
+    args = target.args
+    config = drafter_config(
+        hidden_size=args.hidden_size,
+        vocab_size=args.vocab_size,
+        num_target_layers=args.num_hidden_layers,
+        target_layer_ids=meta["layer_ids"],
+        mask_token_id=shape.pop("mask_token_id"),
+        rope_theta=shape.pop("rope_theta", 1e4),
+        rms_norm_eps=args.rms_norm_eps,
+        **shape,
+    )
+    drafter = init_drafter(config, seed)
+    optimizer = optim.AdamW(learning_rate=lr, betas=[0.9, 0.95], weight_decay=0.01)
+    optimizer.init(drafter.trainable_parameters())
+    st = {"step": 0, "elapsed_s": 0.0, "history": []}
+    if resume and (out / "train_state" / "state.json").exists():
+        st = load_checkpoint(out / "train_state", drafter, optimizer)
+    return adapter, config, drafter, optimizer, st
+
+
+def train(
+    target,
+    data_dir: Path,
+    out: Path,
+    minutes: float = 120.0,
+    steps: int | None = None,
+    resume: bool = False,
+    shape: dict | None = None,
+    seqs: int = 16,
+    n_blocks: int = 16,
+    lr: float = 1e-3,
+    warmup: int = 100,
+    gamma: float = 4.0,
+    sel_weight: float = 1.0,
+    eval_every_s: float = 600.0,
+    ckpt_every_s: float = 300.0,
+    eval_seqs: int = 96,
+    seed: int = 0,
+    log=print,
+) -> dict:
+    """Train (or resume) a drafter for ``target`` on the shards under ``data_dir``.
+
+    Args:
+        target: the mlx-lm target (frozen). data_dir: distill folder (train/, heldout/).
+        out: output folder: the drafter plus ``train_state/``. minutes: wall-clock budget,
+            resumes included. steps: optional step budget. resume: continue from out.
+        shape: drafter_config overrides; must hold ``mask_token_id``.
+        seqs: answers per batch. n_blocks: anchors per answer. lr, warmup: schedule.
+        gamma: position-weight decay. sel_weight: selector loss factor.
+        eval_every_s, ckpt_every_s: seconds between evaluations / checkpoints.
+        eval_seqs: held-out answers per evaluation. seed: data seed. log: line printer.
+    """
+    out = Path(out)
+    target.freeze()
+    adapter, config, drafter, optimizer, st = setup(
+        target, data_dir, out, dict(DEMO_SHAPE, **(shape or {})), lr, resume, seed
+    )
+    a = drafter.args
+    B = a.block_size
+    train_set, held = ShardSet(Path(data_dir) / "train"), ShardSet(Path(data_dir) / "heldout")
+    picks, anchors = eval_anchors(held, eval_seqs, 4)
+    log(
+        f"data: {len(train_set.seqs)} answers, {train_set.tokens} answer tokens; "
+        f"held-out {len(held.seqs)} answers"
+    )
+    pos_w = np.exp(-np.arange(B - 1) / gamma).astype(np.float32)
+    step_fn, state = make_step(drafter, optimizer, adapter.lm_head, n_blocks, sel_weight)
+
+    def publish():
+        st["elapsed_s"] = time.time() - t0
+        save_checkpoint(out / "train_state", drafter, optimizer, st)
+        save_drafter(out, drafter, config)
+
+    def do_eval():
+        ev = evaluate(drafter, adapter, held, picks, anchors)
+        st["history"].append({"step": st["step"], **ev})
+        log(f"eval step {st['step']}: " + json.dumps(ev))
+        return ev
+
+    t0, t_start, s_start = time.time() - st["elapsed_s"], time.time(), st["step"]
+    timer, run = CheckpointTimer(ckpt_every_s, eval_every_s), []
+    while True:
+        frac = max((time.time() - t0) / (minutes * 60), st["step"] / steps if steps else 0.0)
+        if frac >= 1.0:
+            break
+        optimizer.learning_rate = lr_at(st["step"], frac, lr, warmup)
+        rng = np.random.default_rng([seed, st["step"]])
+        blk = build_batch(
+            train_set,
+            rng.integers(0, len(train_set.seqs), seqs),
+            n_blocks,
+            B,
+            a.mask_token_id,
+            rng,
+            a.sliding_window,
+        )
+        dev = to_device(blk, adapter, a.input_embedding_scale, drafter.fc.weight.dtype)
+        res = step_fn(*dev, mx.array(blk["valid"] * pos_w))
+        mx.eval(res, state)
+        run.append([r.item() for r in res])
+        st["step"] += 1
+        if st["step"] % 20 == 0:
+            m, rate = np.mean(run[-20:], axis=0), (st["step"] - s_start) / (time.time() - t_start)
+            log(
+                f"step {st['step']} loss {m[0]:.3f} ce {m[1]:.3f} sel {m[2]:.3f} "
+                f"{rate * 60:.1f} steps/min, {(time.time() - t0) / 60:.1f} min"
+            )
+        due_ckpt, due_eval = timer.due()
+        if due_eval:
+            do_eval()
+        if due_ckpt:
+            publish()
+    final = do_eval()
+    publish()
+    summary = {
+        "step": st["step"],
+        "final": final,
+        "wall_s": st["elapsed_s"],
+        "params": sum(v.size for _, v in tree_flatten(drafter.parameters())),
+    }
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def main(argv=None) -> None:
+    """Command-line entry point (see the module docstring)."""
+    from dflash_mlx.gguf import load_gguf, packaged_gguf
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--minutes", type=float, default=120.0)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seqs", type=int, default=16)
+    p.add_argument("--blocks", type=int, default=16, help="anchors per answer")
+    p.add_argument("--layers", type=int, default=DEMO_SHAPE["num_hidden_layers"])
+    p.add_argument("--rank", type=int, default=DEMO_SHAPE["selector_rank"])
+    p.add_argument("--eval-every", type=float, default=600.0, help="seconds")
+    a = p.parse_args(argv)
+    target, tok, _ = load_gguf(packaged_gguf())
+    mask_id = tok.convert_tokens_to_ids(tok.pad_token or tok.eos_token)
+    shape = {
+        "num_hidden_layers": a.layers,
+        "selector_rank": a.rank,
+        "mask_token_id": mask_id,
+        "rope_theta": target.args.rope_theta,
+    }
+    train(
+        target,
+        a.data,
+        a.out,
+        a.minutes,
+        a.steps,
+        a.resume,
+        shape,
+        a.seqs,
+        a.blocks,
+        a.lr,
+        eval_every_s=a.eval_every,
+    )
+
+
+if __name__ == "__main__":
+    main()
