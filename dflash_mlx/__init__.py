@@ -1,8 +1,13 @@
 """dflash-mlx: DFlash 2 block-parallel speculative decoding on MLX.
 
 ``from dflash_mlx import load, generate, stream_generate``. Heavy imports are deferred so
-that ``dflash --help`` stays instant.
+that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded here, before any
+module of the package imports MLX (see ``blas.py``).
 """
+
+from .blas import load_system_blas
+
+load_system_blas()
 
 __version__ = "0.1.0"
 __all__ = ["load", "generate", "stream_generate", "DFlashError", "__version__"]
