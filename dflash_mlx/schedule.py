@@ -1,0 +1,202 @@
+"""``block_size="auto"``: choose each cycle's block size from measured costs and live
+acceptance, and decode plainly when drafting cannot pay.
+
+For a block of b tokens (the anchor plus b-1 drafts) the expected tokens committed are
+``E(b) = 1 + sum_{k<b} prod_{j<=k} alpha_j``, where alpha_j is the conditional acceptance at
+draft position j; a cycle costs ``C(b)`` seconds. The scheduler picks the b that maximises
+``E(b) / C(b)``, with b = 1 meaning a plain target step (no drafting). Costs come from a
+warm-up at load and from the loop's own timings; acceptance is estimated online per request,
+starting from a prior carried across requests on the same model. Only the past is used, never
+the current draft, so every schedule is lossless.
+
+While decoding plainly nothing is learnt about acceptance, so the scheduler re-probes with a
+speculative cycle after 8, 16, 32, ... plain steps, and only when an optimistic estimate
+(acceptance given the benefit of the doubt) says speculation could win at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+EMA = 0.25  # weight of a new cost observation
+PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each position
+FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
+PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to the max
+
+
+class CostTable:
+    """Seconds per cycle for each block size 1..max_block, measured and interpolated.
+
+    Args:
+        max_block: the checkpoint's block size.
+    """
+
+    def __init__(self, max_block: int):
+        self.max_block = max_block
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, b: int, seconds: float) -> None:
+        """Fold in one measured cycle of block b (b = 1: a plain step)."""
+        old = self.seconds.get(b)
+        self.seconds[b] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def __call__(self, b: int) -> float:
+        """Cost of block b: measured, else linear between the nearest measured sizes."""
+        if b in self.seconds:
+            return self.seconds[b]
+        known = sorted(self.seconds)
+        if not known:
+            return float(b)  # nothing measured: assume a cost proportional to the tokens
+        lo = [k for k in known if k < b]
+        hi = [k for k in known if k > b]
+        if lo and hi:
+            k0, k1 = lo[-1], hi[0]
+        elif len(known) >= 2:  # extrapolate from the two nearest points
+            k0, k1 = (known[-2], known[-1]) if lo else (known[0], known[1])
+        else:
+            return self.seconds[known[0]] * b / known[0]
+        c0, c1 = self.seconds[k0], self.seconds[k1]
+        return max(c0 + (c1 - c0) * (b - k0) / (k1 - k0), 1e-9)
+
+
+@dataclass
+class Acceptance:
+    """Conditional acceptance per draft position: a prior plus this request's counts.
+
+    Attributes:
+        prior: acceptance per position carried from earlier requests.
+        hits, seen: decayed counts of accepted / reached drafts per position.
+    """
+
+    prior: list[float]
+    hits: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        n = len(self.prior)
+        self.hits = self.hits or [0.0] * n
+        self.seen = self.seen or [0.0] * n
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Record a cycle that drafted ``drafted`` tokens and accepted ``accepted``."""
+        for k in range(len(self.seen)):
+            self.hits[k] *= FORGET
+            self.seen[k] *= FORGET
+        for k in range(min(accepted + 1, drafted)):
+            self.seen[k] += 1.0
+            self.hits[k] += float(k < accepted)
+
+    def rates(self, optimistic: bool = False) -> list[float]:
+        """Estimated conditional acceptance per position.
+
+        Args:
+            optimistic: add one standard error (the benefit of the doubt, for probing).
+        """
+        out = []
+        for p, h, s in zip(self.prior, self.hits, self.seen):
+            n = s + PRIOR_WEIGHT
+            r = (h + PRIOR_WEIGHT * p) / n
+            if optimistic:
+                r = min(1.0, r + math.sqrt(max(r * (1 - r), 0.05) / n))
+            out.append(r)
+        return out
+
+
+def expected_tokens(rates: list[float], b: int) -> float:
+    """E(b): tokens committed by a cycle of block b (accepted drafts + the bonus token)."""
+    total, run = 1.0, 1.0
+    for r in rates[: b - 1]:
+        run *= r
+        total += run
+    return total
+
+
+@dataclass
+class Choice:
+    """One decision: the block size and why."""
+
+    block: int
+    speedup: float  # expected tokens/s over plain decoding
+    probe: bool = False
+    reason: str = ""
+
+
+class Scheduler:
+    """Per-request block-size chooser.
+
+    Args:
+        costs: the model's CostTable (shared across requests, updated here).
+        prior: acceptance per draft position from earlier requests (len max_block - 1).
+        min_block: smallest speculative block considered (2).
+    """
+
+    def __init__(self, costs: CostTable, prior: list[float], min_block: int = 2):
+        self.costs = costs
+        self.max_block = costs.max_block
+        self.min_block = min_block
+        self.acc = Acceptance(list(prior))
+        self.plain_run = 0
+        self.probe_after = PROBE_START
+        self.history: Counter = Counter()
+        self.last_reason = ""
+
+    def _best(self, rates: list[float]) -> tuple[int, float]:
+        plain = 1.0 / self.costs(1)
+        best_b, best = 1, 1.0
+        for b in range(self.min_block, self.max_block + 1):
+            s = expected_tokens(rates, b) / self.costs(b) / plain
+            if s > best:
+                best_b, best = b, s
+        return best_b, best
+
+    def choose(self, budget: int | None = None) -> Choice:
+        """The block size for the next cycle.
+
+        Args:
+            budget: tokens still to generate (a block never drafts past it).
+        """
+        top = self.max_block if budget is None else max(1, min(self.max_block, budget))
+        b, s = self._best(self.acc.rates())
+        b = min(b, top)
+        if b >= self.min_block:
+            self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
+            return Choice(b, s, reason=f"block {b}: expected {s:.2f}x plain decoding")
+        ob, os_ = self._best(self.acc.rates(optimistic=True))
+        self.last_reason = (
+            f"plain: no block beats plain decoding (best {ob}: {os_:.2f}x even optimistically)"
+            if os_ <= 1.0
+            else f"plain: best block expected {s:.2f}x; re-probing after {self.probe_after} steps"
+        )
+        if os_ > 1.0 and self.plain_run >= self.probe_after and top >= self.min_block:
+            self.probe_after = min(self.probe_after * 2, PROBE_MAX)
+            return Choice(min(ob, top), os_, probe=True, reason=f"probe block {min(ob, top)}")
+        return Choice(1, 1.0, reason=self.last_reason)
+
+    def record(self, b: int, accepted: int, seconds: float | None) -> None:
+        """Fold in a finished cycle of block b.
+
+        Args:
+            accepted: drafts accepted. seconds: the cycle's wall time, or None if unknown.
+        """
+        self.history[b] += 1
+        if seconds is not None and seconds > 0:
+            self.costs.observe(b, seconds)
+        if b == 1:
+            self.plain_run += 1
+            return
+        self.acc.update(b - 1, accepted)
+        self.plain_run = 0
+
+    def posterior(self) -> list[float]:
+        """Acceptance per position after this request (the next request's prior)."""
+        return self.acc.rates()
+
+    def summary(self) -> dict:
+        """Block-size histogram and the share of plain steps."""
+        n = sum(self.history.values())
+        return {
+            "blocks": dict(sorted(self.history.items())),
+            "plain_share": self.history.get(1, 0) / n if n else 0.0,
+        }

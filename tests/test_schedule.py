@@ -1,0 +1,105 @@
+"""The block-size scheduler's decisions (pure logic; the decode loop's use is tested with
+the parity tests)."""
+
+from dflash_mlx.schedule import (
+    PROBE_START,
+    Acceptance,
+    CostTable,
+    Scheduler,
+    expected_tokens,
+)
+
+
+def costs(per_block):
+    t = CostTable(len(per_block))
+    for b, c in enumerate(per_block, start=1):
+        t.observe(b, c)
+    return t
+
+
+def test_expected_tokens_counts_the_bonus_and_the_accepted_prefix():
+    assert expected_tokens([1.0, 1.0, 1.0], 4) == 4.0
+    assert expected_tokens([0.5, 0.5], 3) == 1 + 0.5 + 0.25
+    assert expected_tokens([0.9, 0.9], 1) == 1.0
+
+
+def test_cost_table_interpolates_and_extrapolates_linearly():
+    t = CostTable(8)
+    t.observe(1, 1.0)
+    t.observe(4, 2.5)
+    assert abs(t(2) - 1.5) < 1e-9
+    assert abs(t(8) - 4.5) < 1e-9  # extrapolated from 1 and 4
+    t.observe(4, 3.5)  # an EMA, not a replacement
+    assert 2.5 < t(4) < 3.5
+
+
+def test_reference_blas_costs_mean_plain_decoding_and_no_probes():
+    # Verifying b tokens costs b plain steps: even perfect acceptance cannot win.
+    sched = Scheduler(costs([1.0] + [b * 1.0 + 0.3 for b in range(2, 9)]), [0.95] * 7)
+    picks = []
+    for _ in range(200):
+        c = sched.choose()
+        picks.append(c.block)
+        sched.record(c.block, 0, None)
+    assert set(picks) == {1}
+    assert "no block beats plain" in sched.last_reason
+
+
+def test_flat_costs_and_high_acceptance_choose_the_largest_block():
+    sched = Scheduler(costs([1.0] + [1.3 + 0.05 * b for b in range(2, 9)]), [0.9] * 7)
+    assert sched.choose().block == 8
+
+
+def test_low_acceptance_chooses_a_short_block():
+    sched = Scheduler(costs([1.0] + [1.2 + 0.1 * b for b in range(2, 9)]), [0.55, 0.2] + [0.1] * 5)
+    b = sched.choose().block
+    assert 2 <= b <= 3
+
+
+def test_live_acceptance_overrides_an_optimistic_prior():
+    sched = Scheduler(costs([1.0] + [1.2 + 0.1 * b for b in range(2, 9)]), [0.9] * 7)
+    assert sched.choose().block == 8
+    for _ in range(60):  # every draft rejected
+        c = sched.choose()
+        sched.record(c.block, 0, None)
+        if c.block == 1:
+            break
+    assert sched.choose().block == 1
+
+
+def test_plain_decoding_reprobes_with_doubling_backoff():
+    # Plainly better on the estimate, but an optimistic estimate says block 2 might win.
+    sched = Scheduler(costs([1.0] + [1.2 + 0.1 * b for b in range(2, 9)]), [0.3] * 7)
+    probes = []
+    for step in range(200):
+        c = sched.choose()
+        if c.probe:
+            probes.append(step)
+        sched.record(c.block, 0, None)
+    assert probes, "a plain run must be re-probed while speculation might still win"
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] >= PROBE_START
+    assert all(g2 >= g1 for g1, g2 in zip(gaps, gaps[1:]))
+
+
+def test_acceptance_counts_only_reached_positions():
+    acc = Acceptance([0.5] * 4)
+    acc.update(drafted=4, accepted=2)  # positions 0, 1 accepted, 2 rejected, 3 unreached
+    assert acc.seen[:4] == [1.0, 1.0, 1.0, 0.0]
+    assert acc.hits[:3] == [1.0, 1.0, 0.0]
+    r = acc.rates()
+    assert r[0] > 0.5 and r[2] < 0.5 and r[3] == 0.5
+
+
+def test_budget_caps_the_block():
+    sched = Scheduler(costs([1.0] + [1.3] * 7), [0.95] * 7)
+    assert sched.choose(budget=3).block <= 3
+
+
+def test_summary_reports_histogram_and_plain_share():
+    sched = Scheduler(costs([1.0] * 8), [0.5] * 7)
+    for b in (1, 1, 4, 8):
+        sched.record(b, 1, 0.01)
+    s = sched.summary()
+    assert s["blocks"] == {1: 2, 4: 1, 8: 1}
+    assert s["plain_share"] == 0.5
