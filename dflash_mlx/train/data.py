@@ -64,6 +64,15 @@ class ShardSet:
         """Answer tokens held (the positions anchors are drawn from)."""
         return sum(s.n - s.prompt for s in self.seqs)
 
+    def label_counts(self, vocab: int) -> np.ndarray:
+        """How often each token is an answer label (the target's greedy output)."""
+        counts = np.zeros(vocab, np.int64)
+        for s in self.seqs:
+            _, teacher, _ = self.shards[s.shard]
+            lab = teacher[s.feat0 + s.prompt - 1 : s.feat0 + s.n - 1]
+            counts += np.bincount(lab, minlength=vocab)[:vocab]
+        return counts
+
     def rows(self, s: Seq):
         """(tokens [n], teacher [n-1], feats [n-1, D] float32) of one sequence."""
         tokens, teacher, feats = self.shards[s.shard]

@@ -78,11 +78,29 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
     return out
 
 
-def write_shard(path: Path, seqs, prompt_lens) -> None:
-    """Write one shard atomically (temporary directory, then rename)."""
+def claim(path: Path, stale_s: float = 1800.0) -> bool:
+    """Claim a shard for this process (several may generate one split at once).
+
+    The claim is the shard's temporary directory, created exclusively; one left by a dead
+    process (older than ``stale_s``) is taken over.
+    """
+    if path.exists():
+        return False
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+        return True
+    except FileExistsError:
+        if time.time() - tmp.stat().st_mtime < stale_s:
+            return False
+        shutil.rmtree(tmp, ignore_errors=True)
+        return claim(path, stale_s)
+
+
+def write_shard(path: Path, seqs, prompt_lens) -> None:
+    """Write one claimed shard atomically (into its temporary directory, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
     lens = [len(s[0]) for s in seqs]
     np.save(tmp / "tokens.npy", np.concatenate([s[0] for s in seqs]))
     np.save(tmp / "teacher.npy", np.concatenate([s[1] for s in seqs]).astype(np.int32))
@@ -122,7 +140,7 @@ def run(
     total = {"tokens": 0, "seconds": 0.0}
     for s0 in range(0, len(prompts), shard_size):
         path = out / f"shard_{s0 // shard_size:04d}"
-        if path.exists():
+        if not claim(path):
             continue
         t0 = time.time()
         ids = [

