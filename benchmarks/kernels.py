@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from dflash_mlx import kernels  # noqa: E402
-from dflash_mlx.conv import two_tap_conv as conv_reference  # noqa: E402
-from dflash_mlx.selector import select_path as select_reference  # noqa: E402
+from dflash_mlx import conv, metal_kernel, selector  # noqa: E402
+from dflash_mlx.conv import two_tap_conv_ops as conv_reference  # noqa: E402
+from dflash_mlx.selector import select_path_ops as select_reference  # noqa: E402
 
 VIEW_PRIMITIVES = {"Broadcast", "ExpandDims", "Squeeze", "Slice", "Reshape", "Transpose"}
 DTYPES = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}
@@ -107,14 +107,14 @@ def emulated_check(inp: Dict, block: int) -> Dict[str, object]:
     if compiler() is None:
         return {"emulated": "skipped: no C++ compiler"}
     c, s, u = inp["conv"], compact_codebooks(inp["sel"]), inp["uniforms"]
-    out = kernels.conv_launch(kernels.build_kernel("two_tap_conv", EmulatedKernel),
+    out = conv.two_tap_conv_kernel(metal_kernel.build(conv.KERNEL, EmulatedKernel),
                               c["x"], c["base"], c["dyn"], block)
     ref = conv_reference(c["x"], c["base"], c["dyn"], block)
     diff = (out.astype(mx.float32) - ref.astype(mx.float32)).abs()
-    sk = kernels.build_kernel("path_select", EmulatedKernel)
+    sk = metal_kernel.build(selector.KERNEL, EmulatedKernel)
     args = (s["U"], s["cand"], s["anchor"], s["g"], s["A"], s["B"])
-    pg, _ = kernels.select_launch(sk, *args)
-    ps, qs = kernels.select_launch(sk, *args, 1.0, u)
+    pg, _ = selector.select_path_kernel(sk, *args)
+    ps, qs = selector.select_path_kernel(sk, *args, 1.0, u)
     rg, _ = select_reference(*inp["sel"].values())
     rs, rq = select_reference(*inp["sel"].values(), 1.0, u)
     return {
@@ -131,7 +131,7 @@ def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> List[Dict]:
     inp = make_inputs(args, block, A, Bc, seed=block)
     c, s, u = inp["conv"], inp["sel"], inp["uniforms"]
     sides = 4 * args.layers
-    metal = kernels.use_metal()
+    metal = metal_kernel.use_metal()
     conv_ref = lambda: [conv_reference(c["x"], c["base"], c["dyn"], block) for _ in range(sides)]
     greedy_ref = lambda: list(select_reference(*s.values()))
     sampled_ref = lambda: list(select_reference(*s.values(), 1.0, u))
@@ -143,12 +143,12 @@ def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> List[Dict]:
                          nodes=graph["nodes"] * calls, dispatches=graph["kernels"] * calls,
                          ms=1e3 * time_call(fn, args.iters)))
     if metal:
-        ck, sk = kernels._kernel("two_tap_conv"), kernels._kernel("path_select")
+        ck, sk = metal_kernel.cached(conv.KERNEL), metal_kernel.cached(selector.KERNEL)
         fused = {
-            "conv": lambda: [kernels.conv_launch(ck, c["x"], c["base"], c["dyn"], block)
+            "conv": lambda: [conv.two_tap_conv_kernel(ck, c["x"], c["base"], c["dyn"], block)
                              for _ in range(sides)],
-            "selector T=0": lambda: list(kernels.select_launch(sk, *s.values())),
-            "selector T=1": lambda: list(kernels.select_launch(sk, *s.values(), 1.0, u)),
+            "selector T=0": lambda: list(selector.select_path_kernel(sk, *s.values())),
+            "selector T=1": lambda: list(selector.select_path_kernel(sk, *s.values(), 1.0, u)),
         }
         for name, fn in fused.items():
             calls = sides if name == "conv" else 1
@@ -214,7 +214,7 @@ def main(argv=None) -> None:
     rows = []
     for block in args.blocks:
         rows += bench_block(args, block, A, Bc)
-    device = f"{mx.default_device()} (metal: {kernels.use_metal()})"
+    device = f"{mx.default_device()} (metal: {metal_kernel.use_metal()})"
     print_table(rows, device)
     if args.json:
         args.json.write_text(json.dumps({"device": device, "args": {

@@ -1,15 +1,15 @@
 """Run an ``mx.fast.metal_kernel`` body on the CPU by compiling it as C++ with g++.
 
 ``EmulatedKernel`` has the same constructor and call signature as ``mx.fast.metal_kernel``,
-so the dispatch code in ``dflash_mlx.kernels`` can be pointed at it unchanged. The generated
-function signature follows MLX's rules (inputs by dtype, ``const constant T&`` for 0-d
-inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and thread attributes only when the
-source mentions them). The body is compiled against ``metal_shim.h`` and a generated driver
-runs it over the whole grid, threadgroup by threadgroup; the threads of a group are
-cooperative fibers and ``threadgroup_barrier`` suspends each until the whole group has
-arrived. Every launch runs twice, with groups and threads (between barriers) in forward and
-in reverse order; differing results mean the body has a race (e.g. a missing barrier) and
-raise ``RaceDetected``.
+so the launch code in ``dflash_mlx.conv`` and ``dflash_mlx.selector`` can be pointed at it
+unchanged. The generated function signature follows MLX's rules (inputs by dtype, ``const
+constant T&`` for 0-d inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and thread
+attributes only when the source mentions them). The body is compiled against
+``metal_shim.h`` and a generated driver runs it over the whole grid, threadgroup by
+threadgroup; the threads of a group are cooperative fibers and ``threadgroup_barrier``
+suspends each until the whole group has arrived. Every launch runs twice, with groups and
+threads (between barriers) in forward and in reverse order; differing results mean the body
+has a race (e.g. a missing barrier) and raise ``RaceDetected``.
 
 Arrays travel through raw files: float dtypes as float32 (bf16 / fp16 values convert exactly),
 integers as their own 32-bit type. Outputs start poisoned (NaN / 0xDEADBEEF) like MLX's
