@@ -3,7 +3,7 @@
 For each prompt, in one process: plain autoregressive decoding with mlx-lm, DFlash with the
 selector off (the DFlash 1 path) and on. Per block position it reports Recall@1 / Recall@16
 under teacher forcing on the target's own continuation, the conditional acceptance of both
-DFlash runs, and the oracle tau (SPEC §6).
+DFlash runs, and the oracle tau (docs/algorithm.md §5).
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ import numpy as np
 
 from .acceptance import SamplingParams
 from .decode import decode
+from .drafter import block_mask, embed_block
 from .errors import DFlashError
-from .drafter import block_mask
+from .generation import encode_prompt
 from .selector import top_candidates
+from .settings import check_block_size
 
 METHODS = ("autoregressive", "dflash1", "dflash2")
 
@@ -143,9 +145,8 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
         blk = np.full((N, block), drafter.args.mask_token_id, dtype=np.uint32)
         blk[:, 0] = np.array(seq)[a]
         mask = mx.array(block_mask(a, T, block, win))
-        emb = adapter.embed(mx.array(blk)) * drafter.args.input_embedding_scale
-        h = drafter(emb.astype(drafter.fc.weight.dtype),
-                    [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],
+        emb = embed_block(adapter.embed, mx.array(blk), drafter.args, drafter.fc.weight.dtype)
+        h = drafter(emb, [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],
                     mx.array(a.astype(np.int32)), block, mask)[:, 1:]
         logits = drafter.logits(h, adapter.lm_head)
         _, cand = top_candidates(logits, top_k)  # [N, L, K]
@@ -172,11 +173,8 @@ def run_bench(model, tokenizer, prompts: List[str], *, max_tokens: int = 128,
         seed: makes sampling reproducible. raw: skip the chat template (code prompts).
         progress: optional callable(done, total) after each prompt.
     """
-    from .generation import encode_prompt
-
+    check_block_size(block_size, model.block_size)
     block = block_size or model.block_size
-    if not 2 <= block <= model.block_size:
-        raise DFlashError(f"block size {block} is out of range; this drafter supports 2..{model.block_size}")
     top_k = model.drafter.args.selector_top_k
     results = []
     warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
@@ -196,8 +194,8 @@ def run_bench(model, tokenizer, prompts: List[str], *, max_tokens: int = 128,
 
 
 def blas_name() -> str:
-    """Which BLAS MLX's CPU matmuls use here: an OpenBLAS preloaded as SPEC §7 describes,
-    Accelerate on a Mac, or the mlx wheel's reference BLAS."""
+    """Which BLAS MLX's CPU matmuls use here: an OpenBLAS preloaded as docs/algorithm.md §6
+    describes, Accelerate on a Mac, or the mlx wheel's reference BLAS."""
     import os
     import sys
 
@@ -234,7 +232,7 @@ STAGES = ("drafter", "conv", "selector", "verify", "acceptance", "rollback", "ho
 
 
 def latency_split(model, ids, max_tokens, block, temperature, selector=True) -> Dict[str, float]:
-    """Share of a cycle per stage (SPEC §6), from one profiled run (stage-boundary syncs)."""
+    """Share of a cycle per stage (docs/algorithm.md §5), from one profiled run."""
     key = mx.random.key(0)
     split, cycles, t0 = {}, 0, None
     for c in decode(model, ids, model.make_cache(), SamplingParams(temperature=temperature),
