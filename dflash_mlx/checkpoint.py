@@ -1,4 +1,4 @@
-"""Read and write drafter checkpoints in exactly the released format (SPEC §2.2).
+"""Read and write drafter checkpoints in exactly the released format (docs/format.md §2).
 
 The writer is used by tests (tiny random drafters) and by training; the reader is the one
 public path every drafter goes through.

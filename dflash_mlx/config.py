@@ -1,4 +1,4 @@
-"""Drafter checkpoint configuration (SPEC §2.2 / §2.3)."""
+"""Drafter checkpoint configuration (docs/format.md §2.1, §3)."""
 
 from __future__ import annotations
 

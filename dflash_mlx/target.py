@@ -1,5 +1,5 @@
 """Target adapter: run an mlx-lm model while capturing decoder-layer outputs, and roll back
-its caches after a partially accepted verify (SPEC §5.3-§5.4).
+its caches after a partially accepted verify (docs/algorithm.md §4.3-§4.4).
 
 Nothing in mlx-lm is edited and no class is patched: the adapter wraps the *instances* of
 the tapped layers (and, on hybrids, of the recurrent mixers) of one loaded model.

@@ -1,4 +1,4 @@
-// DFlash 2 path selector, one launch for the whole batch (SPEC §4); body for
+// DFlash 2 path selector, one launch for the whole batch (docs/algorithm.md §3); body for
 // mx.fast.metal_kernel. Reference: dflash_mlx/selector.py::select_path_ops.
 //
 // For every batch row b, walk the draft rows t = 0..L-1 from the anchor:

@@ -1,4 +1,5 @@
-// Fused dynamic two-tap depthwise conv, one side (SPEC §3); body for mx.fast.metal_kernel.
+// Fused dynamic two-tap depthwise conv, one side (docs/algorithm.md §2.5); body for
+// mx.fast.metal_kernel.
 //
 // Semantics (reference: dflash_mlx/conv.py::two_tap_conv_ops):
 //   k[b, t, j, c] = base[j, c] + dyn[b, t, j, c / (H / G)]
