@@ -1,4 +1,4 @@
-"""Per-cycle time split of DFlash decoding (SPEC §6) on tiny or given models.
+"""Per-cycle time split of DFlash decoding (docs/algorithm.md §5) on tiny or given models.
 
     python benchmarks/cycle_profile.py                      # tiny random qwen3 + qwen3_5 pairs
     python benchmarks/cycle_profile.py --model demo         # the shipped demo pair
@@ -75,12 +75,7 @@ def main(argv=None):
     from dflash_mlx import load
 
     tmp = tempfile.TemporaryDirectory()
-    if args.model == "demo":
-        from dflash_mlx.registry import load_model
-
-        model, tok, _ = load_model("demo")
-        pairs = [("demo", model, tok)]
-    elif args.model:
+    if args.model:
         model, tok = load(args.model, drafter=args.drafter)
         pairs = [(args.model, model, tok)]
     else:

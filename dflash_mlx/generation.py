@@ -83,6 +83,16 @@ def encode_prompt(tokenizer, prompt: Prompt, raw: bool = False, system: Optional
     return list(ids)
 
 
+def template_errors() -> tuple:
+    """What applying a chat template raises on messages it refuses (a template's own
+    ``raise_exception``, a tokenizer without a template)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # no jinja2: transformers cannot render templates at all
+        return (ValueError,)
+    return (ValueError, TemplateError)
+
+
 def sampling_params(cfg: GenerationConfig) -> SamplingParams:
     """The target's sampling law for a config: mlx-lm's filters and logits processors."""
     procs = make_logits_processors(

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_mlx import DFlashError
 from dflash_mlx.bench import latency_split, load_prompts, run_bench
-from dflash_mlx.bench_report import print_report, write_json, write_plot
+from dflash_mlx.cli.bench import print_report, write_json, write_plot
 
 
 def test_prompts_from_jsonl_and_errors(tmp_path):

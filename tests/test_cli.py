@@ -6,13 +6,14 @@ import json
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 from cli_helpers import REPO_ROOT, build_pair, cli_env, fake_cache_repo
 from typer.testing import CliRunner
 
-from dflash_mlx.cli import app, sparkline
+from dflash_mlx.cli import app
+from dflash_mlx.cli.stats import sparkline
+from dflash_mlx.settings import GenerationConfig
 
 runner = CliRunner()
 
@@ -186,6 +187,19 @@ def _bad_cases(pair, foreign, tmp):
                                     "--system needs the chat template"),
         "serve bad port": (["serve", *model_args(pair), "--port", "70000"], "--port"),
         "chat bad temp": (["chat", *model_args(pair), "--temp", "-2"], "--temp must be >= 0"),
+        # non-finite numbers and seeds outside 0..2**32-1 never reach the decoder
+        "temp nan": (["run", *m, "--temp", "nan"], "--temp must be a finite number (got nan)"),
+        "top-p inf": (["run", *m, "--top-p", "inf"], "--top-p must be a finite number"),
+        "presence -inf": (["run", *m, "--presence-penalty", "-inf"],
+                          "--presence-penalty must be a finite number"),
+        "min-p nan": (["chat", *model_args(pair), "--min-p", "nan"], "--min-p must be a finite"),
+        "seed negative": (["run", *m, "--seed", "-1", "--temp", "0.7", "-m", "4"],
+                          "--seed must be in 0..4294967295 (got -1)"),
+        "seed too big": (["run", *m, "--seed", str(2**32)], "--seed must be in 0..4294967295"),
+        "serve temp inf": (["serve", *model_args(pair), "--temp", "inf"], "--temp must be a finite"),
+        "bench seed": (["bench", *model_args(pair), "-p", "x", "--seed", "-5"], "--seed must be in"),
+        "bench temp nan": (["bench", *model_args(pair), "-p", "x", "--temp", "nan"],
+                           "--temp must be a finite"),
     }
 
 
@@ -209,6 +223,32 @@ def test_bad_inputs_one_line_exit_2(pair, foreign_drafter, tmp_path, monkeypatch
         assert lines[0].startswith("error: ") and needle in lines[0], (name, lines[0])
         assert "Traceback" not in r.stderr + r.stdout, name
         assert r.stdout == "", (name, r.stdout)
+
+
+def test_demo_seed_out_of_range_is_one_line_not_a_traceback():
+    """The shipped pair, as in the bug report: a bad seed stops before anything is loaded."""
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.cli", "run", "--model", "demo", "--seed", "-1",
+         "--temp", "0.7", "-m", "4", "def f("],
+        capture_output=True, text=True, env=cli_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr == "error: --seed must be in 0..4294967295 (got -1)\n"
+
+
+def test_largest_seed_runs(pair):
+    r = invoke("run", *model_args(pair), "hi", "-m", 4, "--temp", 0.7, "--seed", 2**32 - 1, "-q")
+    assert r.exit_code == 0, r.stderr
+
+
+def test_python_m_server_is_dflash_serve():
+    p = subprocess.run([sys.executable, "-m", "dflash_mlx.server", "--help"], capture_output=True,
+                       text=True, env=cli_env(COLUMNS="200"), cwd=REPO_ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "Usage: dflash serve [OPTIONS]" in p.stdout
+    for opt in ("--temp", "--presence-penalty", "--quant", "--offline", "--api-key"):
+        assert opt in p.stdout, opt
+    assert "--temperature" not in p.stdout
 
 
 def test_bad_input_in_a_real_process(pair):
@@ -252,10 +292,10 @@ def test_models_lists_registry_and_cache(pair, tmp_path, monkeypatch):
 
 @pytest.fixture
 def fake_server(monkeypatch):
+    from dflash_mlx import server
+
     calls = []
-    mod = types.ModuleType("dflash_mlx.server")
-    mod.run_server = lambda *a, **k: calls.append((a, k))
-    monkeypatch.setitem(sys.modules, "dflash_mlx.server", mod)
+    monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append((a, k)))
     return calls
 
 
@@ -268,8 +308,9 @@ def test_serve_passes_model_and_defaults(pair, fake_server):
     assert name == "target" and model.block_size == 8
     assert kw["host"] == "127.0.0.1" and kw["port"] == 9123 and kw["api_key"] is None
     assert kw["max_queue"] == 3
-    assert kw["defaults"] == dict(max_tokens=99, temperature=0.5, top_p=1.0, top_k=0, min_p=0.0,
-                                  presence_penalty=0.0, block_size=4, use_selector=False, seed=1)
+    assert kw["defaults"] == GenerationConfig(max_tokens=99, temperature=0.5, top_p=1.0, top_k=0,
+                                              min_p=0.0, presence_penalty=0.0, block_size=4,
+                                              use_selector=False, seed=1)
     assert "warning" not in r.stderr
 
 

@@ -7,6 +7,7 @@ Every client loop is bounded in count and time.
 
 import json
 import os
+from dataclasses import replace
 import re
 import socket
 import subprocess
@@ -22,8 +23,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from dflash_mlx import generate  # noqa: E402
-from dflash_mlx.openai_schema import APIError, parse_request  # noqa: E402
 from dflash_mlx.server import bind_warning, context_length  # noqa: E402
+from dflash_mlx.server.schema import DEFAULTS, APIError, parse_request  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key"
@@ -32,7 +33,8 @@ NO_EOS = {str(EOS): -100}  # keeps a generation going until max_tokens
 
 
 def _start(tmp: Path, model: Path, drafter: Path, *args: str):
-    """Start ``python -m dflash_mlx.server`` on port 0; return (process, base url, log)."""
+    """Start ``python -m dflash_mlx.server`` (``dflash serve``) on port 0; return (process,
+    base url, log)."""
     log = tmp / f"server-{time.monotonic_ns()}.log"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                HF_HUB_OFFLINE="1")
@@ -133,19 +135,25 @@ def _chat_stream(client, name, messages, max_tokens, **kw):
 
 def test_parse_request_rejects_bad_fields():
     ok = parse_request(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}',
-                       "chat", {"temperature": 0.5, "block_size": 4})
-    assert ok.gen["max_tokens"] == 3 and ok.gen["temperature"] == 0.5 and ok.gen["block_size"] == 4
+                       "chat", replace(DEFAULTS, temperature=0.5, block_size=4))
+    assert ok.gen.max_tokens == 3 and ok.gen.temperature == 0.5 and ok.gen.block_size == 4
     assert ok.prompt == [{"role": "user", "content": "hi"}] and not ok.stream
     c = parse_request(b'{"prompt": [1, 2, 3], "max_completion_tokens": 4, "max_tokens": 9}',
                       "completion")
-    assert c.prompt == [1, 2, 3] and c.gen["max_tokens"] == 4
+    assert c.prompt == [1, 2, 3] and c.gen.max_tokens == 4
     for body in [b"{", b"[]", b'{"messages": []}', b'{"messages": [{"role": "x"}]}',
                  b'{"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}',
                  b'{"messages": [{"role": "user", "content": "a"}], "top_p": 0}',
                  b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}',
                  b'{"messages": [{"role": "user", "content": "a"}], "n": 2}',
                  b'{"messages": [{"role": "user", "content": "a"}], "stop": 5}',
-                 b'{"messages": [{"role": "user", "content": "a"}], "block_size": 99}']:
+                 b'{"messages": [{"role": "user", "content": "a"}], "block_size": 99}',
+                 b'{"messages": [{"role": "user", "content": "a"}], "seed": -1}',
+                 b'{"messages": [{"role": "user", "content": "a"}], "seed": 4294967296}',
+                 b'{"messages": [{"role": "user", "content": "a"}], "presence_penalty": NaN}',
+                 b'{"messages": [{"role": "user", "content": "a"}], "temperature": Infinity}',
+                 b'{"messages": [{"role": "user", "content": "a"}], "top_p": -Infinity}',
+                 b'{"messages": [{"role": "user", "content": "a"}], "logit_bias": {"3": NaN}}']:
         with pytest.raises(APIError) as e:
             parse_request(body, "chat", max_block_size=16)
         assert e.value.status == 400 and e.value.body()["error"]["message"]
@@ -339,6 +347,11 @@ def test_bad_requests(server, client, name):
     assert _http(server + "/v1/nothing", ok)[0] == 404
     assert _http(chat, {**ok, "logit_bias": {"999999": 5}})[0] == 400
     assert _http(chat, {**ok, "n": 3})[0] == 400
+    for field, value in [("seed", "-1"), ("seed", "4294967296"), ("presence_penalty", "NaN"),
+                         ("frequency_penalty", "Infinity"), ("temperature", "-Infinity")]:
+        raw = json.dumps(ok)[:-1] + f', "{field}": {value}}}'
+        st, body = _http(chat, raw=raw.encode())  # Python's json reads NaN / Infinity
+        assert st == 400 and body["error"]["param"] == field, (field, value, st, body)
     assert _http(chat, {**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
                  )[0] == 400
     with pytest.raises(openai.BadRequestError):

@@ -7,35 +7,34 @@ next cycle. One prompt cache is kept across requests, so a chat history re-sent 
 prefills only its new part.
 
 Threads: the HTTP server answers each connection in its own thread (parsing, tokenizing,
-writing); all MLX work runs in the thread that calls ``run_server`` (the main thread), which
-is the one ``dflash_mlx.decode`` creates its stream in.
+writing); all MLX work runs in the thread that calls ``run_server`` (the main thread). MLX
+streams belong to the thread that makes them, so the decode loop makes its stream on first
+use in that thread (``decode.generation_stream``).
 
-    python -m dflash_mlx.server --model TARGET --drafter DRAFTER [--port 8080] [--api-key K]
+Start it with ``dflash serve`` (or ``python -m dflash_mlx.server``, the same command).
 """
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
-import os
 import queue
 import select
 import signal
 import socket
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import replace
 from pathlib import Path
 from typing import List, Optional
 
-# Imported here, in the main thread, on purpose: decode.py makes its MLX stream at import.
-from . import generation
-from .errors import DFlashError
-from .openai_schema import (
-    GEN_DEFAULTS,
+from .. import generation
+from ..errors import DFlashError
+from ..settings import GenerationConfig
+from .schema import (
+    DEFAULTS,
     APIError,
     bad,
     chunk,
@@ -47,7 +46,7 @@ from .openai_schema import (
     usage,
     usage_chunk,
 )
-from .server_worker import Engine, Job
+from .worker import Engine, Job
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -59,8 +58,8 @@ def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
     """The warning printed when the server listens beyond loopback with no key."""
     if host in LOOPBACK or host.startswith("127.") or api_key:
         return None
-    return (f"warning: listening on {host} without --api-key; anyone who can reach this "
-            "machine can use the model (pass --api-key or bind to 127.0.0.1)")
+    return (f"warning: binding {host} without --api-key: anyone who can reach this machine "
+            "can use the model; pass --api-key KEY (or bind to 127.0.0.1)")
 
 
 def context_length(model) -> Optional[int]:
@@ -129,7 +128,7 @@ class Handler(BaseHTTPRequestHandler):
             self._safe_error(e)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        except Exception as e:  # the server never dies on a bad request
+        except Exception as e:  # noqa: BLE001 - the last resort of a server: log it, answer 500
             logger.exception("request failed")
             self._safe_error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 
@@ -199,7 +198,7 @@ class Handler(BaseHTTPRequestHandler):
             raise self._unknown_model(req.model)
         ids = srv.tokenize(req)
         vocab = srv.engine.model.adapter.vocab_size
-        if any(not 0 <= t < vocab for t in req.gen.get("logit_bias") or {}):
+        if any(not 0 <= t < vocab for t in req.gen.logit_bias or {}):
             raise bad(f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
         ctx = srv.context
         if ctx is not None:
@@ -207,7 +206,7 @@ class Handler(BaseHTTPRequestHandler):
                 raise bad(f"the prompt is {len(ids)} tokens; this model's context is {ctx} "
                           "tokens; shorten the prompt", "messages" if kind == "chat" else "prompt",
                           "context_length_exceeded")
-            req.gen["max_tokens"] = min(req.gen["max_tokens"], ctx - len(ids))
+            req.gen = replace(req.gen, max_tokens=min(req.gen.max_tokens, ctx - len(ids)))
         job = Job(ids, req.gen)
         if not srv.engine.submit(job):
             raise APIError(503, "the server is busy (request queue full); retry later",
@@ -235,7 +234,7 @@ class Handler(BaseHTTPRequestHandler):
     def _answer(self, req, job: Job) -> None:
         kind, rid, created = req.kind, new_id(req.kind), now()
         name = self.server.model_name
-        block = req.gen.get("block_size") or self.server.engine.model.block_size
+        block = req.gen.block_size or self.server.engine.model.block_size
         texts, accepted, last, started = [], 0, None, False
 
         def send(obj) -> None:
@@ -299,10 +298,10 @@ class DFlashHTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, addr, engine: Engine, model_name: str, api_key: Optional[str],
-                 defaults: Optional[dict]):
+                 defaults: Optional[GenerationConfig]):
         super().__init__(addr, Handler)
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
-        self.defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
+        self.defaults = defaults or DEFAULTS
         self.created = now()
         self.context = context_length(engine.model)
         model = engine.model
@@ -325,7 +324,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
                 ids = generation.encode_prompt(tok, req.prompt, raw=req.kind == "completion")
         except DFlashError as e:
             raise bad(str(e), "prompt") from None
-        except Exception as e:  # e.g. a chat template refusing the roles' order
+        except generation.template_errors() as e:  # e.g. a template refusing the roles' order
             raise bad(f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
                       "messages") from None
         vocab = self.engine.model.adapter.vocab_size
@@ -335,20 +334,29 @@ class DFlashHTTPServer(ThreadingHTTPServer):
 
 
 def make_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-                api_key: Optional[str] = None, defaults: Optional[dict] = None,
+                api_key: Optional[str] = None, defaults: Optional[GenerationConfig] = None,
                 max_queue: int = 16) -> DFlashHTTPServer:
-    """Bind the HTTP server (port 0 picks a free one); ``run_server`` serves it."""
-    info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, _, _, _, addr = info[0]
+    """Bind the HTTP server (port 0 picks a free one); ``run_server`` serves it.
 
-    class _Server(DFlashHTTPServer):
-        address_family = family
+    Raises:
+        DFlashError: the address cannot be resolved or bound.
+    """
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = info[0]
 
-    return _Server(addr, Engine(model, tokenizer, max_queue), model_name, api_key, defaults)
+        class _Server(DFlashHTTPServer):
+            address_family = family
+
+        return _Server(addr, Engine(model, tokenizer, max_queue), model_name, api_key, defaults)
+    except OSError as e:
+        raise DFlashError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host"
+        ) from None
 
 
 def run_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-               api_key: Optional[str] = None, defaults: Optional[dict] = None,
+               api_key: Optional[str] = None, defaults: Optional[GenerationConfig] = None,
                max_queue: int = 16) -> None:
     """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
 
@@ -358,14 +366,10 @@ def run_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port:
     Args:
         model, tokenizer: from ``dflash_mlx.load``. model_name: the id clients ask for.
         host, port: where to listen (loopback by default). api_key: require
-            'Authorization: Bearer <key>' on /v1/*. defaults: decoding defaults
-            (max_tokens, temperature, top_p, top_k, min_p, presence_penalty,
-            frequency_penalty, repetition_penalty, block_size, use_selector, seed) that
-            requests override. max_queue: requests that may wait behind the running one.
+            'Authorization: Bearer <key>' on /v1/*. defaults: the decoding settings that
+            requests override (default ``schema.DEFAULTS``). max_queue: requests that may
+            wait behind the running one.
     """
-    unknown = set(defaults or {}) - set(GEN_DEFAULTS)
-    if unknown:
-        logger.warning("ignoring unknown decoding defaults: %s", ", ".join(sorted(unknown)))
     httpd = make_server(model, tokenizer, model_name, host, port, api_key, defaults, max_queue)
     h, p = httpd.server_address[:2]
     shown = f"[{h}]" if ":" in str(h) else h
@@ -389,58 +393,3 @@ def run_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port:
         httpd.server_close()
         if old is not None:
             signal.signal(signal.SIGTERM, old)
-
-
-def _load(model: str, drafter: Optional[str]):
-    """(model, tokenizer, name): through the registry (aliases) when it is there."""
-    try:
-        from .registry import load_model
-    except ImportError:
-        from .loading import load
-
-        return (*load(model, drafter=drafter), model)
-    out = load_model(model, drafter)
-    return out if len(out) == 3 else (*out, model)
-
-
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m dflash_mlx.server", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="target directory, Hub id or alias")
-    p.add_argument("--drafter", default=None, help="drafter directory or Hub id")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080, help="0 picks a free port")
-    p.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
-                   help="require this bearer key (default: $DFLASH_API_KEY)")
-    p.add_argument("--max-queue", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--temperature", type=float, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--no-selector", action="store_true")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--log-level", default="INFO")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s")
-    try:
-        model, tokenizer, name = _load(a.model, a.drafter)
-    except DFlashError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    warn = bind_warning(a.host, a.api_key)
-    if warn:
-        print(warn, file=sys.stderr, flush=True)
-    defaults = {"max_tokens": a.max_tokens, "temperature": a.temperature, "top_p": a.top_p,
-                "top_k": a.top_k, "min_p": a.min_p, "block_size": a.block_size,
-                "use_selector": False if a.no_selector else None, "seed": a.seed}
-    try:
-        run_server(model, tokenizer, name, a.host, a.port, a.api_key, defaults, a.max_queue)
-    except OSError as e:
-        print(f"error: cannot listen on {a.host}:{a.port} ({e.strerror or e})", file=sys.stderr)
-        raise SystemExit(1) from None
-
-
-if __name__ == "__main__":
-    main()
