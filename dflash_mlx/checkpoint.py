@@ -137,7 +137,9 @@ def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise DFlashError(f"drafter directory {path} has no config.json; point to a DFlash checkpoint")
+        raise DFlashError(
+            f"drafter directory {path} has no config.json; point to a DFlash checkpoint"
+        )
     try:
         config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -14,7 +14,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import mlx.core as mx
 
 from .acceptance import (
-    SamplingParams, accept_greedy, accept_sampled, process_rows, proposal_full, sample_rows,
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    process_rows,
+    proposal_full,
+    sample_rows,
     target_probs,
 )
 from .state import DFlashModel, PromptCache

@@ -247,9 +247,16 @@ def stream_generate(
     key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()
     cycles = decode(
-        model, ids, cache, sampling_params(cfg), max_tokens=cfg.max_tokens,
-        block_size=block_size, use_selector=cfg.use_selector, key=key,
-        prefill_step_size=prefill_step_size, profile=profile,
+        model,
+        ids,
+        cache,
+        sampling_params(cfg),
+        max_tokens=cfg.max_tokens,
+        block_size=block_size,
+        use_selector=cfg.use_selector,
+        key=key,
+        prefill_step_size=prefill_step_size,
+        profile=profile,
     )
     for cyc in cycles:
         stats.add(cyc)
@@ -261,9 +268,7 @@ def stream_generate(
             return
 
 
-def generate(
-    model: DFlashModel, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs
-) -> str:
+def generate(model: DFlashModel, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:
     """Return the whole completion as a string; kwargs as for ``stream_generate``.
 
     Args:

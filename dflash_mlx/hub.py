@@ -213,8 +213,7 @@ def fetch(
         ) from None
     except RepositoryNotFoundError:
         raise DFlashError(
-            f"{what} {repo_id} does not exist on the Hugging Face Hub (or is private); check "
-            "the id"
+            f"{what} {repo_id} does not exist on the Hugging Face Hub (or is private); check the id"
         ) from None
     except HFValidationError as e:
         raise DFlashError(f"{what} '{repo_id}' is not a valid Hub id ({_reason(e)})") from None

@@ -212,8 +212,14 @@ class PathSelector(nn.Module):
         U, cand = top_candidates(logits, top_k)
         g = self.hidden_projection(hidden)
         path, q = select_path(
-            U, cand, anchor, g, self.predecessor_codebook, self.successor_codebook,
-            temperature, uniforms,
+            U,
+            cand,
+            anchor,
+            g,
+            self.predecessor_codebook,
+            self.successor_codebook,
+            temperature,
+            uniforms,
         )
         tokens = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), axis=-1)[..., 0]
         return tokens, cand, q, path

@@ -101,8 +101,13 @@ class GenerationConfig:
         c.number("presence_penalty", self.presence_penalty, "use 0 to turn it off", lo=-2, hi=2)
         c.number("frequency_penalty", self.frequency_penalty, "use 0 to turn it off", lo=-2, hi=2)
         if self.repetition_penalty is not None:
-            c.number("repetition_penalty", self.repetition_penalty, "leave it unset to turn it "
-                     "off", lo=0, open_lo=True)
+            c.number(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "leave it unset to turn it off",
+                lo=0,
+                open_lo=True,
+            )
         c.logit_bias(self.logit_bias)
         check_block_size(self.block_size, max_block_size, flags)
         c.boolean("use_selector", self.use_selector)

@@ -25,10 +25,25 @@ def pair(tmp_path_factory):
 
 
 def spawn(pair, *extra):
-    args = ["-m", "dflash_mlx.cli", "chat", "--model", str(pair / "target"), "--drafter",
-            str(pair / "drafter"), *map(str, extra)]
-    child = pexpect.spawn(sys.executable, args, env=cli_env(), cwd=str(REPO_ROOT),
-                          encoding="utf-8", timeout=60, dimensions=(50, 250))
+    args = [
+        "-m",
+        "dflash_mlx.cli",
+        "chat",
+        "--model",
+        str(pair / "target"),
+        "--drafter",
+        str(pair / "drafter"),
+        *map(str, extra),
+    ]
+    child = pexpect.spawn(
+        sys.executable,
+        args,
+        env=cli_env(),
+        cwd=str(REPO_ROOT),
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(50, 250),
+    )
     child.expect("dflash chat")
     child.expect_exact(PROMPT)
     return child
@@ -124,8 +139,12 @@ def test_session_logic_without_a_terminal(pair):
     from dflash_mlx.settings import GenerationConfig
 
     model, tok = load(str(pair / "target"), drafter=str(pair / "drafter"))
-    lines = "\n".join(["/bogus", "/system you are terse", "multi \\", "line", "/stats", "/exit",
-                       "never read"]) + "\n"
+    lines = (
+        "\n".join(
+            ["/bogus", "/system you are terse", "multi \\", "line", "/stats", "/exit", "never read"]
+        )
+        + "\n"
+    )
     out = io.StringIO()
     gen = GenerationConfig(max_tokens=6, block_size=8)
     s = ChatSession(model, tok, "tiny", gen, stdin=io.StringIO(lines), stdout=out)
@@ -160,9 +179,18 @@ def test_markdown_rendered_in_place_once_a_turn_ends(pair, monkeypatch):
 
     def fake_stream(*a, **k):
         yield types.SimpleNamespace(
-            text=reply, tokens=tok.encode(reply, add_special_tokens=False), finish_reason="stop",
-            prompt_tokens=5, prompt_processed=5, prompt_tps=1.0, generation_tokens=3,
-            generation_tps=1.0, tau=1.0, cycles=1, peak_memory=0.0, acceptance=[],
+            text=reply,
+            tokens=tok.encode(reply, add_special_tokens=False),
+            finish_reason="stop",
+            prompt_tokens=5,
+            prompt_processed=5,
+            prompt_tps=1.0,
+            generation_tokens=3,
+            generation_tps=1.0,
+            tau=1.0,
+            cycles=1,
+            peak_memory=0.0,
+            acceptance=[],
         )
 
     monkeypatch.setattr(generation, "stream_generate", fake_stream)

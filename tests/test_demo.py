@@ -16,8 +16,15 @@ def test_demo_pair_is_lossless_and_accepts_drafts():
     ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=64)]
     for selector in (True, False):
         out, cycles = [], 0
-        for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=64,
-                        block_size=8, use_selector=selector):
+        for c in decode(
+            model,
+            ids,
+            model.make_cache(),
+            SamplingParams(),
+            max_tokens=64,
+            block_size=8,
+            use_selector=selector,
+        ):
             out += c.tokens
             cycles += bool(c.drafted)
         assert out == ref

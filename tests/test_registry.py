@@ -74,8 +74,12 @@ def test_alias_case_insensitive_and_quant():
 
 def test_registry_has_the_known_drafters():
     drafters = {d for e in registry.ENTRIES for d in e.drafters}
-    for d in ("z-lab/Muse-Glimmer-30B-DFlash2", "z-lab/Qwen3-8B-DFlash-b16",
-              "z-lab/Qwen3-4B-DFlash-b16", "incoai/Qwen3.8-27B-DFlash2"):
+    for d in (
+        "z-lab/Muse-Glimmer-30B-DFlash2",
+        "z-lab/Qwen3-8B-DFlash-b16",
+        "z-lab/Qwen3-4B-DFlash-b16",
+        "incoai/Qwen3.8-27B-DFlash2",
+    ):
         assert d in drafters
     aliases = [e.alias.lower() for e in registry.entries()]
     assert len(aliases) == len(set(aliases)) and "demo" in aliases
@@ -83,8 +87,13 @@ def test_registry_has_the_known_drafters():
 
 @pytest.mark.parametrize(
     "name, expect",
-    [("qwen3.8", "Qwen3.8-27B"), ("Qwen3.8-72B", "Qwen3.8-27B"), ("muse", "Muse-Glimmer-30B"),
-     ("qwen3-8", "Qwen3-8B"), ("dmeo", "demo")],
+    [
+        ("qwen3.8", "Qwen3.8-27B"),
+        ("Qwen3.8-72B", "Qwen3.8-27B"),
+        ("muse", "Muse-Glimmer-30B"),
+        ("qwen3-8", "Qwen3-8B"),
+        ("dmeo", "demo"),
+    ],
 )
 def test_unknown_alias_suggests(name, expect):
     with pytest.raises(DFlashError) as e:
@@ -247,11 +256,13 @@ def _mock_hub(monkeypatch, repos, calls):
 
     real = huggingface_hub.snapshot_download
 
-    def snapshot_download(repo_id, allow_patterns=None, cache_dir=None, local_files_only=False,
-                          **kw):
+    def snapshot_download(
+        repo_id, allow_patterns=None, cache_dir=None, local_files_only=False, **kw
+    ):
         if local_files_only:  # the cache lookup is local: use the real function
-            return real(repo_id, allow_patterns=allow_patterns, cache_dir=cache_dir,
-                        local_files_only=True)
+            return real(
+                repo_id, allow_patterns=allow_patterns, cache_dir=cache_dir, local_files_only=True
+            )
         calls.append(("download", repo_id, str(cache_dir)))
         if repo_id not in repos:
             raise LocalEntryNotFoundError("no network")
@@ -263,8 +274,11 @@ def _mock_hub(monkeypatch, repos, calls):
 
 def test_download_with_size_preview_and_fallback(hf_home, pair, monkeypatch):
     calls, notices = [], []
-    _mock_hub(monkeypatch, {"tiny-org/Tiny-Qwen3-4bit": pair / "target",
-                            "z-lab/Tiny-Qwen3-DFlash2": pair / "drafter"}, calls)
+    _mock_hub(
+        monkeypatch,
+        {"tiny-org/Tiny-Qwen3-4bit": pair / "target", "z-lab/Tiny-Qwen3-DFlash2": pair / "drafter"},
+        calls,
+    )
     m, _ = load("Tiny-Qwen3", log=notices.append)
     assert m.name == "Tiny-Qwen3"
     cache = str(hf_home / "hub")

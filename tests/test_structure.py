@@ -62,8 +62,9 @@ def _imports(name: str, f: Path, known: Set[str]) -> Set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
-                       for a in node.names]
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+            ]
         else:
             continue
         for t in targets:
@@ -84,7 +85,7 @@ def _cycle(graph: Dict[str, Set[str]]) -> List[str]:
         stack.append(n)
         for m in sorted(graph[n]):
             if state.get(m) == 1:
-                return stack[stack.index(m):] + [m]
+                return stack[stack.index(m) :] + [m]
             if m not in state:
                 found = visit(m)
                 if found:
@@ -179,8 +180,17 @@ def test_wheel_carries_the_metal_sources(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for name in ("dflash_mlx", "metal"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
-    cmd = [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q", "-w",
-           str(tmp_path / "dist")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        str(src),
+        "--no-deps",
+        "-q",
+        "-w",
+        str(tmp_path / "dist"),
+    ]
     if _can_build_offline():
         cmd.append("--no-build-isolation")
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

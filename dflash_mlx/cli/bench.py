@@ -30,7 +30,9 @@ def bench(
     max_tokens: int = c.max_tokens_option("bench", "Tokens per prompt."),
     block_size: Optional[int] = c.BLOCK_SIZE,
     temp: float = c.TEMP,
-    seed: int = typer.Option(0, "--seed", help="PRNG seed, 0..2**32-1 (fixed, for comparable runs)."),
+    seed: int = typer.Option(
+        0, "--seed", help="PRNG seed, 0..2**32-1 (fixed, for comparable runs)."
+    ),
     chat_template: bool = typer.Option(
         False, "--chat-template", help="Wrap prompts in the chat template (default: raw)."
     ),
@@ -41,7 +43,9 @@ def bench(
     """Benchmark autoregressive vs DFlash 1 vs DFlash 2: tau, speedup, Recall@k, latency."""
     if max_samples < 1 or max_tokens < 2:
         raise DFlashError("--max-samples must be >= 1 and --max-tokens >= 2")
-    cfg = GenerationConfig(max_tokens=max_tokens, temperature=temp, block_size=block_size, seed=seed)
+    cfg = GenerationConfig(
+        max_tokens=max_tokens, temperature=temp, block_size=block_size, seed=seed
+    )
     cfg.validate(flags=True)
     from ..bench import load_prompts
 
@@ -76,8 +80,14 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     with Progress(console=Console(stderr=True, highlight=False), transient=True) as bar:
         task = bar.add_task("prompts", total=len(prompts))
         rep = run_bench(
-            m, tok, prompts, max_tokens=cfg.max_tokens, block_size=cfg.block_size,
-            temperature=cfg.temperature, seed=cfg.seed, raw=raw,
+            m,
+            tok,
+            prompts,
+            max_tokens=cfg.max_tokens,
+            block_size=cfg.block_size,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            raw=raw,
             progress=lambda done, total: bar.update(task, completed=done),
         )
         ids = encode_prompt(tok, prompts[0], raw)
@@ -90,8 +100,10 @@ def print_report(rep: dict, console) -> None:
     from rich.table import Table
 
     c = rep["config"]
-    t = Table(title=f"dflash bench — {c['prompts']} prompts, block {c['block_size']}, "
-                    f"T={c['temperature']}, BLAS: {rep['blas']}")
+    t = Table(
+        title=f"dflash bench — {c['prompts']} prompts, block {c['block_size']}, "
+        f"T={c['temperature']}, BLAS: {rep['blas']}"
+    )
     for col in ("method", "tau", "tok/s", "speedup"):
         t.add_column(col, justify="right" if col != "method" else "left")
     for m, row in rep["methods"].items():
@@ -107,8 +119,10 @@ def print_report(rep: dict, console) -> None:
     for i in range(len(pos[keys[0]])):
         p.add_row(str(i), *[f"{100 * pos[k][i]:.1f}%" for k in keys])
     console.print(p)
-    console.print(f"tau with top-1 drafting (teacher forced): {rep['tau_top1_teacher_forced']:.2f}"
-                  f"   oracle tau (top-{c['top_k']}): {rep['tau_oracle']:.2f}")
+    console.print(
+        f"tau with top-1 drafting (teacher forced): {rep['tau_top1_teacher_forced']:.2f}"
+        f"   oracle tau (top-{c['top_k']}): {rep['tau_oracle']:.2f}"
+    )
     if "selector_gain" in rep:
         console.print(f"selector gain in tau: {100 * rep['selector_gain']:+.1f}%")
     split = rep.get("latency_split")
@@ -142,9 +156,11 @@ def write_plot(rep: dict, path: str) -> None:
     ax.set_xlabel("block position")
     ax.set_ylabel("%")
     ax.set_ylim(0, 100)
-    ax.set_title(f"tau: dflash1 {rep['methods'].get('dflash1', {}).get('tau', 0):.2f}, "
-                 f"dflash2 {rep['methods'].get('dflash2', {}).get('tau', 0):.2f}, "
-                 f"oracle {rep['tau_oracle']:.2f}")
+    ax.set_title(
+        f"tau: dflash1 {rep['methods'].get('dflash1', {}).get('tau', 0):.2f}, "
+        f"dflash2 {rep['methods'].get('dflash2', {}).get('tau', 0):.2f}, "
+        f"oracle {rep['tau_oracle']:.2f}"
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -88,9 +88,18 @@ class ChatSession:
         show_stats: print a stats line after each answer.
     """
 
-    def __init__(self, model, tokenizer, name: str, gen: GenerationConfig,
-                 system: Optional[str] = None, show_stats: bool = True, stdin=None, stdout=None,
-                 markdown: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str,
+        gen: GenerationConfig,
+        system: Optional[str] = None,
+        show_stats: bool = True,
+        stdin=None,
+        stdout=None,
+        markdown: bool = True,
+    ):
         from rich.console import Console
 
         self.model, self.tok, self.name, self.gen = model, tokenizer, name, gen
@@ -171,7 +180,7 @@ class ChatSession:
         except template_errors():
             return None, encode_prompt(self.tok, msgs)
         if self.prev_text is not None and isinstance(full, str) and full.startswith(self.prev_text):
-            tail = self.tok.encode(full[len(self.prev_text):], add_special_tokens=False)
+            tail = self.tok.encode(full[len(self.prev_text) :], add_special_tokens=False)
             return full, self.prev_ids + list(tail)
         return full, encode_prompt(self.tok, msgs)
 
@@ -210,7 +219,8 @@ class ChatSession:
             self.system = arg.strip() or None
             self.reset()
             self.con.print(
-                "[dim]system prompt " + ("set" if self.system else "cleared")
+                "[dim]system prompt "
+                + ("set" if self.system else "cleared")
                 + "; conversation cleared[/dim]"
             )
         elif cmd == "/stats":
@@ -343,6 +353,7 @@ def chat(
         raise DFlashError(
             f"{m.name} has no chat template, so it cannot chat; use `dflash run` with a prompt"
         )
-    session = ChatSession(m, tok, m.name, cfg, system=system, show_stats=not quiet,
-                          markdown=not no_markdown)
+    session = ChatSession(
+        m, tok, m.name, cfg, system=system, show_stats=not quiet, markdown=not no_markdown
+    )
     session.loop()

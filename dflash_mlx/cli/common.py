@@ -31,7 +31,9 @@ DRAFTER = typer.Option(
     help="Drafter Hub id or directory (default: the registry's drafters, tried in order).",
 )
 QUANT = typer.Option(
-    None, "--quant", help="Target quantisation for a registry alias: 4bit (default), 8bit, bf16, mxfp8."
+    None,
+    "--quant",
+    help="Target quantisation for a registry alias: 4bit (default), 8bit, bf16, mxfp8.",
 )
 TEMP = typer.Option(D.temperature, "--temp", help="Sampling temperature (0 = greedy).")
 TOP_P = typer.Option(D.top_p, "--top-p", help="Nucleus sampling (1 = off).")

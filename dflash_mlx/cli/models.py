@@ -36,15 +36,25 @@ def _short(path: str) -> str:
 
 
 def _print_json(rows) -> None:
-    print(json.dumps([
-        {
-            "alias": e.alias, "target": e.target(), "quants": e.targets,
-            "drafters": list(e.drafters), "block_size": e.block_size, "kind": e.kind,
-            "cached_targets": tc, "cached_drafters": dict(zip(e.drafters, ds, strict=True)),
-            "note": e.note,
-        }
-        for e, tc, ds in rows
-    ], indent=2))
+    print(
+        json.dumps(
+            [
+                {
+                    "alias": e.alias,
+                    "target": e.target(),
+                    "quants": e.targets,
+                    "drafters": list(e.drafters),
+                    "block_size": e.block_size,
+                    "kind": e.kind,
+                    "cached_targets": tc,
+                    "cached_drafters": dict(zip(e.drafters, ds, strict=True)),
+                    "note": e.note,
+                }
+                for e, tc, ds in rows
+            ],
+            indent=2,
+        )
+    )
 
 
 def _print_table(rows) -> None:
@@ -71,8 +81,10 @@ def _print_table(rows) -> None:
         table.add_row(alias, target, drafters, cached)
     con = Console(highlight=False)
     con.print(table)
-    con.print(f"[dim]Hub cache: {hub.cache_dir()} · any Hub id or directory also works with "
-              "--model (and --drafter)[/dim]")
+    con.print(
+        f"[dim]Hub cache: {hub.cache_dir()} · any Hub id or directory also works with "
+        "--model (and --drafter)[/dim]"
+    )
 
 
 def models(

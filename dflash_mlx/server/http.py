@@ -1,17 +1,10 @@
-"""OpenAI-compatible HTTP server with DFlash speculative decoding.
+"""The HTTP exchange of the OpenAI-compatible server: routes, authentication, and answers
+as one JSON object or as server-sent events.
 
-``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed as server-sent events or
-not), ``GET /v1/models``, ``GET /health``. One generation runs at a time; requests wait in a
-bounded FIFO queue (503 when full); a client that disconnects cancels its generation at the
-next cycle. One prompt cache is kept across requests, so a chat history re-sent each turn
-prefills only its new part.
-
-Threads: the HTTP server answers each connection in its own thread (parsing, tokenizing,
-writing); all MLX work runs in the thread that calls ``run_server`` (the main thread). MLX
-streams belong to the thread that makes them, so the decode loop makes its stream on first
-use in that thread (``decode.generation_stream``).
-
-Start it with ``dflash serve`` (or ``python -m dflash_mlx.server``, the same command).
+``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``. Each connection is answered in its own thread; the
+generation itself runs in the worker (``worker.Engine``), and a client that disconnects
+cancels its generation at the next cycle.
 """
 
 from __future__ import annotations
@@ -21,20 +14,12 @@ import json
 import logging
 import queue
 import select
-import signal
 import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dataclasses import replace
-from pathlib import Path
-from typing import List, Optional
+from http.server import BaseHTTPRequestHandler
 
-from .. import generation
-from ..errors import DFlashError
-from ..settings import GenerationConfig
 from .schema import (
-    DEFAULTS,
     APIError,
     bad,
     chunk,
@@ -46,40 +31,11 @@ from .schema import (
     usage,
     usage_chunk,
 )
-from .worker import Engine, Job
+from .worker import Job
 
 logger = logging.getLogger("dflash_mlx.server")
 
 MAX_BODY = 32 * 1024 * 1024
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
-    """The warning printed when the server listens beyond loopback with no key."""
-    if host in LOOPBACK or host.startswith("127.") or api_key:
-        return None
-    return (f"warning: binding {host} without --api-key: anyone who can reach this machine "
-            "can use the model; pass --api-key KEY (or bind to 127.0.0.1)")
-
-
-def context_length(model) -> Optional[int]:
-    """The target's max_position_embeddings (from its args or config.json), or None."""
-    target = getattr(model, "target", model)
-    for obj in (target, getattr(target, "language_model", None)):
-        args = getattr(obj, "args", None)
-        for src in (args, getattr(args, "text_config", None)):
-            v = src.get("max_position_embeddings") if isinstance(src, dict) else getattr(
-                src, "max_position_embeddings", None)
-            if isinstance(v, int) and v > 0:
-                return v
-    cfg = Path(getattr(model, "target_path", "") or ".") / "config.json"
-    try:
-        data = json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return None
-    v = data.get("max_position_embeddings") or (data.get("text_config") or {}).get(
-        "max_position_embeddings")
-    return v if isinstance(v, int) and v > 0 else None
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -152,31 +108,50 @@ class Handler(BaseHTTPRequestHandler):
         path = self._path()
         if path == "/health":
             eng = self.server.engine
-            return self._send_json(200, {
-                "status": "ok", "model": self.server.model_name, "running": eng.running,
-                "queued": eng.jobs.qsize(), "served": eng.served, "cancelled": eng.cancelled})
+            return self._send_json(
+                200,
+                {
+                    "status": "ok",
+                    "model": self.server.model_name,
+                    "running": eng.running,
+                    "queued": eng.jobs.qsize(),
+                    "served": eng.served,
+                    "cancelled": eng.cancelled,
+                },
+            )
         if not path.startswith("/v1/"):
             raise APIError(404, f"no route {path}; see /v1/models", code="not_found")
         if not self._authorized():
             raise self._unauthorized()
-        card = {"id": self.server.model_name, "object": "model", "created": self.server.created,
-                "owned_by": "dflash-mlx"}
+        card = {
+            "id": self.server.model_name,
+            "object": "model",
+            "created": self.server.created,
+            "owned_by": "dflash-mlx",
+        }
         if path == "/v1/models":
             return self._send_json(200, {"object": "list", "data": [card]})
         if path.startswith("/v1/models/"):
-            name = path[len("/v1/models/"):]
+            name = path[len("/v1/models/") :]
             if self.server.knows(name):
                 return self._send_json(200, card)
             raise self._unknown_model(name)
         raise APIError(404, f"no route {path}", code="not_found")
 
     def _unauthorized(self) -> APIError:
-        return APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                        code="invalid_api_key")
+        return APIError(
+            401,
+            "invalid or missing API key; send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
 
     def _unknown_model(self, name) -> APIError:
-        return APIError(404, f"model '{name}' is not served here; this server serves "
-                        f"'{self.server.model_name}'", "model", "model_not_found")
+        return APIError(
+            404,
+            f"model '{name}' is not served here; this server serves '{self.server.model_name}'",
+            "model",
+            "model_not_found",
+        )
 
     def _post(self):
         path = self._path()
@@ -203,14 +178,18 @@ class Handler(BaseHTTPRequestHandler):
         ctx = srv.context
         if ctx is not None:
             if len(ids) >= ctx:
-                raise bad(f"the prompt is {len(ids)} tokens; this model's context is {ctx} "
-                          "tokens; shorten the prompt", "messages" if kind == "chat" else "prompt",
-                          "context_length_exceeded")
+                raise bad(
+                    f"the prompt is {len(ids)} tokens; this model's context is {ctx} "
+                    "tokens; shorten the prompt",
+                    "messages" if kind == "chat" else "prompt",
+                    "context_length_exceeded",
+                )
             req.gen = replace(req.gen, max_tokens=min(req.gen.max_tokens, ctx - len(ids)))
         job = Job(ids, req.gen)
         if not srv.engine.submit(job):
-            raise APIError(503, "the server is busy (request queue full); retry later",
-                           code="server_busy")
+            raise APIError(
+                503, "the server is busy (request queue full); retry later", code="server_busy"
+            )
         try:
             self._answer(req, job)
         finally:
@@ -266,15 +245,26 @@ class Handler(BaseHTTPRequestHandler):
                 self.send_header("Cache-Control", "no-cache")
                 self.end_headers()
                 if kind == "chat":
-                    send(chunk(kind, rid, name, created, "", role=True,
-                               include_usage=req.include_usage))
+                    send(
+                        chunk(
+                            kind, rid, name, created, "", role=True, include_usage=req.include_usage
+                        )
+                    )
             try:
                 if r.text:
-                    send(chunk(kind, rid, name, created, r.text,
-                               include_usage=req.include_usage))
+                    send(chunk(kind, rid, name, created, r.text, include_usage=req.include_usage))
                 if r.finish_reason:
-                    send(chunk(kind, rid, name, created, None if kind == "chat" else "",
-                               r.finish_reason, include_usage=req.include_usage))
+                    send(
+                        chunk(
+                            kind,
+                            rid,
+                            name,
+                            created,
+                            None if kind == "chat" else "",
+                            r.finish_reason,
+                            include_usage=req.include_usage,
+                        )
+                    )
             except OSError:
                 job.cancel.set()
                 return
@@ -283,113 +273,13 @@ class Handler(BaseHTTPRequestHandler):
         use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
         stats = dflash_stats(last, accepted, block)
         if not req.stream:
-            return self._send_json(200, completion(kind, rid, name, created, "".join(texts),
-                                                   last.finish_reason, use, stats))
+            return self._send_json(
+                200,
+                completion(
+                    kind, rid, name, created, "".join(texts), last.finish_reason, use, stats
+                ),
+            )
         if req.include_usage:
             send(usage_chunk(kind, rid, name, created, use, stats))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()
-
-
-class DFlashHTTPServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer holding the engine and the serving options."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, addr, engine: Engine, model_name: str, api_key: Optional[str],
-                 defaults: Optional[GenerationConfig]):
-        super().__init__(addr, Handler)
-        self.engine, self.model_name, self.api_key = engine, model_name, api_key
-        self.defaults = defaults or DEFAULTS
-        self.created = now()
-        self.context = context_length(engine.model)
-        model = engine.model
-        names = {model_name, Path(str(model_name)).name, "default_model"}
-        for p in (getattr(model, "target_path", ""),):
-            if p:
-                names |= {str(p), Path(str(p)).name}
-        self.names = {n.lower() for n in names if n}
-        self._tok_lock = threading.Lock()
-
-    def knows(self, name: str) -> bool:
-        """Whether ``name`` is the served model (its name or its directory, any case)."""
-        return name.lower() in self.names
-
-    def tokenize(self, req) -> List[int]:
-        """Prompt ids: chat messages through the chat template, completions raw."""
-        tok = self.engine.tokenizer
-        try:
-            with self._tok_lock:
-                ids = generation.encode_prompt(tok, req.prompt, raw=req.kind == "completion")
-        except DFlashError as e:
-            raise bad(str(e), "prompt") from None
-        except generation.template_errors() as e:  # e.g. a template refusing the roles' order
-            raise bad(f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
-                      "messages") from None
-        vocab = self.engine.model.adapter.vocab_size
-        if any(not 0 <= t < vocab for t in ids):
-            raise bad(f"token ids must be in [0, {vocab})", "prompt")
-        return ids
-
-
-def make_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-                api_key: Optional[str] = None, defaults: Optional[GenerationConfig] = None,
-                max_queue: int = 16) -> DFlashHTTPServer:
-    """Bind the HTTP server (port 0 picks a free one); ``run_server`` serves it.
-
-    Raises:
-        DFlashError: the address cannot be resolved or bound.
-    """
-    try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = info[0]
-
-        class _Server(DFlashHTTPServer):
-            address_family = family
-
-        return _Server(addr, Engine(model, tokenizer, max_queue), model_name, api_key, defaults)
-    except OSError as e:
-        raise DFlashError(
-            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host"
-        ) from None
-
-
-def run_server(model, tokenizer, model_name: str, host: str = "127.0.0.1", port: int = 8080,
-               api_key: Optional[str] = None, defaults: Optional[GenerationConfig] = None,
-               max_queue: int = 16) -> None:
-    """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
-
-    Call it from the main thread: generation runs in the calling thread, HTTP in others.
-    The caller warns about a non-loopback host without a key (see ``bind_warning``).
-
-    Args:
-        model, tokenizer: from ``dflash_mlx.load``. model_name: the id clients ask for.
-        host, port: where to listen (loopback by default). api_key: require
-            'Authorization: Bearer <key>' on /v1/*. defaults: the decoding settings that
-            requests override (default ``schema.DEFAULTS``). max_queue: requests that may
-            wait behind the running one.
-    """
-    httpd = make_server(model, tokenizer, model_name, host, port, api_key, defaults, max_queue)
-    h, p = httpd.server_address[:2]
-    shown = f"[{h}]" if ":" in str(h) else h
-    print(f"dflash serve: '{model_name}' listening on http://{shown}:{p}/v1 "
-          f"(queue {httpd.engine.jobs.maxsize}, api key {'on' if api_key else 'off'})",
-          flush=True)
-    engine = httpd.engine
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        old = signal.signal(signal.SIGTERM, lambda *_: engine.stop())
-    web = threading.Thread(target=httpd.serve_forever, name="dflash-http", daemon=True)
-    web.start()
-    try:
-        engine.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        engine.stop()
-        engine._drain()
-        httpd.shutdown()
-        httpd.server_close()
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)

@@ -46,18 +46,25 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 class APIError(Exception):
     """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
 
-    TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             503: "server_error", 500: "server_error"}
+    TYPES = {
+        401: "authentication_error",
+        404: "invalid_request_error",
+        413: "invalid_request_error",
+        503: "server_error",
+        500: "server_error",
+    }
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None):
+    def __init__(
+        self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
 
 
 def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -133,8 +140,10 @@ def _content(msg: dict, i: int) -> str:
                 parts.append(p["text"])
             else:
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise bad(f"messages[{i}].content: only text parts are supported (got {kind!r})",
-                          "messages")
+                raise bad(
+                    f"messages[{i}].content: only text parts are supported (got {kind!r})",
+                    "messages",
+                )
         return "".join(parts)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
@@ -236,26 +245,50 @@ def dflash_stats(last, accepted: int, block_size: int) -> dict:
 
 def _base(kind: str, rid: str, model: str, created: int, chunk: bool) -> dict:
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj + (".chunk" if chunk and kind == "chat" else ""),
-            "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
+    return {
+        "id": rid,
+        "object": obj + (".chunk" if chunk and kind == "chat" else ""),
+        "created": created,
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
 
 
-def completion(kind: str, rid: str, model: str, created: int, text: str,
-               finish_reason: Optional[str], usage_: dict, stats: dict) -> dict:
+def completion(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: Optional[str],
+    usage_: dict,
+    stats: dict,
+) -> dict:
     """A whole (non-streamed) response."""
     out = _base(kind, rid, model, created, False)
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     out.update(choices=[choice], usage=usage_, dflash=stats)
     return out
 
 
-def chunk(kind: str, rid: str, model: str, created: int, text: Optional[str],
-          finish_reason: Optional[str] = None, role: bool = False,
-          include_usage: bool = False) -> dict:
+def chunk(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    text: Optional[str],
+    finish_reason: Optional[str] = None,
+    role: bool = False,
+    include_usage: bool = False,
+) -> dict:
     """One streamed chunk carrying text (or the role, or the finish reason)."""
     out = _base(kind, rid, model, created, True)
     if kind == "chat":
@@ -273,8 +306,7 @@ def chunk(kind: str, rid: str, model: str, created: int, text: Optional[str],
     return out
 
 
-def usage_chunk(kind: str, rid: str, model: str, created: int, usage_: dict,
-                stats: dict) -> dict:
+def usage_chunk(kind: str, rid: str, model: str, created: int, usage_: dict, stats: dict) -> dict:
     """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
     out = _base(kind, rid, model, created, True)
     out.update(choices=[], usage=usage_, dflash=stats)
