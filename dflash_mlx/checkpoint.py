@@ -155,7 +155,7 @@ def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
     for f in files:
         try:
             weights.update(mx.load(str(f)))
-        except Exception as e:  # mlx raises RuntimeError / ValueError on corrupt headers
+        except (RuntimeError, ValueError) as e:  # what mx.load raises on a corrupt header
             raise DFlashError(f"cannot read {f.name} ({str(e).splitlines()[0]}); re-download it")
     model = DFlashDrafter(args)
     expected = dict(tree_flatten(model.parameters()))

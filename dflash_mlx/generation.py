@@ -94,7 +94,11 @@ def template_errors() -> tuple:
 
 
 def sampling_params(cfg: GenerationConfig) -> SamplingParams:
-    """The target's sampling law for a config: mlx-lm's filters and logits processors."""
+    """The target's sampling law: mlx-lm's filters and logits processors.
+
+    Args:
+        cfg: validated decoding settings.
+    """
     procs = make_logits_processors(
         cfg.logit_bias,
         cfg.repetition_penalty,

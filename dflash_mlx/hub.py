@@ -28,9 +28,13 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.jinja", "*.mode
 
 
 def offline_mode(offline: Optional[bool] = None) -> bool:
-    """Whether to stay off the network: ``offline`` when given, else the environment
-    (``HF_HUB_OFFLINE``, or transformers' ``TRANSFORMERS_OFFLINE``), read as huggingface_hub
-    reads it: 1, ON, YES or TRUE, in any case, mean offline."""
+    """Whether to stay off the network.
+
+    Args:
+        offline: the caller's choice (``--offline``, ``offline=``); None defers to the
+            environment: ``HF_HUB_OFFLINE`` (or transformers' ``TRANSFORMERS_OFFLINE``), read
+            as huggingface_hub reads it, so 1, ON, YES or TRUE (any case) mean offline.
+    """
     if offline is not None:
         return bool(offline)
     from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
@@ -131,6 +135,9 @@ class Plan:
 def plan(repo_id: str) -> Plan:
     """Ask the Hub for the repo's files and sizes, and list those not yet cached.
 
+    Args:
+        repo_id: 'owner/name'.
+
     Raises whatever huggingface_hub raises (``fetch`` maps it to a one-line error).
     """
     from huggingface_hub import HfApi
@@ -154,7 +161,11 @@ def _stderr(msg: str) -> None:
 
 
 def cached(repo_id: str) -> Optional[Path]:
-    """The cached snapshot of a repo, or None; never touches the network."""
+    """The cached snapshot of a repo, or None; never touches the network.
+
+    Args:
+        repo_id: 'owner/name'.
+    """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

@@ -62,6 +62,9 @@ def read_dflash_json(directory: Path) -> Optional[str]:
     """The drafter named by ``directory/dflash.json`` (``{"dflash_drafter": "<dir>"}``,
     relative to directory), or None when there is no such file.
 
+    Args:
+        directory: a target model's directory.
+
     Raises:
         DFlashError: the file is not valid JSON or lacks a string ``dflash_drafter``.
     """
@@ -129,6 +132,10 @@ def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = No
     The drafter is ``drafter`` when given, else the alias's, else the one a ``dflash.json``
     next to the target names, else that of the registry entry whose target has the same name.
 
+    Args:
+        model: a registry alias, a Hub id, a local directory or a ``.gguf`` file.
+        drafter: a drafter directory or Hub id, or None. quant: an alias's quantisation.
+
     Raises:
         DFlashError: unknown alias (with suggestions), missing path, bad quant, no drafter.
     """
@@ -162,7 +169,12 @@ def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = No
 
 
 def locate(name: str, what: str, offline: Optional[bool], quiet: bool, log) -> Path:
-    """A local path for a directory, a ``.gguf`` target or a Hub id (fetched if needed)."""
+    """A local path for a directory, a ``.gguf`` target or a Hub id (fetched if needed).
+
+    Args:
+        name: the path or Hub id. what: 'model' or 'drafter'. offline, quiet, log: as for
+            ``hub.fetch``.
+    """
     p = Path(os.path.expanduser(str(name)))
     if p.is_dir() or (what == "model" and p.is_file() and _is_gguf(p)):
         return p

@@ -48,14 +48,21 @@ def source_dir() -> Path:
 
 
 def source(name: str) -> str:
-    """Text of ``metal/<name>.metal``: the kernel body given to ``mx.fast.metal_kernel``."""
+    """Text of ``metal/<name>.metal``: the kernel body given to ``mx.fast.metal_kernel``.
+
+    Args:
+        name: the file stem, e.g. ``two_tap_conv``.
+    """
     return (source_dir() / f"{name}.metal").read_text()
 
 
 def build(spec: KernelSpec, factory: Optional[Callable] = None):
-    """Create the kernel object of ``spec`` with ``factory`` (default mx.fast.metal_kernel).
+    """Create the kernel object of ``spec``.
 
-    Tests pass a CPU emulation of ``mx.fast.metal_kernel`` as the factory.
+    Args:
+        spec: names of the kernel, its body and its buffers.
+        factory: ``mx.fast.metal_kernel`` (default), or a stand-in with its signature (the
+            tests' CPU emulation).
     """
     factory = factory or mx.fast.metal_kernel
     return factory(
@@ -67,7 +74,11 @@ def build(spec: KernelSpec, factory: Optional[Callable] = None):
 
 
 def cached(spec: KernelSpec):
-    """The kernel object of ``spec``, built on first use."""
+    """The kernel object of ``spec``, built on first use with ``mx.fast.metal_kernel``.
+
+    Args:
+        spec: the kernel's names.
+    """
     if spec.name not in _cache:
         _cache[spec.name] = build(spec)
     return _cache[spec.name]

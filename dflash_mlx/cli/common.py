@@ -54,7 +54,12 @@ OFFLINE = typer.Option(False, "--offline", help=OFFLINE_HELP)
 
 
 def max_tokens_option(command: str, help: str = "Tokens to generate."):
-    """The --max-tokens / -m option with the command's default."""
+    """The --max-tokens / -m option.
+
+    Args:
+        command: the command whose default to use (a key of ``settings.MAX_TOKENS``).
+        help: the option's help text.
+    """
     return typer.Option(MAX_TOKENS[command], "--max-tokens", "-m", help=help)
 
 
@@ -70,6 +75,10 @@ def settings(
     no_selector: bool,
 ) -> GenerationConfig:
     """The decoding settings of a command line, checked before anything is loaded.
+
+    Args:
+        max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size: the flags'
+            values. no_selector: ``--no-selector``.
 
     Raises:
         SettingError: a flag out of range, named as typed (``--temp``).
@@ -89,8 +98,13 @@ def settings(
 
 
 def load_pair(model: str, drafter, quant, offline: bool, quiet: bool, verbose: bool, cfg=None):
-    """(model, tokenizer) through ``dflash_mlx.load``; checks cfg's block size against the
-    drafter once it is known."""
+    """(model, tokenizer) through ``dflash_mlx.load``.
+
+    Args:
+        model, drafter, quant, offline: ``--model``, ``--drafter``, ``--quant``, ``--offline``.
+        quiet: no download notices. verbose: print the loaded paths to stderr.
+        cfg: the command's settings; its block size is checked against the drafter's.
+    """
     from ..loading import load
 
     m, tok = load(model, drafter=drafter, quant=quant, offline=offline or None, quiet=quiet)
@@ -102,7 +116,12 @@ def load_pair(model: str, drafter, quant, offline: bool, quiet: bool, verbose: b
 
 
 def read_prompt(prompt: Optional[str], prompt_opt: Optional[str]) -> str:
-    """The prompt from the argument, --prompt, or stdin ("-" or a pipe)."""
+    """The prompt text.
+
+    Args:
+        prompt: the positional argument ("-" reads stdin). prompt_opt: ``--prompt``. With
+            neither, a pipe on stdin is read.
+    """
     if prompt is not None and prompt_opt is not None:
         raise DFlashError("give the prompt once: as an argument or with --prompt, not both")
     text = prompt if prompt is not None else prompt_opt

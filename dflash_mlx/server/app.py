@@ -127,7 +127,11 @@ def make_server(
     defaults: Optional[GenerationConfig] = None,
     max_queue: int = 16,
 ) -> DFlashHTTPServer:
-    """Bind the HTTP server (port 0 picks a free one); ``run_server`` serves it.
+    """Bind the HTTP server; ``run_server`` serves it.
+
+    Args:
+        model, tokenizer, model_name, host, api_key, defaults, max_queue: as for
+            ``run_server``. port: 0 picks a free one.
 
     Raises:
         DFlashError: the address cannot be resolved or bound.
