@@ -25,7 +25,7 @@ from oracle import OracleDrafter  # noqa: E402
 from dflash_mlx.acceptance import SamplingParams  # noqa: E402
 from dflash_mlx.bench import blas_name  # noqa: E402
 from dflash_mlx.decode import decode  # noqa: E402
-from dflash_mlx.registry import load_model  # noqa: E402
+from dflash_mlx import load  # noqa: E402
 
 
 def main(argv=None):
@@ -33,7 +33,7 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompt", default="def parse_args(argv):\n    parser = argparse.")
     args = ap.parse_args(argv)
-    model, tok, _ = load_model("demo", quiet=True)
+    model, tok = load("demo", quiet=True)
     ids, n = tok.encode(args.prompt), args.max_tokens
     [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=8)]  # warm up
     t = time.perf_counter()
@@ -44,15 +44,18 @@ def main(argv=None):
     for block, wrong in [(8, ()), (8, (4,)), (4, ()), (4, (2,))]:
         model.drafter = OracleDrafter(real, ids + ref + [0] * 20, wrong_at=wrong)
         t, out, cycles = time.perf_counter(), [], 0
-        for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=n,
-                        block_size=block):
+        for c in decode(
+            model, ids, model.make_cache(), SamplingParams(), max_tokens=n, block_size=block
+        ):
             out += c.tokens
             cycles += bool(c.drafted)
         dt = time.perf_counter() - t
         model.drafter = real
         assert out == ref, "lossless check failed"
-        print(f"block {block} wrong rows {list(wrong) or '-'}: tau {(len(out) - 1) / cycles:.2f}, "
-              f"{n / dt:.0f} tok/s, speedup {ar / dt:.2f}x")
+        print(
+            f"block {block} wrong rows {list(wrong) or '-'}: tau {(len(out) - 1) / cycles:.2f}, "
+            f"{n / dt:.0f} tok/s, speedup {ar / dt:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Per-cycle time split of DFlash decoding (SPEC §6) on tiny or given models.
+"""Per-cycle time split of DFlash decoding (docs/algorithm.md §5) on tiny or given models.
 
     python benchmarks/cycle_profile.py                      # tiny random qwen3 + qwen3_5 pairs
     python benchmarks/cycle_profile.py --model demo         # the shipped demo pair
@@ -29,8 +29,16 @@ def profile(model, tok, prompt, max_tokens, block, selector):
     from dflash_mlx import stream_generate
 
     t0, first, last = None, None, None
-    for r in stream_generate(model, tok, prompt, max_tokens=max_tokens, block_size=block,
-                             use_selector=selector, raw=True, profile=True):
+    for r in stream_generate(
+        model,
+        tok,
+        prompt,
+        max_tokens=max_tokens,
+        block_size=block,
+        use_selector=selector,
+        raw=True,
+        profile=True,
+    ):
         if first is None:
             first, t0 = r, time.perf_counter()
         last = r
@@ -57,8 +65,14 @@ def tiny_pairs(root: Path):
     out = []
     for kind in ("qwen3", "qwen3_5"):
         build_target(root / kind, kind, hidden=256, layers=4)
-        build_drafter(root / f"d_{kind}", root / kind, dflash2=True, block_size=16,
-                      num_hidden_layers=2, selector_rank=64)
+        build_drafter(
+            root / f"d_{kind}",
+            root / kind,
+            dflash2=True,
+            block_size=16,
+            num_hidden_layers=2,
+            selector_rank=64,
+        )
         out.append((f"tiny-{kind}", root / kind, root / f"d_{kind}"))
     return out
 
@@ -75,12 +89,7 @@ def main(argv=None):
     from dflash_mlx import load
 
     tmp = tempfile.TemporaryDirectory()
-    if args.model == "demo":
-        from dflash_mlx.registry import load_model
-
-        model, tok, _ = load_model("demo")
-        pairs = [("demo", model, tok)]
-    elif args.model:
+    if args.model:
         model, tok = load(args.model, drafter=args.drafter)
         pairs = [(args.model, model, tok)]
     else:
@@ -90,16 +99,19 @@ def main(argv=None):
         for block in args.block_size:
             if block > model.block_size:
                 continue
-            for sel in ([True, False] if model.drafter.has_selector else [False]):
+            for sel in [True, False] if model.drafter.has_selector else [False]:
                 res = profile(model, tok, args.prompt, args.max_tokens, block, sel)
                 rows.append({"model": name, "block": block, "selector": sel, **res})
     head = f"{'model':<14}{'blk':>4}{'sel':>5}{'cycle ms':>10}{'tau':>6}" + "".join(
-        f"{s:>11}" for s in STAGES)
+        f"{s:>11}" for s in STAGES
+    )
     print(head)
     for r in rows:
-        print(f"{r['model']:<14}{r['block']:>4}{'on' if r['selector'] else 'off':>5}"
-              f"{r['cycle_ms']:>10.2f}{r['tau']:>6.2f}"
-              + "".join(f"{100 * r['share'][s]:>10.1f}%" for s in STAGES))
+        print(
+            f"{r['model']:<14}{r['block']:>4}{'on' if r['selector'] else 'off':>5}"
+            f"{r['cycle_ms']:>10.2f}{r['tau']:>6.2f}"
+            + "".join(f"{100 * r['share'][s]:>10.1f}%" for s in STAGES)
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return rows

@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from dflash_mlx import kernels  # noqa: E402
-from dflash_mlx.conv import two_tap_conv as conv_reference  # noqa: E402
-from dflash_mlx.selector import select_path as select_reference  # noqa: E402
+from dflash_mlx import conv, metal_kernel, selector  # noqa: E402
+from dflash_mlx.conv import two_tap_conv_ops as conv_reference  # noqa: E402
+from dflash_mlx.selector import select_path_ops as select_reference  # noqa: E402
 
 VIEW_PRIMITIVES = {"Broadcast", "ExpandDims", "Squeeze", "Slice", "Reshape", "Transpose"}
 DTYPES = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}
@@ -81,7 +81,8 @@ def make_inputs(args, block: int, A: mx.array, Bc: mx.array, seed: int = 0) -> D
         cand=mx.random.randint(0, V, (Bsz, L, K)).astype(mx.uint32),  # [B, L, K]
         anchor=mx.random.randint(0, V, (Bsz,)).astype(mx.uint32),  # [B]
         g=mx.random.normal((Bsz, L, R)).astype(dt),  # [B, L, R]
-        A=A, B=Bc,
+        A=A,
+        B=Bc,
     )
     uniforms = mx.random.uniform(shape=(Bsz, L))  # [B, L]
     mx.eval(conv, sel, uniforms)
@@ -107,14 +108,15 @@ def emulated_check(inp: Dict, block: int) -> Dict[str, object]:
     if compiler() is None:
         return {"emulated": "skipped: no C++ compiler"}
     c, s, u = inp["conv"], compact_codebooks(inp["sel"]), inp["uniforms"]
-    out = kernels.conv_launch(kernels.build_kernel("two_tap_conv", EmulatedKernel),
-                              c["x"], c["base"], c["dyn"], block)
+    out = conv.two_tap_conv_kernel(
+        metal_kernel.build(conv.KERNEL, EmulatedKernel), c["x"], c["base"], c["dyn"], block
+    )
     ref = conv_reference(c["x"], c["base"], c["dyn"], block)
     diff = (out.astype(mx.float32) - ref.astype(mx.float32)).abs()
-    sk = kernels.build_kernel("path_select", EmulatedKernel)
+    sk = metal_kernel.build(selector.KERNEL, EmulatedKernel)
     args = (s["U"], s["cand"], s["anchor"], s["g"], s["A"], s["B"])
-    pg, _ = kernels.select_launch(sk, *args)
-    ps, qs = kernels.select_launch(sk, *args, 1.0, u)
+    pg, _ = selector.select_path_kernel(sk, *args)
+    ps, qs = selector.select_path_kernel(sk, *args, 1.0, u)
     rg, _ = select_reference(*inp["sel"].values())
     rs, rq = select_reference(*inp["sel"].values(), 1.0, u)
     return {
@@ -131,60 +133,103 @@ def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> List[Dict]:
     inp = make_inputs(args, block, A, Bc, seed=block)
     c, s, u = inp["conv"], inp["sel"], inp["uniforms"]
     sides = 4 * args.layers
-    metal = kernels.use_metal()
+    metal = metal_kernel.use_metal()
     conv_ref = lambda: [conv_reference(c["x"], c["base"], c["dyn"], block) for _ in range(sides)]
     greedy_ref = lambda: list(select_reference(*s.values()))
     sampled_ref = lambda: list(select_reference(*s.values(), 1.0, u))
     rows = []
-    for name, fn, calls in (("conv", conv_ref, sides), ("selector T=0", greedy_ref, 1),
-                            ("selector T=1", sampled_ref, 1)):
+    for name, fn, calls in (
+        ("conv", conv_ref, sides),
+        ("selector T=0", greedy_ref, 1),
+        ("selector T=1", sampled_ref, 1),
+    ):
         graph = graph_dispatches(fn()[:1])  # one call's graph
-        rows.append(dict(block=block, op=name, path="reference", calls=calls,
-                         nodes=graph["nodes"] * calls, dispatches=graph["kernels"] * calls,
-                         ms=1e3 * time_call(fn, args.iters)))
+        rows.append(
+            dict(
+                block=block,
+                op=name,
+                path="reference",
+                calls=calls,
+                nodes=graph["nodes"] * calls,
+                dispatches=graph["kernels"] * calls,
+                ms=1e3 * time_call(fn, args.iters),
+            )
+        )
     if metal:
-        ck, sk = kernels._kernel("two_tap_conv"), kernels._kernel("path_select")
+        ck, sk = metal_kernel.cached(conv.KERNEL), metal_kernel.cached(selector.KERNEL)
         fused = {
-            "conv": lambda: [kernels.conv_launch(ck, c["x"], c["base"], c["dyn"], block)
-                             for _ in range(sides)],
-            "selector T=0": lambda: list(kernels.select_launch(sk, *s.values())),
-            "selector T=1": lambda: list(kernels.select_launch(sk, *s.values(), 1.0, u)),
+            "conv": lambda: [
+                conv.two_tap_conv_kernel(ck, c["x"], c["base"], c["dyn"], block)
+                for _ in range(sides)
+            ],
+            "selector T=0": lambda: list(selector.select_path_kernel(sk, *s.values())),
+            "selector T=1": lambda: list(selector.select_path_kernel(sk, *s.values(), 1.0, u)),
         }
         for name, fn in fused.items():
             calls = sides if name == "conv" else 1
-            rows.append(dict(block=block, op=name, path="kernel", calls=calls, nodes=calls,
-                             dispatches=calls, ms=1e3 * time_call(fn, args.iters)))
+            rows.append(
+                dict(
+                    block=block,
+                    op=name,
+                    path="kernel",
+                    calls=calls,
+                    nodes=calls,
+                    dispatches=calls,
+                    ms=1e3 * time_call(fn, args.iters),
+                )
+            )
     else:
         for name in ("conv", "selector T=0", "selector T=1"):
             calls = sides if name == "conv" else 1
-            rows.append(dict(block=block, op=name, path="kernel", calls=calls, nodes=calls,
-                             dispatches=calls, ms=None))
+            rows.append(
+                dict(
+                    block=block,
+                    op=name,
+                    path="kernel",
+                    calls=calls,
+                    nodes=calls,
+                    dispatches=calls,
+                    ms=None,
+                )
+            )
     if not args.no_emulate and not metal:
-        rows.append(dict(block=block, op="emulated check", path="kernel (g++)",
-                         check=emulated_check(inp, block)))
+        rows.append(
+            dict(
+                block=block,
+                op="emulated check",
+                path="kernel (g++)",
+                check=emulated_check(inp, block),
+            )
+        )
     return rows
 
 
 def print_table(rows: List[Dict], device: str) -> None:
     """Plain-text table of the timing rows, then the emulation checks."""
-    print(f"device: {device}  (times are medians per cycle; kernel dispatches exact, "
-          f"reference dispatches counted from the graph)")
+    print(
+        f"device: {device}  (times are medians per cycle; kernel dispatches exact, "
+        f"reference dispatches counted from the graph)"
+    )
     head = f"{'block':>5}  {'op':<13} {'path':<10} {'calls':>5} {'nodes':>6} {'disp.':>6} {'ms':>9}"
     print(head + "\n" + "-" * len(head))
     for r in rows:
         if "check" in r:
             continue
         ms = "n/a" if r["ms"] is None else f"{r['ms']:.3f}"
-        print(f"{r['block']:>5}  {r['op']:<13} {r['path']:<10} {r['calls']:>5} "
-              f"{r['nodes']:>6} {r['dispatches']:>6} {ms:>9}")
+        print(
+            f"{r['block']:>5}  {r['op']:<13} {r['path']:<10} {r['calls']:>5} "
+            f"{r['nodes']:>6} {r['dispatches']:>6} {ms:>9}"
+        )
     for block in sorted({r["block"] for r in rows}):
         per = {(r["op"], r["path"]): r for r in rows if r["block"] == block and "check" not in r}
         for path in ("reference", "kernel"):
             conv, sel = per[("conv", path)], per[("selector T=0", path)]
             ms = None if conv["ms"] is None else conv["ms"] + sel["ms"]
-            print(f"block {block} {path:>9}: conv + selector (T=0) per cycle: "
-                  f"{conv['dispatches'] + sel['dispatches']} dispatches, "
-                  + ("time n/a (no Metal)" if ms is None else f"{ms:.3f} ms"))
+            print(
+                f"block {block} {path:>9}: conv + selector (T=0) per cycle: "
+                f"{conv['dispatches'] + sel['dispatches']} dispatches, "
+                + ("time n/a (no Metal)" if ms is None else f"{ms:.3f} ms")
+            )
     for r in rows:
         if "check" in r:
             print(f"block {r['block']}: emulated kernels vs reference: {r['check']}")
@@ -214,12 +259,21 @@ def main(argv=None) -> None:
     rows = []
     for block in args.blocks:
         rows += bench_block(args, block, A, Bc)
-    device = f"{mx.default_device()} (metal: {kernels.use_metal()})"
+    device = f"{mx.default_device()} (metal: {metal_kernel.use_metal()})"
     print_table(rows, device)
     if args.json:
-        args.json.write_text(json.dumps({"device": device, "args": {
-            k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "rows": rows}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "args": {
+                        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                    },
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

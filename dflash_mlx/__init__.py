@@ -1,8 +1,8 @@
 """dflash-mlx: DFlash 2 block-parallel speculative decoding on MLX.
 
-``from dflash_mlx import load, generate, stream_generate``. Heavy imports are deferred so
-that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded here, before any
-module of the package imports MLX (see ``blas.py``).
+``from dflash_mlx import load, generate, stream_generate, GenerationConfig``. Heavy imports
+are deferred so that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded
+here, before any module of the package imports MLX (see ``blas.py``).
 """
 
 from .blas import load_system_blas
@@ -10,7 +10,15 @@ from .blas import load_system_blas
 load_system_blas()
 
 __version__ = "0.1.0"
-__all__ = ["load", "generate", "stream_generate", "DFlashError", "__version__"]
+__all__ = [
+    "load",
+    "generate",
+    "stream_generate",
+    "GenerationConfig",
+    "GenerationResponse",
+    "DFlashError",
+    "__version__",
+]
 
 
 def __getattr__(name):
@@ -22,6 +30,10 @@ def __getattr__(name):
         from . import generation
 
         return getattr(generation, name)
+    if name == "GenerationConfig":
+        from .settings import GenerationConfig
+
+        return GenerationConfig
     if name == "DFlashError":
         from .errors import DFlashError
 

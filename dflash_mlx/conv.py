@@ -1,4 +1,5 @@
-"""Two-tap dynamic depthwise conv of DFlash 2 (SPEC §3).
+"""Two-tap dynamic depthwise conv of DFlash 2 (docs/algorithm.md §2.5): the pure-MLX twin,
+the fused Metal kernel's launch, the dispatch between them, and the ``TwoTapConv`` module.
 
 Each sublayer (attention, MLP) is wrapped by one ``TwoTapConv``: ``prepare`` convolves the
 normed sublayer input with side 0 and hands side 1's dynamic coefficients to ``finish``,
@@ -12,9 +13,15 @@ from typing import Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import metal_kernel
+from .metal_kernel import KernelSpec
 
-def two_tap_conv(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) -> mx.array:
-    """Reference dynamic depthwise conv; the semantic definition of the Metal kernel.
+KERNEL = KernelSpec("two_tap_conv", ("x", "base", "dyn"), ("out",))
+THREADGROUP = 256  # threads per threadgroup along H
+
+
+def two_tap_conv_ops(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) -> mx.array:
+    """Pure-MLX conv of one side; the semantic definition of the Metal kernel.
 
     ``out[t] = sum_j (base[j] + dyn[t, j, c // gs]) * x[t - j]`` with ``x[t - j] = 0``
     whenever ``t - j`` lies in an earlier block (blocks start at multiples of block_size).
@@ -43,6 +50,47 @@ def two_tap_conv(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) ->
     return out.astype(x.dtype)
 
 
+def two_tap_conv_kernel(
+    kernel, x: mx.array, base: mx.array, dyn: mx.array, block_size: int
+) -> mx.array:
+    """Launch the fused kernel (``metal/two_tap_conv.metal``) for one side.
+
+    Args:
+        kernel: object returned by ``metal_kernel.build(KERNEL, ...)``.
+        x: [B, L, H]; base: [taps, H]; dyn: [B, L, taps, G]; block_size: rows per block.
+
+    Returns:
+        [B, L, H] in x's dtype.
+    """
+    Bsz, L, H = x.shape
+    taps, G = dyn.shape[-2], dyn.shape[-1]
+    if base.shape != (taps, H) or dyn.shape[:2] != (Bsz, L) or H % G:
+        raise ValueError(f"conv shapes: x {x.shape}, base {base.shape}, dyn {dyn.shape}")
+    (out,) = kernel(
+        inputs=[x, base, dyn],
+        template=[("T", x.dtype), ("TAPS", taps), ("BLOCK", int(block_size))],
+        grid=(H, L, Bsz),
+        threadgroup=(min(H, THREADGROUP), 1, 1),
+        output_shapes=[x.shape],
+        output_dtypes=[x.dtype],
+    )
+    return out
+
+
+def two_tap_conv(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) -> mx.array:
+    """Conv of one side: the fused kernel on a Metal GPU, else ``two_tap_conv_ops``.
+
+    Args:
+        x: [B, L, H]; base: [taps, H]; dyn: [B, L, taps, G]; block_size: rows per block.
+
+    Returns:
+        [B, L, H] in x's dtype.
+    """
+    if metal_kernel.use_metal():
+        return two_tap_conv_kernel(metal_kernel.cached(KERNEL), x, base, dyn, block_size)
+    return two_tap_conv_ops(x, base, dyn, block_size)
+
+
 class TwoTapConv(nn.Module):
     """One DFlash 2 conv pair (side 0 before the sublayer, side 1 after it).
 
@@ -59,9 +107,7 @@ class TwoTapConv(nn.Module):
         # Identity at init: tap 0 = 1, other taps 0, no dynamic part.
         base = mx.zeros((2, kernel_size, hidden_size))
         self.base_kernel = base.at[:, 0].add(1.0)
-        self.kernel_projection = nn.Linear(
-            hidden_size, 2 * kernel_size * self.groups, bias=False
-        )
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
         self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
 
     def prepare(self, u: mx.array, block_size: int) -> Tuple[mx.array, mx.array]:
@@ -79,7 +125,5 @@ class TwoTapConv(nn.Module):
         return self.conv(y, 1, d1, block_size)
 
     def conv(self, x: mx.array, side: int, dyn: mx.array, block_size: int) -> mx.array:
-        """Dispatch one side to the fused kernel where available, else the reference."""
-        from .kernels import two_tap_conv as fused
-
-        return fused(x, self.base_kernel[side], dyn, block_size)
+        """Convolve x with one side's base kernel and dynamic part."""
+        return two_tap_conv(x, self.base_kernel[side], dyn, block_size)

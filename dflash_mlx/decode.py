@@ -1,4 +1,4 @@
-"""The speculative decode loop: draft, select, verify, accept (SPEC §3-§5).
+"""The speculative decode loop: draft, select, verify, accept (docs/algorithm.md §1-§4).
 
 One host sync per cycle: the whole cycle is built lazily and evaluated once, when the
 accepted count is needed to roll the caches back.
@@ -9,12 +9,17 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
 from .acceptance import (
-    SamplingParams, accept_greedy, accept_sampled, process_rows, proposal_full, sample_rows,
+    SamplingParams,
+    accept_greedy,
+    accept_sampled,
+    process_rows,
+    proposal_full,
+    sample_rows,
     target_probs,
 )
 from .state import DFlashModel, PromptCache
@@ -78,6 +83,116 @@ def _propose(model, logits, hidden, anchor, params, use_selector, key):
     return sample_rows(q_full, key), q_full
 
 
+def prefill(
+    model: DFlashModel,
+    prompt: List[int],
+    cache: PromptCache,
+    params: SamplingParams,
+    key: mx.array,
+    step_size: int = 2048,
+) -> Tuple[Cycle, mx.array]:
+    """Run the uncached part of the prompt through the target, feed its features to the
+    drafter's context, and choose the first token.
+
+    Args:
+        model: the loaded pair. prompt: token ids (at least one). cache: reused if it holds
+            a prefix of prompt. params: target sampling. key: PRNG key. step_size: tokens
+            per target forward.
+
+    Returns:
+        (the Cycle holding the first token, the key to continue with).
+    """
+    adapter, drafter = model.adapter, model.drafter
+    todo = prompt[cache.reuse(model, prompt) :]
+    cache.busy = True  # caches and cache.tokens disagree until the Cycle is returned
+    clock = _Clock(True)
+    for s in range(0, len(todo), step_size):
+        logits, feats = adapter(mx.array(todo[s : s + step_size])[None], cache.target)
+        drafter.append_context(feats, cache.drafter)
+        mx.eval(logits[:, -1], cache.state)
+    cache.tokens = list(prompt)
+    if adapter.is_hybrid:
+        cache.checkpoint = (len(prompt), adapter.snapshot(cache.target))
+    last = process_rows(
+        logits[0, -1:], mx.array(prompt), mx.array([], mx.uint32), params.processors
+    )
+    key, sub = mx.random.split(key)
+    if params.greedy:
+        first = mx.argmax(last, axis=-1)
+    else:
+        first = sample_rows(target_probs(last, params), sub)
+    anchor = first.item()
+    clock.lap("prefill")
+    cache.busy = False
+    return Cycle([anchor], prompt_tokens=len(todo), timings=dict(clock.split)), key
+
+
+def _draft(model, cache, anchor, b, params, use_selector, key, clock):
+    """Draft b - 1 tokens after the anchor [1]: (drafts [b - 1], proposal rows or None)."""
+    if b < 2:
+        return mx.array([], dtype=mx.uint32), None
+    drafter = model.drafter
+    hidden = drafter.step(model.embed_block(anchor, b), cache.drafter)
+    d_logits = drafter.logits(hidden[:, 1:], model.adapter.lm_head)  # [1, b-1, V]
+    clock.lap("drafter", d_logits)
+    drafts, q_full = _propose(model, d_logits, hidden[:, 1:], anchor, params, use_selector, key)
+    clock.lap("selector", drafts)
+    return drafts, q_full
+
+
+def _accept(v_logits, history, drafts, q_full, params, key):
+    """(accepted count [], the token committed after them []) from the verify logits."""
+    history = mx.array(history) if params.processors else None
+    rows = process_rows(v_logits[0], history, drafts, params.processors)
+    if params.greedy:
+        n_acc, targets = accept_greedy(rows, drafts)
+        return n_acc, targets[n_acc]
+    q_full = mx.zeros((0, rows.shape[-1])) if q_full is None else q_full
+    return accept_sampled(target_probs(rows, params), drafts, q_full, key)
+
+
+def cycle(
+    model: DFlashModel,
+    cache: PromptCache,
+    params: SamplingParams,
+    history: List[int],
+    block_size: int,
+    use_selector: bool,
+    keys: Tuple[mx.array, mx.array],
+    profile: bool = False,
+) -> Cycle:
+    """One draft - select - verify - accept step after ``history`` (its last id is the anchor).
+
+    Args:
+        model, cache, params: as for ``decode``. history: committed ids so far.
+        block_size: tokens to verify (the anchor and block_size - 1 drafts).
+        use_selector: walk the DFlash 2 lattice. keys: (drafting, acceptance) PRNG keys.
+        profile: time each stage (adds syncs).
+    """
+    adapter, drafter = model.adapter, model.drafter
+    clock = _Clock(profile)
+    anchor = history[-1]
+    a_arr = mx.array([anchor], dtype=mx.uint32)
+    drafts, q_full = _draft(model, cache, a_arr, block_size, params, use_selector, keys[0], clock)
+    cache.busy = True
+    snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
+    v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
+    clock.lap("verify", v_logits, feats)
+    n_acc, bonus = _accept(v_logits, history, drafts, q_full, params, keys[1])
+    mx.eval(n_acc, bonus, drafts)  # the cycle's one host sync
+    a = n_acc.item()
+    committed = drafts.tolist()[:a] + [bonus.item()]
+    clock.lap("acceptance")
+    adapter.rollback(cache.target, block_size, a + 1, snap)
+    drafter.append_context(feats[:, : a + 1], cache.drafter)
+    cache.tokens += [anchor] + committed[:-1]
+    # Roll back / append on the device while the host builds the next cycle.
+    mx.async_eval(cache.state)
+    clock.lap("rollback", cache.state)
+    cache.busy = False
+    return Cycle(committed, a, block_size - 1, timings=dict(clock.split))
+
+
 def decode(
     model: DFlashModel,
     prompt: List[int],
@@ -100,73 +215,16 @@ def decode(
         use_selector: walk the DFlash 2 lattice; False drafts each row's top token.
         key: PRNG key for sampling. profile: time each stage (adds syncs).
     """
-    adapter, drafter = model.adapter, model.drafter
     key = mx.random.key(int(time.time_ns() % 2**31)) if key is None else key
     with mx.stream(generation_stream()):
-        reused = cache.reuse(model, prompt)
-        todo = prompt[reused:]
-        cache.busy = True  # caches and cache.tokens disagree until the next yield
-        clock = _Clock(True)
-        for s in range(0, len(todo), prefill_step_size):
-            logits, feats = adapter(mx.array(todo[s : s + prefill_step_size])[None], cache.target)
-            drafter.append_context(feats, cache.drafter)
-            mx.eval(logits[:, -1], cache.state)
-        cache.tokens = list(prompt)
-        if adapter.is_hybrid:
-            cache.checkpoint = (len(prompt), adapter.snapshot(cache.target))
-        history = list(prompt)
-        last = process_rows(logits[0, -1:], mx.array(history), mx.array([], mx.uint32),
-                            params.processors)
-        key, sub = mx.random.split(key)
-        if params.greedy:
-            first = mx.argmax(last, axis=-1)
-        else:
-            first = sample_rows(target_probs(last, params), sub)
-        anchor = first.item()
-        history.append(anchor)
-        clock.lap("prefill")
-        cache.busy = False
-        yield Cycle([anchor], prompt_tokens=len(todo), timings=dict(clock.split))
+        first, key = prefill(model, prompt, cache, params, key, prefill_step_size)
+        yield first
+        history = list(prompt) + first.tokens
         n_gen = 1
         while n_gen < max_tokens:
-            clock = _Clock(profile)
             b = max(1, min(block_size, max_tokens - n_gen))
             key, k_draft, k_acc = mx.random.split(key, 3)
-            a_arr = mx.array([anchor], dtype=mx.uint32)
-            q_full = None
-            if b >= 2:
-                hidden = drafter.step(model.embed_block(a_arr, b), cache.drafter)
-                d_logits = drafter.logits(hidden[:, 1:], adapter.lm_head)  # [1, b-1, V]
-                clock.lap("drafter", d_logits)
-                drafts, q_full = _propose(model, d_logits, hidden[:, 1:], a_arr, params,
-                                          use_selector, k_draft)
-                clock.lap("selector", drafts)
-            else:
-                drafts = mx.array([], dtype=mx.uint32)
-            cache.busy = True
-            snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
-            v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
-            clock.lap("verify", v_logits, feats)
-            rows = process_rows(v_logits[0], mx.array(history) if params.processors else None,
-                                drafts, params.processors)
-            if params.greedy:
-                n_acc, targets = accept_greedy(rows, drafts)
-                bonus = targets[n_acc]
-            else:
-                q_full = mx.zeros((0, rows.shape[-1])) if q_full is None else q_full
-                n_acc, bonus = accept_sampled(target_probs(rows, params), drafts, q_full, k_acc)
-            mx.eval(n_acc, bonus, drafts)  # the cycle's one host sync
-            a = n_acc.item()
-            committed = drafts.tolist()[:a] + [bonus.item()]
-            clock.lap("acceptance")
-            adapter.rollback(cache.target, b, a + 1, snap)
-            drafter.append_context(feats[:, : a + 1], cache.drafter)
-            cache.tokens += [anchor] + committed[:-1]
-            # Roll back / append on the device while the host builds the next cycle.
-            mx.async_eval(cache.state)
-            clock.lap("rollback", cache.state)
-            cache.busy = False
-            history += committed
-            anchor = committed[-1]
-            n_gen += len(committed)
-            yield Cycle(committed, a, b - 1, timings=dict(clock.split))
+            step = cycle(model, cache, params, history, b, use_selector, (k_draft, k_acc), profile)
+            history += step.tokens
+            n_gen += len(step.tokens)
+            yield step

@@ -1,4 +1,5 @@
-"""DFlash 1 / DFlash 2 drafter (SPEC §2.2-§3): one bidirectional pass drafts a whole block.
+"""DFlash 1 / DFlash 2 drafter (docs/algorithm.md §2, docs/format.md §2-§3): one
+bidirectional pass drafts a whole block.
 
 Attribute names follow the released checkpoints so weights load without a renaming table.
 The drafter owns no embedding and no LM head: both are borrowed from the target.
@@ -6,7 +7,7 @@ The drafter owns no embedding and no LM head: both are borrowed from the target.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +20,32 @@ from .conv import TwoTapConv
 from .selector import PathSelector
 
 Offset = Union[int, mx.array]
+
+
+def embed_block(
+    embed: Callable[[mx.array], mx.array],
+    ids: mx.array,
+    args: DrafterArgs,
+    dtype: Optional[mx.Dtype] = None,
+) -> mx.array:
+    """The drafter's block input (docs/algorithm.md §2.2), for decoding and training alike:
+    the target's token embedding of the block ids, times ``input_embedding_scale``, in the
+    drafter's dtype.
+
+    Args:
+        embed: the target's token embedding, e.g. ``TargetAdapter.embed``.
+        ids: block ids [N, L], each row ``[anchor, mask, ..., mask]``.
+        args: the drafter's configuration.
+        dtype: the drafter's compute dtype (``drafter.fc.weight.dtype``); None keeps the
+            embedding's.
+
+    Returns:
+        [N, L, H] block embeddings.
+    """
+    emb = embed(ids)
+    scale = args.input_embedding_scale
+    emb = emb if scale == 1.0 else emb * scale
+    return emb if dtype is None else emb.astype(dtype)
 
 
 def block_mask(anchors: np.ndarray, context: int, block: int, window: Optional[int]) -> np.ndarray:

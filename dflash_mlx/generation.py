@@ -1,17 +1,22 @@
-"""Public generation API: ``stream_generate`` and ``generate`` (mlx-lm style)."""
+"""Public generation API: ``stream_generate`` and ``generate`` (mlx-lm style).
+
+``stream_generate`` is three steps around the decode loop: encode the prompt, scan the
+detokenized text for stop strings, and keep the statistics each response carries.
+"""
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Sequence, Union
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptance import SamplingParams
-from .decode import decode
+from .decode import Cycle, decode
 from .errors import DFlashError
+from .settings import GenerationConfig
 from .state import DFlashModel, PromptCache
 
 Prompt = Union[str, Sequence[int], Sequence[Dict[str, str]]]
@@ -78,22 +83,29 @@ def encode_prompt(tokenizer, prompt: Prompt, raw: bool = False, system: Optional
     return list(ids)
 
 
-def _check(model: DFlashModel, max_tokens, temperature, top_p, top_k, min_p, block_size):
-    if temperature is None or temperature < 0:
-        raise DFlashError(f"temperature must be >= 0 (got {temperature}); use 0 for greedy")
-    if not 0 < top_p <= 1:
-        raise DFlashError(f"top_p must be in (0, 1] (got {top_p}); use 1.0 to turn it off")
-    if top_k < 0:
-        raise DFlashError(f"top_k must be >= 0 (got {top_k}); use 0 to turn it off")
-    if not 0 <= min_p <= 1:
-        raise DFlashError(f"min_p must be in [0, 1] (got {min_p}); use 0 to turn it off")
-    if max_tokens < 1:
-        raise DFlashError(f"max_tokens must be at least 1 (got {max_tokens})")
-    top = model.block_size
-    if not 2 <= block_size <= top:
-        raise DFlashError(
-            f"block size {block_size} is out of range; this drafter supports 2..{top}"
-        )
+def template_errors() -> tuple:
+    """What applying a chat template raises on messages it refuses (a template's own
+    ``raise_exception``, a tokenizer without a template)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # no jinja2: transformers cannot render templates at all
+        return (ValueError,)
+    return (ValueError, TemplateError)
+
+
+def sampling_params(cfg: GenerationConfig) -> SamplingParams:
+    """The target's sampling law: mlx-lm's filters and logits processors.
+
+    Args:
+        cfg: validated decoding settings.
+    """
+    procs = make_logits_processors(
+        cfg.logit_bias,
+        cfg.repetition_penalty,
+        presence_penalty=cfg.presence_penalty or None,
+        frequency_penalty=cfg.frequency_penalty or None,
+    )
+    return SamplingParams(cfg.temperature, cfg.top_p, cfg.min_p, cfg.top_k, procs)
 
 
 def _held_back(text: str, stops: List[str]) -> int:
@@ -107,122 +119,155 @@ def _held_back(text: str, stops: List[str]) -> int:
     return best
 
 
+class _TextStream:
+    """Detokenized text and the stop-string scan: what can be shown after each cycle.
+
+    Text that could still turn into a stop string is held back until it cannot.
+    """
+
+    def __init__(self, detokenizer, stop: Optional[Union[str, List[str]]]):
+        self.detok = detokenizer
+        self.detok.reset()
+        self.stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        self.text, self.emitted = "", 0
+
+    def add(self, tokens: List[int], finish: Optional[str]) -> Tuple[str, Optional[str]]:
+        """Append tokens; return (the text that may be shown now, finish reason)."""
+        for t in tokens:
+            self.detok.add_token(t)
+        if finish:
+            self.detok.finalize()
+        self.text += self.detok.last_segment
+        if self.stops:
+            start = self.emitted
+            hits = [self.text.find(s, max(0, start - len(s))) for s in self.stops]
+            hits = [h for h in hits if h >= 0]
+            if hits:
+                self.text, finish = self.text[: min(hits)], "stop"
+        end = len(self.text) if finish else len(self.text) - _held_back(self.text, self.stops)
+        piece, self.emitted = self.text[self.emitted : end], max(self.emitted, end)
+        return piece, finish
+
+
+class _Stats:
+    """Counters of one completion: prompt timing, tau, per-position acceptance, timings."""
+
+    def __init__(self, prompt_tokens: int, block_size: int):
+        self.prompt_tokens, self.block_size = prompt_tokens, block_size
+        self.generated = self.cycles = self.committed = self.processed = 0
+        self.reached = [0] * block_size
+        self.accepted_at = [0] * block_size
+        self.timings: Dict[str, float] = {}
+        self.tic, self.prompt_time = time.perf_counter(), 0.0
+
+    def add(self, cyc: Cycle) -> None:
+        """Count a cycle (the first is the prefill, which drafts nothing)."""
+        if cyc.drafted == 0 and self.cycles == 0 and self.generated == 0:
+            self.prompt_time, self.processed = time.perf_counter() - self.tic, cyc.prompt_tokens
+            self.tic = time.perf_counter()
+        else:
+            self.cycles += 1
+            self.committed += len(cyc.tokens)
+            for k in range(min(cyc.accepted + 1, cyc.drafted)):
+                self.reached[k] += 1
+                self.accepted_at[k] += k < cyc.accepted
+        for name, t in cyc.timings.items():
+            self.timings[name] = self.timings.get(name, 0.0) + t
+
+    def response(self, text, tokens, accepted, finish) -> GenerationResponse:
+        """The GenerationResponse carrying a piece of text and the stats so far."""
+        elapsed = max(time.perf_counter() - self.tic, 1e-9)
+        pairs = zip(self.accepted_at, self.reached)
+        return GenerationResponse(
+            text=text,
+            tokens=tokens,
+            accepted=accepted,
+            finish_reason=finish,
+            prompt_tokens=self.prompt_tokens,
+            prompt_processed=self.processed,
+            prompt_tps=self.processed / max(self.prompt_time, 1e-9),
+            generation_tokens=self.generated,
+            generation_tps=self.generated / elapsed,
+            tau=self.committed / self.cycles if self.cycles else 0.0,
+            cycles=self.cycles,
+            peak_memory=mx.get_peak_memory() / 1e9,
+            acceptance=[a / r if r else 0.0 for a, r in pairs][: self.block_size - 1],
+            timings=dict(self.timings),
+        )
+
+
+def _take(tokens: List[int], eos: set, generated: int, max_tokens: int):
+    """(the tokens to emit, finish reason): stop before an EOS, at the token budget."""
+    out = []
+    for t in tokens:
+        if t in eos:
+            return out, "stop"
+        out.append(t)
+        if generated + len(out) >= max_tokens:
+            return out, "length"
+    return out, None
+
+
 def stream_generate(
     model: DFlashModel,
     tokenizer,
     prompt: Prompt,
-    max_tokens: int = 256,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: Optional[float] = None,
-    logit_bias: Optional[Dict[int, float]] = None,
-    block_size: Optional[int] = None,
-    use_selector: bool = True,
-    seed: Optional[int] = None,
-    stop: Optional[Union[str, List[str]]] = None,
+    *,
+    config: Optional[GenerationConfig] = None,
     raw: bool = False,
     system: Optional[str] = None,
     prompt_cache: Optional[PromptCache] = None,
     profile: bool = False,
     prefill_step_size: int = 2048,
+    **settings,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion with DFlash speculative decoding; lossless w.r.t. the target.
 
     Args:
         model, tokenizer: from ``load``. prompt: str (chat template applied when the
             tokenizer has one, unless raw), list of token ids, or list of chat messages.
-        max_tokens: generation budget. temperature, top_p, top_k, min_p: mlx-lm sampling.
-        presence_penalty, frequency_penalty, repetition_penalty, logit_bias: mlx-lm logits
-            processors, applied exactly per block position.
-        block_size: tokens per verify (2..checkpoint block size; default the checkpoint's).
-        use_selector: False gives DFlash 1 behaviour. seed: makes sampling reproducible.
-        stop: stop string(s), not included in the text. prompt_cache: reuse across calls.
+        config: decoding settings (default ``GenerationConfig()``).
+        raw: skip the chat template for a str. system: system message for a str prompt.
+        prompt_cache: reuse across calls (``model.make_cache()``).
         profile: time each stage of the cycle into ``timings``.
+        prefill_step_size: prompt tokens per target forward.
+        settings: ``GenerationConfig`` fields that override config: max_tokens,
+            temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
+            repetition_penalty, logit_bias, block_size, use_selector, seed, stop.
 
     Yields:
         GenerationResponse per committed piece; the last has finish_reason set.
+
+    Raises:
+        DFlashError: a bad setting or an empty prompt.
     """
-    block_size = model.block_size if block_size is None else int(block_size)
-    _check(model, max_tokens, temperature, top_p, top_k, min_p, block_size)
+    cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
+    block_size = cfg.block_size or model.block_size
     ids = encode_prompt(tokenizer, prompt, raw, system)
-    procs = make_logits_processors(
-        logit_bias, repetition_penalty, presence_penalty=presence_penalty or None,
-        frequency_penalty=frequency_penalty or None,
-    )
-    params = SamplingParams(temperature, top_p, min_p, top_k, procs)
-    stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+    text = _TextStream(tokenizer.detokenizer, cfg.stop)
+    stats = _Stats(len(ids), block_size)
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
-    key = mx.random.key(seed) if seed is not None else None
-    detok = tokenizer.detokenizer
-    detok.reset()
-    text, emitted, n_gen, cycles, committed = "", 0, 0, 0, 0
-    reached = [0] * block_size
-    accepted_at = [0] * block_size
-    timings: Dict[str, float] = {}
-    tic = time.perf_counter()
-    prompt_time, processed = 0.0, 0
+    key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()
-    for cyc in decode(
-        model, ids, cache, params, max_tokens=max_tokens, block_size=block_size,
-        use_selector=use_selector, key=key, prefill_step_size=prefill_step_size,
+    cycles = decode(
+        model,
+        ids,
+        cache,
+        sampling_params(cfg),
+        max_tokens=cfg.max_tokens,
+        block_size=block_size,
+        use_selector=cfg.use_selector,
+        key=key,
+        prefill_step_size=prefill_step_size,
         profile=profile,
-    ):
-        if cyc.drafted == 0 and cycles == 0 and n_gen == 0:
-            prompt_time, processed = time.perf_counter() - tic, cyc.prompt_tokens
-            tic = time.perf_counter()
-        else:
-            cycles += 1
-            committed += len(cyc.tokens)
-            for k in range(min(cyc.accepted + 1, cyc.drafted)):
-                reached[k] += 1
-                accepted_at[k] += k < cyc.accepted
-        for name, t in cyc.timings.items():
-            timings[name] = timings.get(name, 0.0) + t
-        finish, new_tokens = None, []
-        for t in cyc.tokens:
-            if t in eos:
-                finish = "stop"
-                break
-            new_tokens.append(t)
-            detok.add_token(t)
-            n_gen += 1
-            if n_gen >= max_tokens:
-                finish = "length"
-                break
-        if finish:
-            detok.finalize()
-        text += detok.last_segment
-        if stops:
-            hits = [(text.find(s, max(0, emitted - len(s))), s) for s in stops]
-            hits = [h for h in hits if h[0] >= 0]
-            if hits:
-                text, finish = text[: min(h[0] for h in hits)], "stop"
-        end = len(text) if finish else len(text) - _held_back(text, stops)
-        piece, emitted = text[emitted:end], max(emitted, end)
-        elapsed = max(time.perf_counter() - tic, 1e-9)
-        yield GenerationResponse(
-            text=piece,
-            tokens=new_tokens,
-            accepted=cyc.accepted,
-            finish_reason=finish,
-            prompt_tokens=len(ids),
-            prompt_processed=processed,
-            prompt_tps=processed / max(prompt_time, 1e-9),
-            generation_tokens=n_gen,
-            generation_tps=n_gen / elapsed,
-            tau=committed / cycles if cycles else 0.0,
-            cycles=cycles,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            acceptance=[a / r if r else 0.0 for a, r in zip(accepted_at, reached)][
-                : block_size - 1
-            ],
-            timings=dict(timings),
-        )
+    )
+    for cyc in cycles:
+        stats.add(cyc)
+        tokens, finish = _take(cyc.tokens, eos, stats.generated, cfg.max_tokens)
+        stats.generated += len(tokens)
+        piece, finish = text.add(tokens, finish)
+        yield stats.response(piece, tokens, cyc.accepted, finish)
         if finish:
             return
 

@@ -1,9 +1,12 @@
-"""Hugging Face Hub access for the command line: cache location, size preview before a
-download, progress, resume, and offline mode, with one-line errors.
+"""Hugging Face Hub access: the cache location, offline mode, a size preview before a
+download, progress, resume, and one-line errors.
 
-Respects ``HF_HUB_OFFLINE``, ``HF_HOME``, ``HF_HUB_CACHE`` (read at call time, so tests and
-users can change them without re-importing huggingface_hub). Interrupted downloads resume:
-huggingface_hub keeps ``.incomplete`` blobs and continues them on the next call.
+The only module that reads the Hub's environment: ``HF_HUB_OFFLINE`` (with
+huggingface_hub's own notion of a true value), ``HF_HUB_CACHE`` and ``HF_HOME``. They are
+read at call time, so a process (or a test) can change them after huggingface_hub was
+imported, which fixes its own constants at import. Interrupted downloads resume:
+huggingface_hub keeps ``.incomplete`` blobs and continues them on the next call. Nothing
+heavy is imported at module level (the command line imports this module for its help).
 """
 
 from __future__ import annotations
@@ -17,23 +20,48 @@ from typing import Callable, List, Optional, Tuple
 
 from .errors import DFlashError
 
-_TRUE = {"1", "ON", "YES", "TRUE"}
+OFFLINE_ENV = "HF_HUB_OFFLINE"
+OFFLINE_HELP = f"Use the local Hugging Face cache only (also {OFFLINE_ENV}=1)."
+
+# Files a model directory needs; weights are safetensors only.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 
 
-def env_offline() -> bool:
-    """True when HF_HUB_OFFLINE asks for offline mode."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in _TRUE
+def offline_mode(offline: Optional[bool] = None) -> bool:
+    """Whether to stay off the network.
+
+    Args:
+        offline: the caller's choice (``--offline``, ``offline=``); None defers to the
+            environment: ``HF_HUB_OFFLINE`` (or transformers' ``TRANSFORMERS_OFFLINE``), read
+            as huggingface_hub reads it, so 1, ON, YES or TRUE (any case) mean offline.
+    """
+    if offline is not None:
+        return bool(offline)
+    from huggingface_hub.constants import ENV_VARS_TRUE_VALUES
+
+    value = os.environ.get(OFFLINE_ENV) or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ENV_VARS_TRUE_VALUES
 
 
 def cache_dir() -> Path:
-    """The Hub cache directory, as huggingface_hub computes it from the environment."""
+    """The Hub cache directory, resolved from the environment as huggingface_hub does."""
     for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(var):
-            return Path(os.path.expanduser(os.environ[var]))
-    if os.environ.get("HF_HOME"):
-        return Path(os.path.expanduser(os.environ["HF_HOME"])) / "hub"
+            return Path(os.path.expandvars(os.path.expanduser(os.environ[var])))
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "huggingface" / "hub"
+    home = os.environ.get("HF_HOME") or os.path.join(xdg, "huggingface")
+    return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
+
+
+def is_hub_id(name: str) -> bool:
+    """True for strings shaped like 'owner/name' that are not local paths."""
+    parts = str(name).split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not str(name).startswith((".", "/", "~"))
+        and not Path(name).exists()
+    )
 
 
 def repo_folder(repo_id: str) -> Path:
@@ -48,17 +76,20 @@ def cached_size(repo_id: str) -> Optional[int]:
     if not snaps.is_dir() or not any(snaps.iterdir()):
         return None
     blobs = folder / "blobs"
-    total = 0
     root = blobs if blobs.is_dir() else snaps
-    for f in root.rglob("*"):
-        if f.is_file() and not f.name.endswith(".incomplete"):
-            total += f.stat().st_size
-    return total
+    return sum(
+        f.stat().st_size
+        for f in root.rglob("*")
+        if f.is_file() and not f.name.endswith(".incomplete")
+    )
 
 
 def dir_size(path: Path) -> int:
-    """Bytes of the files under a local directory."""
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+    """Bytes of a local file, or of the files under a local directory."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def human_size(n: Optional[float]) -> str:
@@ -72,14 +103,20 @@ def human_size(n: Optional[float]) -> str:
     return f"{n:.1f} TB"
 
 
-def _patterns() -> List[str]:
-    from .loading import ALLOW_PATTERNS
-
-    return list(ALLOW_PATTERNS)
-
-
 def _wanted(name: str) -> bool:
-    return any(fnmatch.fnmatch(name, p) for p in _patterns())
+    return any(fnmatch.fnmatch(name, p) for p in ALLOW_PATTERNS)
+
+
+def _network_errors() -> tuple:
+    """What huggingface_hub raises when the Hub cannot be reached or answers with an error:
+    its HTTP client's base error (httpx, or requests in older releases) and OSError."""
+    from huggingface_hub.errors import HTTPError
+
+    return (HTTPError, OSError)
+
+
+def _reason(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:120]
 
 
 @dataclass
@@ -98,7 +135,10 @@ class Plan:
 def plan(repo_id: str) -> Plan:
     """Ask the Hub for the repo's files and sizes, and list those not yet cached.
 
-    Raises whatever huggingface_hub raises (the caller maps it to a one-line error).
+    Args:
+        repo_id: 'owner/name'.
+
+    Raises whatever huggingface_hub raises (``fetch`` maps it to a one-line error).
     """
     from huggingface_hub import HfApi
 
@@ -120,105 +160,97 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _cached(repo_id: str) -> Optional[Path]:
-    """The cached snapshot of a repo, or None (no network)."""
+def cached(repo_id: str) -> Optional[Path]:
+    """The cached snapshot of a repo, or None; never touches the network.
+
+    Args:
+        repo_id: 'owner/name'.
+    """
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
         return Path(
             snapshot_download(
-                repo_id, allow_patterns=_patterns(), local_files_only=True, cache_dir=cache_dir()
+                repo_id, allow_patterns=ALLOW_PATTERNS, local_files_only=True, cache_dir=cache_dir()
             )
         )
-    except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
+    except (LocalEntryNotFoundError, FileNotFoundError):
         return None
-    except Exception:
-        return None
+
+
+def _not_cached(repo_id: str, what: str) -> DFlashError:
+    return DFlashError(
+        f"{what} {repo_id} is not in the local Hugging Face cache ({cache_dir()}) and offline "
+        f"mode is on; download it once online, or drop --offline / {OFFLINE_ENV}"
+    )
 
 
 def fetch(
-    name: str,
+    repo_id: str,
     what: str = "model",
     offline: Optional[bool] = None,
     quiet: bool = False,
     log: Optional[Callable[[str], None]] = None,
 ) -> Path:
-    """A local directory for a local path or Hub id, downloading what is missing.
+    """The local snapshot of a Hub repo, downloading what is missing.
 
     Before downloading, says what will be fetched and how big it is; shows huggingface_hub's
-    progress bars unless quiet. Offline (``--offline`` or HF_HUB_OFFLINE) uses the cache only.
+    progress bars unless quiet. Offline (``offline`` or the environment) uses the cache only;
+    when the Hub cannot be reached, a cached copy is used.
+
+    Args:
+        repo_id: 'owner/name'. what: 'model' or 'drafter', for messages.
+        offline: never touch the network (default: ``offline_mode()``).
+        quiet: no notices, no progress bars. log: callable(str) for notices (default stderr).
 
     Raises:
-        DFlashError: missing path, unknown repo, gated repo, not cached while offline,
-            no network.
+        DFlashError: unknown or gated repo, not cached while offline, no network.
     """
-    from .loading import is_hub_id
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
 
     log = log or _stderr
-    p = Path(os.path.expanduser(str(name)))
-    if p.is_dir():
-        return p
-    if p.exists():
-        raise DFlashError(f"{what} path {name} is a file; pass the checkpoint's directory")
-    if not is_hub_id(str(name)):
-        raise DFlashError(
-            f"{what} '{name}' is neither a local directory nor a Hub id (owner/name); "
-            "check the path"
-        )
-    if offline is None:
-        offline = env_offline()
-    if offline:
-        got = _cached(name)
+    if offline_mode(offline):
+        got = cached(repo_id)
         if got is None:
-            raise DFlashError(
-                f"{what} {name} is not in the local Hugging Face cache ({cache_dir()}) and "
-                "offline mode is on; download it once online, or drop --offline / HF_HUB_OFFLINE"
-            )
+            raise _not_cached(repo_id, what)
         return got
-
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-    )
-
     try:
-        todo = plan(name)
+        todo = plan(repo_id)
     except GatedRepoError:
         raise DFlashError(
-            f"{what} {name} is gated on the Hub; accept its terms on huggingface.co and log in "
-            "with `hf auth login`"
+            f"{what} {repo_id} is gated on the Hub; accept its terms on huggingface.co and log "
+            "in with `hf auth login`"
         ) from None
     except RepositoryNotFoundError:
         raise DFlashError(
-            f"{what} {name} does not exist on the Hugging Face Hub (or is private); check the id"
+            f"{what} {repo_id} does not exist on the Hugging Face Hub (or is private); check the id"
         ) from None
-    except (HfHubHTTPError, OSError, Exception) as e:
-        got = _cached(name)
-        if got is not None:
-            if not quiet:
-                log(f"Hub not reachable; using the cached {what} {name}")
-            return got
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DFlashError(
-            f"cannot reach the Hugging Face Hub to fetch {what} {name} ({reason[:120]}); check "
-            "your connection, or pass a local directory"
-        ) from None
-    if not todo.missing:
-        got = _cached(name)
-        if got is not None:
-            return got
-    elif not quiet:
+    except HFValidationError as e:
+        raise DFlashError(f"{what} '{repo_id}' is not a valid Hub id ({_reason(e)})") from None
+    except _network_errors() as e:
+        got = cached(repo_id)
+        if got is None:
+            raise DFlashError(
+                f"cannot reach the Hugging Face Hub to fetch {what} {repo_id} ({_reason(e)}); "
+                "check your connection, or pass a local directory"
+            ) from None
+        if not quiet:
+            log(f"Hub not reachable; using the cached {what} {repo_id}")
+        return got
+    got = None if todo.missing else cached(repo_id)
+    if got is not None:
+        return got
+    if todo.missing and not quiet:
         size = human_size(todo.bytes) if todo.bytes else "size unknown"
         log(
-            f"Downloading {what} {name}: {len(todo.missing)} of {todo.total_files} files, "
+            f"Downloading {what} {repo_id}: {len(todo.missing)} of {todo.total_files} files, "
             f"{size}, into {cache_dir()} (interrupt and rerun to resume)"
         )
-    return _download(name, what, quiet)
+    return _download(repo_id, what, quiet)
 
 
-def _download(name: str, what: str, quiet: bool) -> Path:
+def _download(repo_id: str, what: str, quiet: bool) -> Path:
     """snapshot_download with the allow-list, into the current cache, bars unless quiet."""
     import huggingface_hub
     from huggingface_hub.utils import (
@@ -233,18 +265,17 @@ def _download(name: str, what: str, quiet: bool) -> Path:
     try:
         return Path(
             huggingface_hub.snapshot_download(
-                name, allow_patterns=_patterns(), cache_dir=cache_dir()
+                repo_id, allow_patterns=ALLOW_PATTERNS, cache_dir=cache_dir()
             )
         )
     except KeyboardInterrupt:
         raise DFlashError(
-            f"download of {what} {name} interrupted; run the same command again to resume"
+            f"download of {what} {repo_id} interrupted; run the same command again to resume"
         ) from None
-    except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    except _network_errors() as e:
         raise DFlashError(
-            f"download of {what} {name} failed ({reason[:120]}); run the same command again to "
-            "resume"
+            f"download of {what} {repo_id} failed ({_reason(e)}); run the same command again "
+            "to resume"
         ) from None
     finally:
         if quiet and not was_disabled:

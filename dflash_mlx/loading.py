@@ -1,88 +1,201 @@
-"""Load a target and its drafter from local directories or Hugging Face Hub ids, and check
-that they fit each other before any decoding (SPEC §2)."""
+"""The one way to a loaded pair: ``load`` takes a registry alias, a Hub id, a local directory
+or a ``.gguf`` file, finds the drafter, fetches what is missing, checks that the two fit
+each other (docs/format.md §4), and returns ``(model, tokenizer)``.
+
+``resolve`` decides where things come from without any I/O on the Hub; ``hub.fetch`` brings
+Hub repos into the cache; ``read_dflash_json`` is the one reader of a target's drafter hint.
+Heavy imports (MLX, mlx-lm) happen inside ``load``, so the command line can import this
+module and stay fast.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
+from . import hub, registry
 from .errors import DFlashError, IncompatibleDrafterError
 
 if TYPE_CHECKING:
     from .state import DFlashModel
 
-# Files a model directory needs; weights are safetensors only.
-ALLOW_PATTERNS = [
-    "*.json", "*.safetensors", "*.py", "*.txt", "*.jinja", "*.model", "*.tiktoken",
-]
+DFLASH_JSON = "dflash.json"
 
 
-def is_hub_id(name: str) -> bool:
-    """True for strings shaped like 'owner/name' that are not local paths."""
-    parts = str(name).split("/")
-    return (
-        len(parts) == 2
-        and all(parts)
-        and not str(name).startswith((".", "/", "~"))
-        and not Path(name).exists()
+@dataclass
+class Resolved:
+    """What ``resolve`` decided: where the target comes from and which drafters to try.
+
+    Attributes:
+        target: a local directory, a ``.gguf`` file or a Hub id. drafters: directories or
+            Hub ids, tried in order. display_name: what to call the pair. entry: the
+            registry row, if any. block_size: the drafter's block when the registry knows it.
+    """
+
+    target: str
+    drafters: List[str]
+    display_name: str
+    entry: Optional[registry.Entry] = None
+    block_size: Optional[int] = None
+    notes: List[str] = field(default_factory=list)
+
+
+def _missing_path(name: str, what: str) -> DFlashError:
+    return DFlashError(
+        f"{what} '{name}' is neither a local directory nor a Hub id (owner/name): it does not "
+        "exist; check the path"
     )
 
 
-def hub_cache_dir() -> Optional[str]:
-    """The Hub cache, read from the environment at call time (HF_HUB_CACHE, then HF_HOME)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    if os.environ.get("HF_HOME"):
-        return os.path.join(os.environ["HF_HOME"], "hub")
-    return None
+def _looks_like_path(s: str) -> bool:
+    return s.startswith((".", "/", "~")) or s.count("/") > 1 or (os.sep in s and os.sep != "/")
 
 
-def resolve_path(name: str, what: str = "model", offline: Optional[bool] = None) -> Path:
-    """A local directory for a local path or a Hub id (downloaded or taken from the cache).
+def _is_gguf(p: Path) -> bool:
+    return p.suffix.lower() == ".gguf"
+
+
+def read_dflash_json(directory: Path) -> Optional[str]:
+    """The drafter named by ``directory/dflash.json`` (``{"dflash_drafter": "<dir>"}``,
+    relative to directory), or None when there is no such file.
 
     Args:
-        name: local directory or 'owner/name' Hub id. what: 'model' or 'drafter' for errors.
-        offline: never touch the network (default: HF_HUB_OFFLINE).
+        directory: a target model's directory.
 
     Raises:
-        DFlashError: the path does not exist, or the id cannot be fetched.
+        DFlashError: the file is not valid JSON or lacks a string ``dflash_drafter``.
+    """
+    hint = Path(directory) / DFLASH_JSON
+    if not hint.is_file():
+        return None
+    try:
+        drafter = json.loads(hint.read_text()).get("dflash_drafter")
+    except (ValueError, AttributeError):  # not JSON, or JSON that is not an object
+        drafter = None
+    if not isinstance(drafter, str) or not drafter:
+        raise DFlashError(
+            f"{hint} is not valid (needs a 'dflash_drafter' entry); fix it or pass --drafter"
+        )
+    return str(Path(directory) / drafter)
+
+
+def _installed(path: Path) -> bool:
+    if _is_gguf(path):
+        return path.is_file()
+    return path.is_dir() and any(path.glob("*.safetensors"))
+
+
+def _resolve_alias(entry: registry.Entry, drafter: Optional[str], quant: Optional[str]):
+    if entry.local:
+        if quant is not None:
+            raise DFlashError(f"--quant does not apply to the {entry.alias} model; drop it")
+        needed = [Path(entry.target())] + ([] if drafter else [Path(entry.drafters[0])])
+        missing = [p for p in needed if not _installed(p)]
+        if missing:
+            raise DFlashError(
+                f"the {entry.alias} model is not installed ({missing[0]} is missing); "
+                f"reinstall dflash-mlx or set {registry.DEMO_ENV} to a directory with target/ "
+                "and drafter/"
+            )
+    drafters = [drafter] if drafter else list(entry.drafters)
+    return Resolved(entry.target(quant), drafters, entry.alias, entry, entry.block_size)
+
+
+def _resolve_target(model: str) -> Tuple[str, str]:
+    """(target, display name) for a Hub id, a directory or a .gguf file."""
+    p = Path(os.path.expanduser(model))
+    if p.is_dir():
+        return str(p), registry.repo_name(model)
+    if p.is_file() and _is_gguf(p):
+        return str(p), p.stem
+    if p.exists():
+        raise DFlashError(f"model path {model} is a file; pass the model's directory or a .gguf")
+    if hub.is_hub_id(model):
+        return model, model
+    if _looks_like_path(model):
+        raise _missing_path(model, "model")
+    near = registry.suggest(model)
+    hint = f"did you mean {' or '.join(near)}? " if near else ""
+    raise DFlashError(
+        f"unknown model alias '{model}'; {hint}run `dflash models` for the list, or pass "
+        "a Hub id (owner/name) or a local directory"
+    )
+
+
+def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = None) -> Resolved:
+    """Turn a model name, a drafter and a quantisation into a target and an ordered list of
+    drafters (no I/O on the Hub).
+
+    The drafter is ``drafter`` when given, else the alias's, else the one a ``dflash.json``
+    next to the target names, else that of the registry entry whose target has the same name.
+
+    Args:
+        model: a registry alias, a Hub id, a local directory or a ``.gguf`` file.
+        drafter: a drafter directory or Hub id, or None. quant: an alias's quantisation.
+
+    Raises:
+        DFlashError: unknown alias (with suggestions), missing path, bad quant, no drafter.
+    """
+    if not model or not str(model).strip():
+        raise DFlashError(
+            "--model is empty; pass an alias (see `dflash models`), a Hub id or a directory"
+        )
+    model = str(model).strip()
+    entry = registry.find(model)
+    if entry is not None:
+        return _resolve_alias(entry, drafter, quant)
+    target, display = _resolve_target(model)
+    if quant is not None:
+        raise DFlashError(
+            "--quant only applies to registry aliases; pass the exact Hub id of the quantised "
+            f"model instead of {model}"
+        )
+    match = registry.entry_for_target(target)
+    if not drafter and Path(target).is_dir():
+        drafter = read_dflash_json(Path(target))
+    if drafter:
+        drafters = [drafter]
+    elif match is not None:
+        drafters = list(match.drafters)
+    else:
+        raise DFlashError(
+            f"no drafter known for {model}; pass --drafter <directory or Hub id> (drafter= in "
+            "Python; `dflash models` lists the known pairs)"
+        )
+    return Resolved(target, drafters, display, match, match.block_size if match else None)
+
+
+def locate(name: str, what: str, offline: Optional[bool], quiet: bool, log) -> Path:
+    """A local path for a directory, a ``.gguf`` target or a Hub id (fetched if needed).
+
+    Args:
+        name: the path or Hub id. what: 'model' or 'drafter'. offline, quiet, log: as for
+            ``hub.fetch``.
     """
     p = Path(os.path.expanduser(str(name)))
-    if p.is_dir():
+    if p.is_dir() or (what == "model" and p.is_file() and _is_gguf(p)):
         return p
     if p.exists():
-        raise DFlashError(f"{what} path {p} is a file; pass the checkpoint's directory")
-    if not is_hub_id(str(name)):
-        raise DFlashError(
-            f"{what} '{name}' is neither a local directory nor a Hub id (owner/name); check the path"
-        )
-    if offline is None:
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+        raise DFlashError(f"{what} path {name} is a file; pass the {what}'s directory")
+    if not hub.is_hub_id(str(name)):
+        raise _missing_path(str(name), what)
+    return hub.fetch(str(name), what, offline=offline, quiet=quiet, log=log)
 
-    try:
-        return Path(
-            snapshot_download(
-                str(name), allow_patterns=ALLOW_PATTERNS, local_files_only=offline,
-                cache_dir=hub_cache_dir(),
-            )
-        )
-    except LocalEntryNotFoundError:
-        if offline:
-            raise DFlashError(
-                f"{what} '{name}' is not in the local Hugging Face cache and offline mode is on; "
-                "download it once online or unset HF_HUB_OFFLINE"
-            ) from None
-        raise DFlashError(
-            f"cannot download {what} '{name}' (no network?); check your connection or pass a local path"
-        ) from None
-    except RepositoryNotFoundError:
-        raise DFlashError(f"{what} '{name}' does not exist on the Hugging Face Hub; check the id") from None
-    except OSError as e:
-        raise DFlashError(f"cannot fetch {what} '{name}' ({str(e).splitlines()[0]})") from None
+
+def _locate_drafter(names: List[str], offline, quiet, log) -> Tuple[str, Path]:
+    """The first drafter that can be found or fetched: (its name, its directory)."""
+    errors = []
+    for name in names:
+        try:
+            return name, locate(name, "drafter", offline, quiet, log)
+        except DFlashError as e:
+            errors.append(str(e))
+    if len(errors) == 1:
+        raise DFlashError(errors[0])
+    raise DFlashError(f"{errors[0]} (also tried {', '.join(names[1:])})")
 
 
 def check_compatible(adapter, drafter, drafter_name: str = "drafter") -> None:
@@ -93,29 +206,49 @@ def check_compatible(adapter, drafter, drafter_name: str = "drafter") -> None:
     """
     a = drafter.args
     n = adapter.num_layers
+    fix = "use the drafter made for this target"
     bad = [i for i in a.target_layer_ids if not 0 <= i < n]
     if bad:
         raise IncompatibleDrafterError(
-            f"{drafter_name} reads target layers {bad}, but the target has {n} layers; "
-            "use the drafter made for this target"
+            f"{drafter_name} reads target layers {bad}, but the target has {n} layers; {fix}"
         )
     if a.num_target_layers is not None and a.num_target_layers != n:
         raise IncompatibleDrafterError(
             f"{drafter_name} was made for a {a.num_target_layers}-layer target, this target has "
-            f"{n}; use the drafter made for this target"
+            f"{n}; {fix}"
         )
     H = adapter.hidden_size
     if a.hidden_size != H:
         raise IncompatibleDrafterError(
-            f"{drafter_name} hidden size {a.hidden_size} does not match the target's {H}; "
-            "use the drafter made for this target"
+            f"{drafter_name} hidden size {a.hidden_size} does not match the target's {H}; {fix}"
         )
     V = adapter.vocab_size
     if a.vocab_size != V:
         raise IncompatibleDrafterError(
-            f"{drafter_name} vocabulary {a.vocab_size} does not match the target's {V}; "
-            "use the drafter made for this target"
+            f"{drafter_name} vocabulary {a.vocab_size} does not match the target's {V}; {fix}"
         )
+
+
+def _load_target(path: Path, name: str, tokenizer_config: Optional[dict]):
+    """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
+    if _is_gguf(path):
+        from .gguf import load_gguf
+
+        model, tokenizer, _ = load_gguf(path)
+        return model, tokenizer
+    from mlx_lm.utils import load as mlx_load
+
+    if not (path / "config.json").is_file():
+        raise DFlashError(f"model directory {path} has no config.json; point to an mlx-lm model")
+    try:
+        return mlx_load(str(path), tokenizer_config=tokenizer_config or {})
+    except (ValueError, RuntimeError, OSError) as e:
+        # what mlx / mlx-lm raise on a corrupt, incomplete or unsupported checkpoint
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise DFlashError(
+            f"cannot load model {name} from {path} ({type(e).__name__}: {reason}); "
+            "re-download it or check that mlx-lm supports this model"
+        ) from None
 
 
 def _target_dtype(model):
@@ -127,49 +260,47 @@ def _target_dtype(model):
 
 
 def load(
-    path_or_hf_repo: str,
+    model: str,
     drafter: Optional[str] = None,
     *,
+    quant: Optional[str] = None,
     offline: Optional[bool] = None,
+    quiet: bool = False,
+    log: Optional[Callable[[str], None]] = None,
     tokenizer_config: Optional[dict] = None,
 ) -> Tuple["DFlashModel", object]:
     """Load a target model and its DFlash drafter.
 
     Args:
-        path_or_hf_repo: target directory or Hub id (any model mlx-lm loads).
-        drafter: drafter directory or Hub id; required unless the target directory holds
-            a ``dflash_drafter`` entry in a ``dflash.json`` next to its config.
-        offline: never touch the network (default: HF_HUB_OFFLINE).
+        model: a registry alias (case-insensitive; ``dflash models`` lists them), a Hub id,
+            a local mlx-lm directory, or a llama-family ``.gguf`` file.
+        drafter: drafter directory or Hub id (default: see ``resolve``); registry aliases
+            list several, tried in order until one can be fetched.
+        quant: quantisation of an alias's target (e.g. 4bit, 8bit, bf16, mxfp8).
+        offline: never touch the network (default: the environment, see ``hub.offline_mode``).
+        quiet: no download notices or progress bars. log: callable(str) for notices
+            (default: print to stderr).
         tokenizer_config: extra options for mlx-lm's tokenizer loader.
 
     Returns:
-        (DFlashModel, tokenizer) where model.target is the mlx-lm model and model.drafter
-        the drafter.
-    """
-    from mlx_lm.utils import load as mlx_load
+        (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
+        the drafter, ``model.name`` the alias, Hub id or directory name.
 
+    Raises:
+        DFlashError: one line naming the problem and the fix.
+    """
     from .checkpoint import load_drafter
     from .state import DFlashModel
     from .target import TargetAdapter
 
-    tpath = resolve_path(path_or_hf_repo, "model", offline)
-    if not (tpath / "config.json").is_file():
-        raise DFlashError(f"model directory {tpath} has no config.json; point to an mlx-lm model")
-    if drafter is None:
-        hint = tpath / "dflash.json"
-        if hint.is_file():
-            drafter = str(tpath / json.loads(hint.read_text())["dflash_drafter"])
-        else:
-            raise DFlashError(
-                f"no drafter given for {path_or_hf_repo}; pass drafter=<dir or Hub id>"
-            )
-    dpath = resolve_path(drafter, "drafter", offline)
-    try:
-        target, tokenizer = mlx_load(str(tpath), tokenizer_config=tokenizer_config or {})
-    except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
-        raise DFlashError(f"cannot load model {tpath} ({str(e).splitlines()[0]})") from None
+    res = resolve(model, drafter, quant)
+    offline = hub.offline_mode(offline)
+    tpath = locate(res.target, "model", offline, quiet, log)
+    dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
+    target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config)
     draft = load_drafter(dpath, dtype=_target_dtype(target))
     adapter = TargetAdapter(target, [])
-    check_compatible(adapter, draft, f"drafter {drafter}")
+    check_compatible(adapter, draft, f"drafter {dname}")
     adapter.tap(draft.args.target_layer_ids)
-    return DFlashModel(target, draft, adapter, str(tpath), str(dpath)), tokenizer
+    pair = DFlashModel(target, draft, adapter, str(tpath), str(dpath), res.display_name)
+    return pair, tokenizer

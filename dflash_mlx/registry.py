@@ -1,9 +1,9 @@
-"""The model registry: short aliases for target + drafter pairs, and model resolution.
+"""The model registry, as data: short aliases for target + drafter pairs.
 
-An alias maps to a target repo (one per quantisation) and an ordered list of drafter repos
-tried in turn. ``--model`` also takes any Hub id or local directory; the drafter then comes
-from ``--drafter``, a ``dflash.json`` next to the target's config, or the registry entry whose
-target has the same name. Nothing here imports MLX at module import time.
+An alias maps to a target (one Hub repo per quantisation, or a local directory or ``.gguf``
+file) and an ordered list of drafters tried in turn. ``loading.resolve`` turns an alias, a
+Hub id or a path into what to fetch; this module does no I/O beyond reading the demo
+drafter's block size, and imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import difflib
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -32,6 +32,7 @@ class Entry:
         block_size: the drafter checkpoint's block size.
         kind: "DFlash 2" or "DFlash 1".
         note: one short line shown by ``dflash models``.
+        local: the target and drafters are paths shipped with the package, not Hub ids.
     """
 
     alias: str
@@ -110,13 +111,14 @@ def demo_dir() -> Path:
 
 
 def demo_entry() -> Entry:
+    """The shipped demo pair (package data; see ``demo_dir``)."""
     d = demo_dir()
     block = 8
     try:
         cfg = json.loads((d / "drafter" / "config.json").read_text())
-        block = int(cfg.get("dflash_config", {}).get("block_size", cfg.get("block_size", block)))
-    except (OSError, ValueError, TypeError, AttributeError):
-        pass
+    except (OSError, ValueError):  # not installed: resolving the alias says so
+        cfg = {}
+    block = int(cfg.get("dflash_config", {}).get("block_size", cfg.get("block_size", block)))
     return Entry(
         "demo",
         {"local": str(d / "target")},
@@ -147,8 +149,8 @@ def suggest(name: str, n: int = 3) -> List[str]:
     key = name.strip().lower().split("/")[-1]
     key = _strip_quant(key)
     hits = sorted((a for a in aliases if key and a.startswith(key)), key=len)
-    hits += [h for h in difflib.get_close_matches(key, list(aliases), n=n, cutoff=0.5)
-             if h not in hits]
+    close = difflib.get_close_matches(key, list(aliases), n=n, cutoff=0.5)
+    hits += [h for h in close if h not in hits]
     if not hits:
         hits = [a for a in aliases if key and (key in a or a in key)]
     return [aliases[h] for h in hits[:n]]
@@ -163,7 +165,7 @@ def _strip_quant(name: str) -> str:
     return _QUANT_SUFFIX.sub("", name)
 
 
-def _repo_name(model: str) -> str:
+def repo_name(model: str) -> str:
     """A bare model name for a Hub id or a local directory (HF cache snapshots included)."""
     p = Path(os.path.expanduser(model))
     parts = p.parts
@@ -175,161 +177,10 @@ def _repo_name(model: str) -> str:
 
 def entry_for_target(model: str) -> Optional[Entry]:
     """The registry entry whose target has the same name as model (quant suffix ignored)."""
-    name = _strip_quant(_repo_name(model)).lower()
+    name = _strip_quant(repo_name(model)).lower()
     for e in ENTRIES:
         if e.alias.lower() == name:
             return e
-        if any(_strip_quant(_repo_name(t)).lower() == name for t in e.targets.values()):
+        if any(_strip_quant(repo_name(t)).lower() == name for t in e.targets.values()):
             return e
     return None
-
-
-def _looks_like_path(s: str) -> bool:
-    return s.startswith((".", "/", "~")) or s.count("/") > 1 or os.sep in s and "/" != os.sep
-
-
-@dataclass
-class Resolved:
-    """What ``resolve`` decided: where the target comes from and which drafters to try."""
-
-    target: str
-    drafters: List[str]
-    display_name: str
-    entry: Optional[Entry] = None
-    block_size: Optional[int] = None
-    notes: List[str] = field(default_factory=list)
-
-
-def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = None) -> Resolved:
-    """Turn --model/--drafter/--quant into a target and an ordered drafter list (no I/O on
-    the Hub).
-
-    Raises:
-        DFlashError: unknown alias (with suggestions), missing local path, bad --quant,
-            no drafter known.
-    """
-    from .loading import is_hub_id
-
-    if not model or not str(model).strip():
-        raise DFlashError(
-            "--model is empty; pass an alias (see `dflash models`), a Hub id or a directory"
-        )
-    model = str(model).strip()
-    entry = find(model)
-    if entry is not None:
-        if entry.local:
-            tdir = Path(entry.target())
-            if quant is not None:
-                raise DFlashError(f"--quant does not apply to the {entry.alias} model; drop it")
-            missing = [d for d in [tdir] + ([] if drafter else [Path(entry.drafters[0])])
-                       if not d.is_dir() or not any(d.glob("*.safetensors"))]
-            if missing:
-                raise DFlashError(
-                    f"the {entry.alias} model is not installed ({missing[0]} is missing); "
-                    f"reinstall dflash-mlx or set {DEMO_ENV} to a directory with target/ and "
-                    "drafter/"
-                )
-        target = entry.target(quant)
-        drafters = [drafter] if drafter else list(entry.drafters)
-        return Resolved(target, drafters, entry.alias, entry, entry.block_size)
-
-    p = Path(os.path.expanduser(model))
-    if p.is_dir():
-        target, display = str(p), _repo_name(model)
-    elif p.exists():
-        raise DFlashError(f"model path {model} is a file; pass the model's directory")
-    elif is_hub_id(model):
-        target, display = model, model
-    elif _looks_like_path(model):
-        raise DFlashError(f"model directory {model} does not exist; check the path")
-    else:
-        near = suggest(model)
-        hint = f"did you mean {' or '.join(near)}? " if near else ""
-        raise DFlashError(
-            f"unknown model alias '{model}'; {hint}run `dflash models` for the list, or pass "
-            "a Hub id (owner/name) or a local directory"
-        )
-    if quant is not None:
-        raise DFlashError(
-            f"--quant only applies to registry aliases; pass the exact Hub id of the "
-            f"quantised model instead of {model}"
-        )
-    match = entry_for_target(target)
-    if drafter:
-        drafters = [drafter]
-    elif p.is_dir() and (p / "dflash.json").is_file():
-        try:
-            drafters = [str(p / json.loads((p / "dflash.json").read_text())["dflash_drafter"])]
-        except (ValueError, KeyError, TypeError):
-            raise DFlashError(
-                f"{p / 'dflash.json'} is not valid (needs a 'dflash_drafter' entry); fix it or "
-                "pass --drafter"
-            ) from None
-    elif match is not None:
-        drafters = list(match.drafters)
-    else:
-        raise DFlashError(
-            f"no drafter known for {model}; pass --drafter <directory or Hub id> "
-            "(`dflash models` lists the known pairs)"
-        )
-    return Resolved(target, drafters, display, match, match.block_size if match else None)
-
-
-def load_model(
-    model: str,
-    drafter: Optional[str] = None,
-    quant: Optional[str] = None,
-    offline: Optional[bool] = None,
-    quiet: bool = False,
-    log=None,
-):
-    """Resolve an alias / Hub id / local directory, fetch what is missing, and load the pair.
-
-    Drafters are tried in order: a drafter that cannot be found or fetched falls through to
-    the next; one that loads but does not fit the target is an error.
-
-    Args:
-        model: registry alias (case-insensitive), Hub id or local directory.
-        drafter: drafter Hub id or directory (default: from the registry).
-        quant: quantisation of an alias's target (e.g. 4bit, 8bit, bf16, mxfp8).
-        offline: never touch the network (default: HF_HUB_OFFLINE).
-        quiet: no download notices or progress bars. log: callable(str) for notices
-            (default: print to stderr).
-
-    Returns:
-        (DFlashModel, tokenizer, display_name).
-
-    Raises:
-        DFlashError: one line naming the problem and the fix.
-    """
-    from . import hub
-    from .loading import load
-
-    res = resolve(model, drafter, quant)
-    if offline is None:
-        offline = hub.env_offline()
-    tpath = hub.fetch(res.target, "model", offline=offline, quiet=quiet, log=log)
-    errors = []
-    dpath = None
-    for d in res.drafters:
-        try:
-            dpath = hub.fetch(d, "drafter", offline=offline, quiet=quiet, log=log)
-            break
-        except DFlashError as e:
-            errors.append(str(e))
-    if dpath is None:
-        if len(errors) == 1:
-            raise DFlashError(errors[0])
-        raise DFlashError(f"{errors[0]} (also tried {', '.join(res.drafters[1:])})")
-    try:
-        m, tok = load(str(tpath), drafter=str(dpath), offline=True)
-    except DFlashError:
-        raise
-    except (RuntimeError, KeyError, OSError, ValueError, TypeError, AttributeError) as e:
-        # mlx / mlx-lm on a corrupt or unsupported checkpoint: one line, not a traceback.
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise DFlashError(
-            f"cannot load {res.display_name} from {tpath} ({type(e).__name__}: {reason}); "
-            "re-download it or check that mlx-lm supports this model"
-        ) from None
-    return m, tok, res.display_name

@@ -1,4 +1,7 @@
-"""Path selector of DFlash 2 (SPEC §4): choose one coherent path through the top-K lattice."""
+"""Path selector of DFlash 2 (docs/algorithm.md §3): choose one coherent path through the
+top-K lattice. The pure-MLX twin, the fused Metal kernel's launch, the dispatch between them,
+and the ``PathSelector`` module holding the learned tensors.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,14 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from . import metal_kernel
+from .metal_kernel import KernelSpec
+
+KERNEL = KernelSpec(
+    "path_select", ("U", "cand", "anchor", "g", "A", "Bc", "uniforms", "params"), ("path", "q")
+)
+MAX_THREADS = 256  # K * W threads per threadgroup (Metal's limit is 1024)
 
 
 def top_candidates(logits: mx.array, k: int) -> Tuple[mx.array, mx.array]:
@@ -80,7 +91,7 @@ def walk(
     return mx.stack(path, axis=1), (mx.stack(qs, axis=1) if qs else None)
 
 
-def select_path(
+def select_path_ops(
     U: mx.array,
     cand: mx.array,
     anchor: mx.array,
@@ -90,7 +101,7 @@ def select_path(
     temperature: float = 0.0,
     uniforms: Optional[mx.array] = None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
-    """Reference selector: lattice scores then walk. The Metal kernel's semantic definition.
+    """Pure-MLX selector: lattice scores then walk. The Metal kernel's semantic definition.
 
     Args:
         U, cand: [B, L, K] unary scores and candidate ids; anchor: [B];
@@ -100,6 +111,70 @@ def select_path(
         (path [B, L] int32 indices into the K candidates, q [B, L, K] or None).
     """
     return walk(lattice_scores(U, cand, anchor, g, A, Bc), temperature, uniforms)
+
+
+def lanes_per_candidate(K: int, R: int) -> int:
+    """Lanes W that split one candidate's rank-R dot product (a power of two, K * W <= 256)."""
+    w = 1
+    while w * 2 * K <= MAX_THREADS and w * 2 <= R:
+        w *= 2
+    return w
+
+
+def select_path_kernel(
+    kernel, U, cand, anchor, g, A, B, temperature=0.0, uniforms=None, lanes: Optional[int] = None
+):
+    """Launch the fused kernel (``metal/path_select.metal``), one launch for the whole batch.
+
+    Args:
+        kernel: object returned by ``metal_kernel.build(KERNEL, ...)``.
+        U, cand: [B, L, K]; anchor: [B]; g: [B, L, R]; A, B: [V, R];
+        temperature: T; uniforms: [B, L] when T > 0; lanes: override W (tests).
+
+    Returns:
+        (path [B, L] int32, q [B, L, K] float32 or None when greedy).
+    """
+    Bsz, L, K = cand.shape
+    R = g.shape[-1]
+    sample = temperature > 0
+    if sample and uniforms is None:
+        raise ValueError("sampled selection needs uniforms [B, L]")
+    if not mx.issubdtype(cand.dtype, mx.integer):
+        raise ValueError(f"cand must hold integer token ids, got {cand.dtype}")
+    W = lanes or lanes_per_candidate(K, R)
+    if K * W > 1024:
+        raise ValueError(f"top-k {K} x lanes {W} exceeds 1024 threads per threadgroup")
+    # 64-bit ids are not passed to the kernel; 32-bit ids cover any vocabulary
+    cand = cand if cand.dtype in (mx.uint32, mx.int32) else cand.astype(mx.uint32)
+    anchor = anchor.reshape(Bsz)
+    anchor = anchor if anchor.dtype in (mx.uint32, mx.int32) else anchor.astype(mx.uint32)
+    u = uniforms.astype(mx.float32) if sample else mx.zeros((1,), mx.float32)
+    params = mx.array([float(temperature) if sample else 1.0], dtype=mx.float32)
+    path, q = kernel(
+        inputs=[U, cand, anchor, g, A, B, u, params],
+        template=[("K", K), ("W", W), ("SAMPLE", bool(sample))],
+        grid=(K * W, Bsz, 1),
+        threadgroup=(K * W, 1, 1),
+        output_shapes=[(Bsz, L), (Bsz, L, K) if sample else (1,)],
+        output_dtypes=[mx.int32, mx.float32],
+    )
+    return path, (q if sample else None)
+
+
+def select_path(U, cand, anchor, g, A, Bc, temperature=0.0, uniforms=None):
+    """Path selection: the fused kernel on a Metal GPU, else ``select_path_ops``.
+
+    Args:
+        U, cand: [B, L, K] scores and ids; anchor: [B]; g: [B, L, R]; A, Bc: [V, R];
+        temperature: T; uniforms: [B, L] in [0, 1) when T > 0.
+
+    Returns:
+        (path [B, L] int32 candidate indices, q [B, L, K] float32 or None when greedy).
+    """
+    if metal_kernel.use_metal():
+        kernel = metal_kernel.cached(KERNEL)
+        return select_path_kernel(kernel, U, cand, anchor, g, A, Bc, temperature, uniforms)
+    return select_path_ops(U, cand, anchor, g, A, Bc, temperature, uniforms)
 
 
 class PathSelector(nn.Module):
@@ -134,13 +209,17 @@ class PathSelector(nn.Module):
         Returns:
             (tokens [B, L], cand [B, L, K], q [B, L, K] or None, path [B, L]).
         """
-        from .kernels import select_path as fused
-
         U, cand = top_candidates(logits, top_k)
         g = self.hidden_projection(hidden)
-        path, q = fused(
-            U, cand, anchor, g, self.predecessor_codebook, self.successor_codebook,
-            temperature, uniforms,
+        path, q = select_path(
+            U,
+            cand,
+            anchor,
+            g,
+            self.predecessor_codebook,
+            self.successor_codebook,
+            temperature,
+            uniforms,
         )
         tokens = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), axis=-1)[..., 0]
         return tokens, cand, q, path

@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from .drafter import ContextCache, DFlashDrafter
+from .drafter import ContextCache, DFlashDrafter, embed_block
 from .target import TargetAdapter
 
 
@@ -18,6 +18,7 @@ class DFlashModel:
     Attributes:
         target: the mlx-lm model. drafter: the DFlash drafter. adapter: capture/rollback.
         target_path, drafter_path: where they were loaded from.
+        name: what to call the pair (a registry alias, a Hub id or a directory name).
     """
 
     target: object
@@ -25,6 +26,7 @@ class DFlashModel:
     adapter: TargetAdapter
     target_path: str = ""
     drafter_path: str = ""
+    name: str = ""
 
     @property
     def block_size(self) -> int:
@@ -33,13 +35,10 @@ class DFlashModel:
 
     def embed_block(self, anchor: mx.array, length: int) -> mx.array:
         """Embed [anchor, mask, ..., mask] of the given length -> [1, length, H]."""
-        ids = mx.concatenate(
-            [anchor.reshape(1), mx.full((length - 1,), self.drafter.args.mask_token_id, mx.uint32)]
-        ).astype(mx.uint32)
-        emb = self.adapter.embed(ids[None])
-        scale = self.drafter.args.input_embedding_scale
-        emb = emb if scale == 1.0 else emb * scale
-        return emb.astype(self.drafter.fc.weight.dtype)
+        args = self.drafter.args
+        masks = mx.full((length - 1,), args.mask_token_id, mx.uint32)
+        ids = mx.concatenate([anchor.reshape(1), masks]).astype(mx.uint32)
+        return embed_block(self.adapter.embed, ids[None], args, self.drafter.fc.weight.dtype)
 
     def make_cache(self) -> "PromptCache":
         """An empty cache for one conversation."""

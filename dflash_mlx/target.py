@@ -1,5 +1,5 @@
 """Target adapter: run an mlx-lm model while capturing decoder-layer outputs, and roll back
-its caches after a partially accepted verify (SPEC §5.3-§5.4).
+its caches after a partially accepted verify (docs/algorithm.md §4.3-§4.4).
 
 Nothing in mlx-lm is edited and no class is patched: the adapter wraps the *instances* of
 the tapped layers (and, on hybrids, of the recurrent mixers) of one loaded model.
@@ -17,8 +17,19 @@ from .errors import UnsupportedModelError
 
 # Architectures whose layer loop, caches and heads the adapter has been checked against.
 SUPPORTED = {
-    "qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen3_5", "qwen3_5_moe",
-    "qwen3_next", "muse_glimmer", "glm4", "glm", "phi3", "gemma3_text",
+    "qwen3",
+    "qwen2",
+    "llama",
+    "mistral",
+    "qwen3_moe",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "muse_glimmer",
+    "glm4",
+    "glm",
+    "phi3",
+    "gemma3_text",
 }
 
 
@@ -146,9 +157,7 @@ class TargetAdapter:
         attention identical): a rotating buffer cannot take back a rejected suffix.
         """
         caches = make_prompt_cache(self.model)
-        return [
-            KVCache() if isinstance(c, RotatingKVCache) and c.keep == 0 else c for c in caches
-        ]
+        return [KVCache() if isinstance(c, RotatingKVCache) and c.keep == 0 else c for c in caches]
 
     def __call__(self, ids: mx.array, cache: list) -> Tuple[mx.array, mx.array]:
         """Run the target on ids [1, n]; return (logits [1, n, V], features [1, n, nT*H])."""
@@ -210,4 +219,3 @@ class TargetAdapter:
         for c in cache:
             c.trim(drop)
         return True
-

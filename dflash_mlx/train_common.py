@@ -11,7 +11,7 @@ import numpy as np
 
 from dflash_mlx.drafter import block_mask
 from dflash_mlx.target import TargetAdapter
-from dflash_mlx.selector import select_path, top_candidates
+from dflash_mlx.selector import select_path_ops as select_path, top_candidates
 
 
 def sample_batch(data: np.ndarray, batch: int, seq: int, seed: int, step: int):

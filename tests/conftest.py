@@ -30,7 +30,9 @@ def pairs(tiny_dir):
 
     def get(kind="qwen3", drafter="d2"):
         if (kind, drafter) not in cache:
-            cache[kind, drafter] = load(str(tiny_dir / kind), drafter=str(tiny_dir / f"{drafter}_{kind}"))
+            cache[kind, drafter] = load(
+                str(tiny_dir / kind), drafter=str(tiny_dir / f"{drafter}_{kind}")
+            )
         return cache[kind, drafter]
 
     return get

@@ -1,6 +1,5 @@
 """Sampling is lossless: the acceptance rule alone, and end to end on a tiny vocabulary."""
 
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -20,8 +19,8 @@ def tv(a, b):
 
 
 @pytest.mark.parametrize(
-    "temp,top_p,min_p,top_k", [(1.0, 1.0, 0.0, 0), (0.7, 0.9, 0.0, 0), (1.3, 1.0, 0.1, 4),
-                               (0.8, 0.8, 0.0, 3)]
+    "temp,top_p,min_p,top_k",
+    [(1.0, 1.0, 0.0, 0), (0.7, 0.9, 0.0, 0), (1.3, 1.0, 0.1, 4), (0.8, 0.8, 0.0, 3)],
 )
 def test_target_probs_is_the_law_mlx_lm_samples_from(temp, top_p, min_p, top_k):
     mx.random.seed(0)
@@ -108,11 +107,16 @@ def exact_law(model, prompt, n, temp, top_p, top_k, presence):
 
 @pytest.mark.parametrize(
     "selector,temp,top_p,top_k,presence",
-    [(True, 1.0, 1.0, 0, 0.0), (True, 0.8, 0.9, 5, 0.0), (True, 1.0, 1.0, 0, 1.5),
-     (False, 0.7, 1.0, 4, 1.0)],
+    [
+        (True, 1.0, 1.0, 0, 0.0),
+        (True, 0.8, 0.9, 5, 0.0),
+        (True, 1.0, 1.0, 0, 1.5),
+        (False, 0.7, 1.0, 4, 1.0),
+    ],
 )
-def test_end_to_end_sampling_matches_the_target_law(small_vocab_pair, selector, temp, top_p,
-                                                    top_k, presence):
+def test_end_to_end_sampling_matches_the_target_law(
+    small_vocab_pair, selector, temp, top_p, top_k, presence
+):
     model = small_vocab_pair
     prompt = [2, 5, 1, 7]
     n, trials = 4, 1000
@@ -124,8 +128,16 @@ def test_end_to_end_sampling_matches_the_target_law(small_vocab_pair, selector, 
     for _ in range(trials):
         key, sub = mx.random.split(key)
         out = []
-        for c in decode(model, prompt, model.make_cache(), params, max_tokens=n, block_size=4,
-                        use_selector=selector, key=sub):
+        for c in decode(
+            model,
+            prompt,
+            model.make_cache(),
+            params,
+            max_tokens=n,
+            block_size=4,
+            use_selector=selector,
+            key=sub,
+        ):
             out += c.tokens
             drafted_accepted += c.accepted
         samples.append(tuple(out[:n]))

@@ -6,7 +6,7 @@ import pytest
 
 from dflash_mlx import DFlashError
 from dflash_mlx.bench import latency_split, load_prompts, run_bench
-from dflash_mlx.bench_report import print_report, write_json, write_plot
+from dflash_mlx.cli.bench import print_report, write_json, write_plot
 
 
 def test_prompts_from_jsonl_and_errors(tmp_path):
@@ -92,16 +92,43 @@ def test_bench_command_prints_tables_and_writes_json_and_plot(tiny_dir, tmp_path
     from dflash_mlx.cli import app
 
     out = tmp_path / "b.json"
-    res = CliRunner().invoke(app, [
-        "bench", "--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3"),
-        "--prompt", "def f(", "-m", "12", "--block-size", "4", "--json", str(out),
-        "--plot", str(tmp_path / "b.png"),
-    ])
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            str(tiny_dir / "qwen3"),
+            "--drafter",
+            str(tiny_dir / "d2_qwen3"),
+            "--prompt",
+            "def f(",
+            "-m",
+            "12",
+            "--block-size",
+            "4",
+            "--json",
+            str(out),
+            "--plot",
+            str(tmp_path / "b.png"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "recall@16" in res.output and "oracle tau" in res.output
     rep = json.loads(out.read_text())
     assert rep["config"]["block_size"] == 4 and "latency_split" in rep
     assert (tmp_path / "b.png").stat().st_size > 1000
-    res = CliRunner().invoke(app, ["bench", "--model", str(tiny_dir / "qwen3"), "--drafter",
-                                   str(tiny_dir / "d2_qwen3"), "--block-size", "99", "-p", "x"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "--model",
+            str(tiny_dir / "qwen3"),
+            "--drafter",
+            str(tiny_dir / "d2_qwen3"),
+            "--block-size",
+            "99",
+            "-p",
+            "x",
+        ],
+    )
     assert res.exit_code == 2

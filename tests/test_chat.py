@@ -25,10 +25,25 @@ def pair(tmp_path_factory):
 
 
 def spawn(pair, *extra):
-    args = ["-m", "dflash_mlx.cli", "chat", "--model", str(pair / "target"), "--drafter",
-            str(pair / "drafter"), *map(str, extra)]
-    child = pexpect.spawn(sys.executable, args, env=cli_env(), cwd=str(REPO_ROOT),
-                          encoding="utf-8", timeout=60, dimensions=(50, 250))
+    args = [
+        "-m",
+        "dflash_mlx.cli",
+        "chat",
+        "--model",
+        str(pair / "target"),
+        "--drafter",
+        str(pair / "drafter"),
+        *map(str, extra),
+    ]
+    child = pexpect.spawn(
+        sys.executable,
+        args,
+        env=cli_env(),
+        cwd=str(REPO_ROOT),
+        encoding="utf-8",
+        timeout=60,
+        dimensions=(50, 250),
+    )
     child.expect("dflash chat")
     child.expect_exact(PROMPT)
     return child
@@ -120,13 +135,18 @@ def test_ctrl_c_stops_answer_and_keeps_session(pair):
 
 def test_session_logic_without_a_terminal(pair):
     from dflash_mlx import load
-    from dflash_mlx.chat import ChatSession
+    from dflash_mlx.cli.chat import ChatSession
+    from dflash_mlx.settings import GenerationConfig
 
     model, tok = load(str(pair / "target"), drafter=str(pair / "drafter"))
-    lines = "\n".join(["/bogus", "/system you are terse", "multi \\", "line", "/stats", "/exit",
-                       "never read"]) + "\n"
+    lines = (
+        "\n".join(
+            ["/bogus", "/system you are terse", "multi \\", "line", "/stats", "/exit", "never read"]
+        )
+        + "\n"
+    )
     out = io.StringIO()
-    gen = dict(max_tokens=6, block_size=8)
+    gen = GenerationConfig(max_tokens=6, block_size=8)
     s = ChatSession(model, tok, "tiny", gen, stdin=io.StringIO(lines), stdout=out)
     s.loop()
     text = out.getvalue()
@@ -147,7 +167,8 @@ def test_markdown_rendered_in_place_once_a_turn_ends(pair, monkeypatch):
     import types
 
     from dflash_mlx import generation, load
-    from dflash_mlx.chat import ChatSession, looks_like_markdown, rows_used
+    from dflash_mlx.cli.chat import ChatSession, looks_like_markdown, rows_used
+    from dflash_mlx.settings import GenerationConfig
 
     assert looks_like_markdown("# Title\ntext") and looks_like_markdown("use `x` here")
     assert looks_like_markdown("- a\n- b") and not looks_like_markdown("plain words, 3 * 4.")
@@ -158,23 +179,32 @@ def test_markdown_rendered_in_place_once_a_turn_ends(pair, monkeypatch):
 
     def fake_stream(*a, **k):
         yield types.SimpleNamespace(
-            text=reply, tokens=tok.encode(reply, add_special_tokens=False), finish_reason="stop",
-            prompt_tokens=5, prompt_processed=5, prompt_tps=1.0, generation_tokens=3,
-            generation_tps=1.0, tau=1.0, cycles=1, peak_memory=0.0, acceptance=[],
+            text=reply,
+            tokens=tok.encode(reply, add_special_tokens=False),
+            finish_reason="stop",
+            prompt_tokens=5,
+            prompt_processed=5,
+            prompt_tps=1.0,
+            generation_tokens=3,
+            generation_tps=1.0,
+            tau=1.0,
+            cycles=1,
+            peak_memory=0.0,
+            acceptance=[],
         )
 
     monkeypatch.setattr(generation, "stream_generate", fake_stream)
     monkeypatch.setenv("COLUMNS", "80")
     monkeypatch.setenv("LINES", "40")
     out = _TTY()
-    s = ChatSession(model, tok, "tiny", dict(max_tokens=4), stdin=io.StringIO(""), stdout=out)
+    gen = GenerationConfig(max_tokens=4)
+    s = ChatSession(model, tok, "tiny", gen, stdin=io.StringIO(""), stdout=out)
     s.answer("plan it")
     text = out.getvalue()
     n = rows_used(reply + "\n", 80) - 1
     assert text.startswith(reply + "\n" + f"\x1b[{n}F\x1b[J")
     assert "•" in text and "Plan" in text  # rich's rendering of the list and heading
     plain = _TTY()
-    s = ChatSession(model, tok, "tiny", dict(max_tokens=4), stdin=io.StringIO(""), stdout=plain,
-                    markdown=False)
+    s = ChatSession(model, tok, "tiny", gen, stdin=io.StringIO(""), stdout=plain, markdown=False)
     s.answer("plan it")
     assert plain.getvalue().startswith(reply + "\n") and "F\x1b[J" not in plain.getvalue()

@@ -6,13 +6,14 @@ import json
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 from cli_helpers import REPO_ROOT, build_pair, cli_env, fake_cache_repo
 from typer.testing import CliRunner
 
-from dflash_mlx.cli import app, sparkline
+from dflash_mlx.cli import app
+from dflash_mlx.cli.stats import sparkline
+from dflash_mlx.settings import GenerationConfig
 
 runner = CliRunner()
 
@@ -68,8 +69,12 @@ def test_help_is_fast_and_imports_no_mlx():
     assert p.returncode == 0, p.stderr
     assert "run" in p.stdout and "chat" in p.stdout and "models" in p.stdout
     mods = {ln.split("|")[-1].strip() for ln in p.stderr.splitlines() if "|" in ln}
-    heavy = {m for m in mods if m.split(".")[0] in ("mlx", "mlx_lm", "huggingface_hub", "numpy",
-                                                     "transformers", "tokenizers")}
+    heavy = {
+        m
+        for m in mods
+        if m.split(".")[0]
+        in ("mlx", "mlx_lm", "huggingface_hub", "numpy", "transformers", "tokenizers")
+    }
     assert not heavy, f"--help imported {sorted(heavy)[:5]}"
     assert best < 1.0, f"dflash --help took {best:.2f}s"
 
@@ -77,9 +82,26 @@ def test_help_is_fast_and_imports_no_mlx():
 def test_subcommand_help_lists_shared_options():
     r = invoke("run", "--help")
     assert r.exit_code == 0
-    for opt in ("--model", "--drafter", "--quant", "--max-tokens", "--temp", "--top-p", "--top-k",
-                "--min-p", "--presence-penalty", "--seed", "--block-size", "--no-selector",
-                "--system", "--verbose", "--quiet", "--json", "--offline", "--prompt"):
+    for opt in (
+        "--model",
+        "--drafter",
+        "--quant",
+        "--max-tokens",
+        "--temp",
+        "--top-p",
+        "--top-k",
+        "--min-p",
+        "--presence-penalty",
+        "--seed",
+        "--block-size",
+        "--no-selector",
+        "--system",
+        "--verbose",
+        "--quiet",
+        "--json",
+        "--offline",
+        "--prompt",
+    ):
         assert opt in r.stdout, opt
     for cmd in ("chat", "serve", "models"):
         assert invoke(cmd, "--help").exit_code == 0
@@ -108,8 +130,18 @@ def test_run_json(pair, loaded):
     from dflash_mlx import generate
 
     want = generate(*loaded, "hello world", max_tokens=16, block_size=4, use_selector=False)
-    r = invoke("run", *model_args(pair), "--prompt", "hello world", "-m", 16, "--json",
-               "--block-size", 4, "--no-selector")
+    r = invoke(
+        "run",
+        *model_args(pair),
+        "--prompt",
+        "hello world",
+        "-m",
+        16,
+        "--json",
+        "--block-size",
+        4,
+        "--no-selector",
+    )
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["text"] == want
@@ -132,8 +164,25 @@ def test_run_prompt_from_stdin(pair):
 
 
 def test_run_sampling_is_seeded_and_verbose(pair):
-    args = [*model_args(pair), "x = ", "-m", 12, "--temp", 0.8, "--top-p", 0.9, "--top-k", 20,
-            "--min-p", 0.01, "--presence-penalty", 0.5, "--seed", 7, "--json"]
+    args = [
+        *model_args(pair),
+        "x = ",
+        "-m",
+        12,
+        "--temp",
+        0.8,
+        "--top-p",
+        0.9,
+        "--top-k",
+        20,
+        "--min-p",
+        0.01,
+        "--presence-penalty",
+        0.5,
+        "--seed",
+        7,
+        "--json",
+    ]
     a, b = invoke("run", *args), invoke("run", *args)
     assert a.exit_code == 0, a.stderr
     assert json.loads(a.stdout)["text"] == json.loads(b.stdout)["text"]
@@ -158,15 +207,20 @@ def _bad_cases(pair, foreign, tmp):
     return {
         "unknown alias": (["run", "--model", "qwen3.8-72b", "hi"], "did you mean Qwen3.8-27B"),
         "missing path": (["run", "--model", tmp / "nope" / "model", "hi"], "does not exist"),
-        "missing drafter path": (["run", "--model", pair / "target", "--drafter",
-                                  tmp / "nodrafter", "hi"], "neither a local directory"),
+        "missing drafter path": (
+            ["run", "--model", pair / "target", "--drafter", tmp / "nodrafter", "hi"],
+            "neither a local directory",
+        ),
         "no drafter known": (["run", "--model", pair / "target", "hi"], "pass --drafter"),
-        "not cached offline": (["run", "--model", "Qwen3.8-27B", "--offline", "hi"],
-                               "not in the local Hugging Face cache"),
-        "drafter does not fit": (["run", "--model", pair / "target", "--drafter", foreign, "hi"],
-                                 "does not match the target"),
-        "bad quant": (["run", "--model", "Qwen3.8-27B", "--quant", "2bit", "hi"],
-                      "choose one of"),
+        "not cached offline": (
+            ["run", "--model", "Qwen3.8-27B", "--offline", "hi"],
+            "not in the local Hugging Face cache",
+        ),
+        "drafter does not fit": (
+            ["run", "--model", pair / "target", "--drafter", foreign, "hi"],
+            "does not match the target",
+        ),
+        "bad quant": (["run", "--model", "Qwen3.8-27B", "--quant", "2bit", "hi"], "choose one of"),
         "demo missing": (["run", "--model", "demo", "hi"], "demo model is not installed"),
         "temp negative": (["run", *m, "--temp", "-1"], "--temp must be >= 0"),
         "temp not a number": (["run", *m, "--temp", "hot"], "--temp"),
@@ -182,10 +236,37 @@ def _bad_cases(pair, foreign, tmp):
         "empty prompt": (["run", *model_args(pair), "  "], "prompt is empty"),
         "unknown option": (["run", *m, "--tempp", "1"], "No such option"),
         "unknown command": (["runn"], "No such command"),
-        "system without template": (["run", *m, "--system", "x", "--ignore-chat-template"],
-                                    "--system needs the chat template"),
+        "system without template": (
+            ["run", *m, "--system", "x", "--ignore-chat-template"],
+            "--system needs the chat template",
+        ),
         "serve bad port": (["serve", *model_args(pair), "--port", "70000"], "--port"),
         "chat bad temp": (["chat", *model_args(pair), "--temp", "-2"], "--temp must be >= 0"),
+        # non-finite numbers and seeds outside 0..2**32-1 never reach the decoder
+        "temp nan": (["run", *m, "--temp", "nan"], "--temp must be a finite number (got nan)"),
+        "top-p inf": (["run", *m, "--top-p", "inf"], "--top-p must be a finite number"),
+        "presence -inf": (
+            ["run", *m, "--presence-penalty", "-inf"],
+            "--presence-penalty must be a finite number",
+        ),
+        "min-p nan": (["chat", *model_args(pair), "--min-p", "nan"], "--min-p must be a finite"),
+        "seed negative": (
+            ["run", *m, "--seed", "-1", "--temp", "0.7", "-m", "4"],
+            "--seed must be in 0..4294967295 (got -1)",
+        ),
+        "seed too big": (["run", *m, "--seed", str(2**32)], "--seed must be in 0..4294967295"),
+        "serve temp inf": (
+            ["serve", *model_args(pair), "--temp", "inf"],
+            "--temp must be a finite",
+        ),
+        "bench seed": (
+            ["bench", *model_args(pair), "-p", "x", "--seed", "-5"],
+            "--seed must be in",
+        ),
+        "bench temp nan": (
+            ["bench", *model_args(pair), "-p", "x", "--temp", "nan"],
+            "--temp must be a finite",
+        ),
     }
 
 
@@ -200,7 +281,9 @@ def test_bad_inputs_one_line_exit_2(pair, foreign_drafter, tmp_path, monkeypatch
     (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
     cases = _bad_cases(pair, foreign_drafter, tmp_path)
     cases["corrupt weights"] = (
-        ["run", "--model", corrupt, "--drafter", pair / "drafter", "hi"], "re-download it")
+        ["run", "--model", corrupt, "--drafter", pair / "drafter", "hi"],
+        "re-download it",
+    )
     for name, (args, needle) in cases.items():
         r = invoke(*args, input="")
         assert r.exit_code == 2, (name, r.exit_code, r.stdout, r.stderr, r.exception)
@@ -211,10 +294,62 @@ def test_bad_inputs_one_line_exit_2(pair, foreign_drafter, tmp_path, monkeypatch
         assert r.stdout == "", (name, r.stdout)
 
 
+def test_demo_seed_out_of_range_is_one_line_not_a_traceback():
+    """The shipped pair, as in the bug report: a bad seed stops before anything is loaded."""
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_mlx.cli",
+            "run",
+            "--model",
+            "demo",
+            "--seed",
+            "-1",
+            "--temp",
+            "0.7",
+            "-m",
+            "4",
+            "def f(",
+        ],
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+    )
+    assert p.returncode == 2 and p.stdout == "" and "Traceback" not in p.stderr
+    assert p.stderr == "error: --seed must be in 0..4294967295 (got -1)\n"
+
+
+def test_largest_seed_runs(pair):
+    r = invoke("run", *model_args(pair), "hi", "-m", 4, "--temp", 0.7, "--seed", 2**32 - 1, "-q")
+    assert r.exit_code == 0, r.stderr
+
+
+def test_python_m_server_is_dflash_serve():
+    p = subprocess.run(
+        [sys.executable, "-m", "dflash_mlx.server", "--help"],
+        capture_output=True,
+        text=True,
+        env=cli_env(COLUMNS="200"),
+        cwd=REPO_ROOT,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "Usage: dflash serve [OPTIONS]" in p.stdout
+    for opt in ("--temp", "--presence-penalty", "--quant", "--offline", "--api-key"):
+        assert opt in p.stdout, opt
+    assert "--temperature" not in p.stdout
+
+
 def test_bad_input_in_a_real_process(pair):
     p = subprocess.run(
         [sys.executable, "-m", "dflash_mlx.cli", "run", "--model", "Qwen-3.8", "hi"],
-        capture_output=True, text=True, env=cli_env(), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=cli_env(),
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
     )
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: unknown model alias")
@@ -252,24 +387,48 @@ def test_models_lists_registry_and_cache(pair, tmp_path, monkeypatch):
 
 @pytest.fixture
 def fake_server(monkeypatch):
+    from dflash_mlx import server
+
     calls = []
-    mod = types.ModuleType("dflash_mlx.server")
-    mod.run_server = lambda *a, **k: calls.append((a, k))
-    monkeypatch.setitem(sys.modules, "dflash_mlx.server", mod)
+    monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append((a, k)))
     return calls
 
 
 def test_serve_passes_model_and_defaults(pair, fake_server):
-    r = invoke("serve", *model_args(pair), "--port", 9123, "--temp", 0.5, "--max-tokens", 99,
-               "--block-size", 4, "--no-selector", "--max-queue", 3, "--seed", 1)
+    r = invoke(
+        "serve",
+        *model_args(pair),
+        "--port",
+        9123,
+        "--temp",
+        0.5,
+        "--max-tokens",
+        99,
+        "--block-size",
+        4,
+        "--no-selector",
+        "--max-queue",
+        3,
+        "--seed",
+        1,
+    )
     assert r.exit_code == 0, r.stderr
-    (args, kw), = fake_server
+    ((args, kw),) = fake_server
     model, _tok, name = args
     assert name == "target" and model.block_size == 8
     assert kw["host"] == "127.0.0.1" and kw["port"] == 9123 and kw["api_key"] is None
     assert kw["max_queue"] == 3
-    assert kw["defaults"] == dict(max_tokens=99, temperature=0.5, top_p=1.0, top_k=0, min_p=0.0,
-                                  presence_penalty=0.0, block_size=4, use_selector=False, seed=1)
+    assert kw["defaults"] == GenerationConfig(
+        max_tokens=99,
+        temperature=0.5,
+        top_p=1.0,
+        top_k=0,
+        min_p=0.0,
+        presence_penalty=0.0,
+        block_size=4,
+        use_selector=False,
+        seed=1,
+    )
     assert "warning" not in r.stderr
 
 
@@ -289,16 +448,27 @@ def test_sparkline():
 def test_run_ctrl_c_and_closed_pipe_exit_quietly(pair):
     pexpect = pytest.importorskip("pexpect")
     args = ["-m", "dflash_mlx.cli", "run", *map(str, model_args(pair)), "hello", "-m", 100000]
-    c = pexpect.spawn(sys.executable, [str(a) for a in args], env=cli_env(), cwd=str(REPO_ROOT),
-                      encoding="utf-8", timeout=60)
+    c = pexpect.spawn(
+        sys.executable,
+        [str(a) for a in args],
+        env=cli_env(),
+        cwd=str(REPO_ROOT),
+        encoding="utf-8",
+        timeout=60,
+    )
     time.sleep(2.0)
     c.sendintr()
     c.expect(pexpect.EOF)
     c.close()
     assert c.exitstatus == 130 and "interrupted" in c.before and "Traceback" not in c.before
     # `dflash run ... | head -c 5`: the reader goes away mid-stream.
-    p = subprocess.Popen([sys.executable, *[str(a) for a in args[:-1]], "3000"], env=cli_env(),
-                         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [sys.executable, *[str(a) for a in args[:-1]], "3000"],
+        env=cli_env(),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     p.stdout.read(5)
     p.stdout.close()
     err = p.stderr.read().decode()

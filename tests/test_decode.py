@@ -18,8 +18,15 @@ def reference(model, ids, n):
 
 def run(model, ids, n, block, selector=True):
     out, stats = [], []
-    for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=n,
-                    block_size=block, use_selector=selector):
+    for c in decode(
+        model,
+        ids,
+        model.make_cache(),
+        SamplingParams(),
+        max_tokens=n,
+        block_size=block,
+        use_selector=selector,
+    ):
         out += c.tokens
         if c.drafted:
             stats.append((c.accepted, c.drafted))
@@ -68,8 +75,9 @@ def test_max_tokens_is_exact_and_block_shrinks_at_the_end(pairs):
     model.drafter, real = OracleDrafter(model.drafter, ids + ref + [0] * 20), model.drafter
     try:
         out = []
-        for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=13,
-                        block_size=8):
+        for c in decode(
+            model, ids, model.make_cache(), SamplingParams(), max_tokens=13, block_size=8
+        ):
             out += c.tokens
     finally:
         model.drafter = real
@@ -83,8 +91,15 @@ def test_greedy_with_penalties_matches_mlx_lm_processors_per_position(pairs, kin
     model, tok = pairs(kind, "d2")
     ids = tok.encode(PROMPTS[0])
     kw = dict(presence_penalty=0.8, repetition_penalty=1.3, frequency_penalty=0.4)
-    ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=48,
-                                       logits_processors=make_logits_processors(**kw))]
+    ref = [
+        t
+        for t, _ in generate_step(
+            mx.array(ids),
+            model.target,
+            max_tokens=48,
+            logits_processors=make_logits_processors(**kw),
+        )
+    ]
     real = model.drafter
     model.drafter = OracleDrafter(real, ids + ref + [0] * 20, wrong_at=(6,))
     try:

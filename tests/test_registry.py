@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import build_pair, fake_cache_repo
 
-from dflash_mlx import hub, registry
+from dflash_mlx import hub, load, registry
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.loading import resolve
 
 TINY = registry.Entry(
     "Tiny-Qwen3",
@@ -60,21 +61,25 @@ def no_network(monkeypatch):
 
 
 def test_alias_case_insensitive_and_quant():
-    r = registry.resolve("qwen3.8-27b")
+    r = resolve("qwen3.8-27b")
     assert r.display_name == "Qwen3.8-27B"
     assert r.target == "mlx-community/Qwen3.8-27B-4bit"
     assert r.drafters == ["incoai/Qwen3.8-27B-DFlash2", "z-lab/Qwen3.8-27B-DFlash2"]
     assert r.block_size == 8
-    assert registry.resolve("QWEN3.8-27B", quant="8BIT").target == "mlx-community/Qwen3.8-27B-8bit"
-    assert registry.resolve("Qwen3.8-27B", quant="mxfp8").target.endswith("-mxfp8")
-    assert registry.resolve("Qwen3.8-27B", quant="bf16").target.endswith("-bf16")
-    assert registry.resolve("Qwen3.8-27B", drafter="me/mine").drafters == ["me/mine"]
+    assert resolve("QWEN3.8-27B", quant="8BIT").target == "mlx-community/Qwen3.8-27B-8bit"
+    assert resolve("Qwen3.8-27B", quant="mxfp8").target.endswith("-mxfp8")
+    assert resolve("Qwen3.8-27B", quant="bf16").target.endswith("-bf16")
+    assert resolve("Qwen3.8-27B", drafter="me/mine").drafters == ["me/mine"]
 
 
 def test_registry_has_the_known_drafters():
     drafters = {d for e in registry.ENTRIES for d in e.drafters}
-    for d in ("z-lab/Muse-Glimmer-30B-DFlash2", "z-lab/Qwen3-8B-DFlash-b16",
-              "z-lab/Qwen3-4B-DFlash-b16", "incoai/Qwen3.8-27B-DFlash2"):
+    for d in (
+        "z-lab/Muse-Glimmer-30B-DFlash2",
+        "z-lab/Qwen3-8B-DFlash-b16",
+        "z-lab/Qwen3-4B-DFlash-b16",
+        "incoai/Qwen3.8-27B-DFlash2",
+    ):
         assert d in drafters
     aliases = [e.alias.lower() for e in registry.entries()]
     assert len(aliases) == len(set(aliases)) and "demo" in aliases
@@ -82,12 +87,17 @@ def test_registry_has_the_known_drafters():
 
 @pytest.mark.parametrize(
     "name, expect",
-    [("qwen3.8", "Qwen3.8-27B"), ("Qwen3.8-72B", "Qwen3.8-27B"), ("muse", "Muse-Glimmer-30B"),
-     ("qwen3-8", "Qwen3-8B"), ("dmeo", "demo")],
+    [
+        ("qwen3.8", "Qwen3.8-27B"),
+        ("Qwen3.8-72B", "Qwen3.8-27B"),
+        ("muse", "Muse-Glimmer-30B"),
+        ("qwen3-8", "Qwen3-8B"),
+        ("dmeo", "demo"),
+    ],
 )
 def test_unknown_alias_suggests(name, expect):
     with pytest.raises(DFlashError) as e:
-        registry.resolve(name)
+        resolve(name)
     msg = str(e.value)
     assert "\n" not in msg and f"unknown model alias '{name}'" in msg
     assert expect in msg and "dflash models" in msg
@@ -96,56 +106,56 @@ def test_unknown_alias_suggests(name, expect):
 
 def test_bad_quant_and_quant_on_hub_id():
     with pytest.raises(DFlashError, match="choose one of 4bit, 8bit, bf16, mxfp8"):
-        registry.resolve("Qwen3.8-27B", quant="3bit")
+        resolve("Qwen3.8-27B", quant="3bit")
     with pytest.raises(DFlashError, match="only applies to registry aliases"):
-        registry.resolve("someone/model", drafter="a/b", quant="8bit")
+        resolve("someone/model", drafter="a/b", quant="8bit")
 
 
 def test_paths_and_hub_ids(tmp_path, pair):
     with pytest.raises(DFlashError, match="does not exist; check the path"):
-        registry.resolve(str(tmp_path / "missing"))
+        resolve(str(tmp_path / "missing"))
     with pytest.raises(DFlashError, match="does not exist"):
-        registry.resolve("./nowhere/model")
+        resolve("./nowhere/model")
     f = tmp_path / "file.txt"
     f.write_text("x")
     with pytest.raises(DFlashError, match="is a file"):
-        registry.resolve(str(f))
+        resolve(str(f))
     with pytest.raises(DFlashError, match="no drafter known for someone/model; pass --drafter"):
-        registry.resolve("someone/model")
+        resolve("someone/model")
     # A Hub id or a directory named like a registry target finds the registry's drafters.
-    r = registry.resolve("mlx-community/Qwen3-8B-8bit")
+    r = resolve("mlx-community/Qwen3-8B-8bit")
     assert r.drafters == ["z-lab/Qwen3-8B-DFlash-b16"] and r.target.endswith("-8bit")
     local = tmp_path / "Qwen3.8-27B-4bit"
     local.mkdir()
-    assert registry.resolve(str(local)).drafters[0] == "incoai/Qwen3.8-27B-DFlash2"
+    assert resolve(str(local)).drafters[0] == "incoai/Qwen3.8-27B-DFlash2"
     snap = tmp_path / "models--mlx-community--Qwen3-4B-bf16" / "snapshots" / ("b" * 40)
     snap.mkdir(parents=True)
-    assert registry.resolve(str(snap)).drafters == ["z-lab/Qwen3-4B-DFlash-b16"]
+    assert resolve(str(snap)).drafters == ["z-lab/Qwen3-4B-DFlash-b16"]
 
 
 def test_dflash_json_hint(tmp_path, pair):
     t = tmp_path / "t"
     shutil.copytree(pair / "target", t)
     (t / "dflash.json").write_text('{"dflash_drafter": "%s"}' % (pair / "drafter"))
-    assert registry.resolve(str(t)).drafters == [str(pair / "drafter")]
+    assert resolve(str(t)).drafters == [str(pair / "drafter")]
     (t / "dflash.json").write_text("{}")
     with pytest.raises(DFlashError, match="dflash.json"):
-        registry.resolve(str(t))
+        resolve(str(t))
 
 
 def test_demo_alias(tmp_path, monkeypatch, pair):
     monkeypatch.setenv(registry.DEMO_ENV, str(tmp_path / "nothing"))
     with pytest.raises(DFlashError) as e:
-        registry.resolve("demo")
+        resolve("demo")
     assert "demo model is not installed" in str(e.value) and "\n" not in str(e.value)
     monkeypatch.setenv(registry.DEMO_ENV, str(pair))
-    r = registry.resolve("Demo")
+    r = resolve("Demo")
     assert r.target == str(pair / "target") and r.drafters == [str(pair / "drafter")]
     assert r.block_size == 8
     with pytest.raises(DFlashError, match="--quant does not apply"):
-        registry.resolve("demo", quant="8bit")
-    m, _, name = registry.load_model("demo")
-    assert name == "demo" and m.block_size == 8
+        resolve("demo", quant="8bit")
+    out = load("demo")
+    assert len(out) == 2 and out[0].name == "demo" and out[0].block_size == 8
 
 
 def test_default_demo_location_is_package_data(monkeypatch):
@@ -169,9 +179,13 @@ def test_cache_dir_follows_env(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "c"))
     assert hub.cache_dir() == tmp_path / "c"
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert hub.env_offline()
+    assert hub.offline_mode()
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
-    assert not hub.env_offline()
+    assert not hub.offline_mode()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "no")  # huggingface_hub's reading: not offline
+    assert not hub.offline_mode() and hub.offline_mode(True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "yes")
+    assert hub.offline_mode() and not hub.offline_mode(False)
 
 
 def test_offline_load_from_fake_cache_with_drafter_fallback(hf_home, pair, no_network):
@@ -179,8 +193,8 @@ def test_offline_load_from_fake_cache_with_drafter_fallback(hf_home, pair, no_ne
     fake_cache_repo(cache, "tiny-org/Tiny-Qwen3-4bit", pair / "target")
     # Only the second drafter repo is cached: the first is skipped.
     snap = fake_cache_repo(cache, "z-lab/Tiny-Qwen3-DFlash2", pair / "drafter")
-    m, _, name = registry.load_model("tiny-qwen3", offline=True)
-    assert name == "Tiny-Qwen3"
+    m, _ = load("tiny-qwen3", offline=True)
+    assert m.name == "Tiny-Qwen3"
     assert Path(m.drafter_path) == snap
     assert "models--tiny-org--Tiny-Qwen3-4bit" in m.target_path
     assert hub.cached_size("tiny-org/Tiny-Qwen3-4bit") > 0
@@ -191,13 +205,13 @@ def test_offline_env_var_is_respected(hf_home, pair, no_network, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     fake_cache_repo(hf_home / "hub", "tiny-org/Tiny-Qwen3-4bit", pair / "target")
     with pytest.raises(DFlashError) as e:
-        registry.load_model("Tiny-Qwen3")
+        load("Tiny-Qwen3")
     msg = str(e.value)
     assert "\n" not in msg
     assert "drafter incoai/Tiny-Qwen3-DFlash2 is not in the local Hugging Face cache" in msg
     assert "also tried z-lab/Tiny-Qwen3-DFlash2" in msg
     with pytest.raises(DFlashError, match="model tiny-org/Tiny-Qwen3-8bit is not in the local"):
-        registry.load_model("Tiny-Qwen3", quant="8bit")
+        load("Tiny-Qwen3", quant="8bit")
 
 
 def test_incompatible_drafter_is_an_error_not_a_fallback(hf_home, pair, tmp_path, no_network):
@@ -205,7 +219,7 @@ def test_incompatible_drafter_is_an_error_not_a_fallback(hf_home, pair, tmp_path
 
     other = build_target(tmp_path / "other", "qwen3", layers=2, tokenizer=False, vocab_size=300)
     with pytest.raises(DFlashError) as e:
-        registry.load_model(str(other), drafter=str(pair / "drafter"))
+        load(str(other), drafter=str(pair / "drafter"))
     assert "\n" not in str(e.value) and "drafter" in str(e.value)
 
 
@@ -242,11 +256,13 @@ def _mock_hub(monkeypatch, repos, calls):
 
     real = huggingface_hub.snapshot_download
 
-    def snapshot_download(repo_id, allow_patterns=None, cache_dir=None, local_files_only=False,
-                          **kw):
+    def snapshot_download(
+        repo_id, allow_patterns=None, cache_dir=None, local_files_only=False, **kw
+    ):
         if local_files_only:  # the cache lookup is local: use the real function
-            return real(repo_id, allow_patterns=allow_patterns, cache_dir=cache_dir,
-                        local_files_only=True)
+            return real(
+                repo_id, allow_patterns=allow_patterns, cache_dir=cache_dir, local_files_only=True
+            )
         calls.append(("download", repo_id, str(cache_dir)))
         if repo_id not in repos:
             raise LocalEntryNotFoundError("no network")
@@ -258,10 +274,13 @@ def _mock_hub(monkeypatch, repos, calls):
 
 def test_download_with_size_preview_and_fallback(hf_home, pair, monkeypatch):
     calls, notices = [], []
-    _mock_hub(monkeypatch, {"tiny-org/Tiny-Qwen3-4bit": pair / "target",
-                            "z-lab/Tiny-Qwen3-DFlash2": pair / "drafter"}, calls)
-    _, _, name = registry.load_model("Tiny-Qwen3", log=notices.append)
-    assert name == "Tiny-Qwen3"
+    _mock_hub(
+        monkeypatch,
+        {"tiny-org/Tiny-Qwen3-4bit": pair / "target", "z-lab/Tiny-Qwen3-DFlash2": pair / "drafter"},
+        calls,
+    )
+    m, _ = load("Tiny-Qwen3", log=notices.append)
+    assert m.name == "Tiny-Qwen3"
     cache = str(hf_home / "hub")
     assert ("download", "tiny-org/Tiny-Qwen3-4bit", cache) in calls
     assert ("info", "incoai/Tiny-Qwen3-DFlash2") in calls  # tried first, does not exist
@@ -277,12 +296,12 @@ def test_download_with_size_preview_and_fallback(hf_home, pair, monkeypatch):
     # Second time everything is cached: listing only, no download, no notice.
     calls.clear()
     notices.clear()
-    registry.load_model("Tiny-Qwen3", log=notices.append)
+    load("Tiny-Qwen3", log=notices.append)
     assert not notices and not [c for c in calls if c[0] == "download"]
     # quiet: no notices even when downloading
     calls.clear()
     shutil.rmtree(hf_home / "hub" / "models--tiny-org--Tiny-Qwen3-4bit")
-    registry.load_model("Tiny-Qwen3", log=notices.append, quiet=True)
+    load("Tiny-Qwen3", log=notices.append, quiet=True)
     assert not notices and ("download", "tiny-org/Tiny-Qwen3-4bit", cache) in calls
 
 

@@ -7,6 +7,7 @@ Every client loop is bounded in count and time.
 
 import json
 import os
+from dataclasses import replace
 import re
 import socket
 import subprocess
@@ -22,8 +23,8 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from dflash_mlx import generate  # noqa: E402
-from dflash_mlx.openai_schema import APIError, parse_request  # noqa: E402
 from dflash_mlx.server import bind_warning, context_length  # noqa: E402
+from dflash_mlx.server.schema import DEFAULTS, APIError, parse_request  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key"
@@ -32,15 +33,32 @@ NO_EOS = {str(EOS): -100}  # keeps a generation going until max_tokens
 
 
 def _start(tmp: Path, model: Path, drafter: Path, *args: str):
-    """Start ``python -m dflash_mlx.server`` on port 0; return (process, base url, log)."""
+    """Start ``python -m dflash_mlx.server`` (``dflash serve``) on port 0; return (process,
+    base url, log)."""
     log = tmp / f"server-{time.monotonic_ns()}.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        HF_HUB_OFFLINE="1",
+    )
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dflash_mlx.server", "--model", str(model), "--drafter",
-             str(drafter), "--port", "0", *args],
-            stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+            [
+                sys.executable,
+                "-m",
+                "dflash_mlx.server",
+                "--model",
+                str(model),
+                "--drafter",
+                str(drafter),
+                "--port",
+                "0",
+                *args,
+            ],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(ROOT),
         )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -70,8 +88,9 @@ def paths(tiny_dir):
 
 @pytest.fixture(scope="module")
 def server(paths, tmp_path_factory):
-    proc, url, log = _start(tmp_path_factory.mktemp("srv"), *paths, "--api-key", KEY,
-                            "--max-queue", "8")
+    proc, url, log = _start(
+        tmp_path_factory.mktemp("srv"), *paths, "--api-key", KEY, "--max-queue", "8"
+    )
     yield url
     _stop(proc)
     assert proc.returncode is not None
@@ -114,8 +133,9 @@ def _expected(local, prompt, max_tokens, **kw):
 def _chat_stream(client, name, messages, max_tokens, **kw):
     """(text, finish reasons, usage chunk or None, chunk count)."""
     text, reasons, use, n = [], [], None, 0
-    stream = client.chat.completions.create(model=name, messages=messages, max_tokens=max_tokens,
-                                            temperature=0, stream=True, **kw)
+    stream = client.chat.completions.create(
+        model=name, messages=messages, max_tokens=max_tokens, temperature=0, stream=True, **kw
+    )
     for ch in stream:
         n += 1
         assert n < 10_000
@@ -132,20 +152,35 @@ def _chat_stream(client, name, messages, max_tokens, **kw):
 
 
 def test_parse_request_rejects_bad_fields():
-    ok = parse_request(b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}',
-                       "chat", {"temperature": 0.5, "block_size": 4})
-    assert ok.gen["max_tokens"] == 3 and ok.gen["temperature"] == 0.5 and ok.gen["block_size"] == 4
+    ok = parse_request(
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}',
+        "chat",
+        replace(DEFAULTS, temperature=0.5, block_size=4),
+    )
+    assert ok.gen.max_tokens == 3 and ok.gen.temperature == 0.5 and ok.gen.block_size == 4
     assert ok.prompt == [{"role": "user", "content": "hi"}] and not ok.stream
-    c = parse_request(b'{"prompt": [1, 2, 3], "max_completion_tokens": 4, "max_tokens": 9}',
-                      "completion")
-    assert c.prompt == [1, 2, 3] and c.gen["max_tokens"] == 4
-    for body in [b"{", b"[]", b'{"messages": []}', b'{"messages": [{"role": "x"}]}',
-                 b'{"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}',
-                 b'{"messages": [{"role": "user", "content": "a"}], "top_p": 0}',
-                 b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}',
-                 b'{"messages": [{"role": "user", "content": "a"}], "n": 2}',
-                 b'{"messages": [{"role": "user", "content": "a"}], "stop": 5}',
-                 b'{"messages": [{"role": "user", "content": "a"}], "block_size": 99}']:
+    c = parse_request(
+        b'{"prompt": [1, 2, 3], "max_completion_tokens": 4, "max_tokens": 9}', "completion"
+    )
+    assert c.prompt == [1, 2, 3] and c.gen.max_tokens == 4
+    for body in [
+        b"{",
+        b"[]",
+        b'{"messages": []}',
+        b'{"messages": [{"role": "x"}]}',
+        b'{"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}',
+        b'{"messages": [{"role": "user", "content": "a"}], "top_p": 0}',
+        b'{"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}',
+        b'{"messages": [{"role": "user", "content": "a"}], "n": 2}',
+        b'{"messages": [{"role": "user", "content": "a"}], "stop": 5}',
+        b'{"messages": [{"role": "user", "content": "a"}], "block_size": 99}',
+        b'{"messages": [{"role": "user", "content": "a"}], "seed": -1}',
+        b'{"messages": [{"role": "user", "content": "a"}], "seed": 4294967296}',
+        b'{"messages": [{"role": "user", "content": "a"}], "presence_penalty": NaN}',
+        b'{"messages": [{"role": "user", "content": "a"}], "temperature": Infinity}',
+        b'{"messages": [{"role": "user", "content": "a"}], "top_p": -Infinity}',
+        b'{"messages": [{"role": "user", "content": "a"}], "logit_bias": {"3": NaN}}',
+    ]:
         with pytest.raises(APIError) as e:
             parse_request(body, "chat", max_block_size=16)
         assert e.value.status == 400 and e.value.body()["error"]["message"]
@@ -189,8 +224,9 @@ def test_chat_matches_generate_with_usage(client, local, name):
 def test_chat_stream_with_usage(client, local, name):
     msgs = [{"role": "user", "content": "import os"}]
     want = _expected(local, msgs, 20)
-    text, reasons, use, _ = _chat_stream(client, name, msgs, 20,
-                                         stream_options={"include_usage": True})
+    text, reasons, use, _ = _chat_stream(
+        client, name, msgs, 20, stream_options={"include_usage": True}
+    )
     assert text == want
     assert len(reasons) == 1 and reasons[0] in ("stop", "length")
     assert use is not None and use.choices == []
@@ -220,8 +256,14 @@ def test_completions_stream_and_not(client, local, name):
     n_prompt = len(local[1].encode(prompt))
     assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens <= 16
     parts, use = [], None
-    for ch in client.completions.create(model=name, prompt=prompt, max_tokens=16, temperature=0,
-                                        stream=True, stream_options={"include_usage": True}):
+    for ch in client.completions.create(
+        model=name,
+        prompt=prompt,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    ):
         parts += [c.text for c in ch.choices]
         use = ch.usage or use
     assert "".join(parts) == want
@@ -238,8 +280,14 @@ def test_stop_strings(client, local, name):
     stop = full[clean[0] : clean[0] + 2]
     want = _expected(local, msgs, 24, logit_bias={EOS: -100}, stop=[stop])
     assert want == full[: full.find(stop)]
-    r = client.chat.completions.create(model=name, messages=msgs, max_tokens=24, temperature=0,
-                                       stop=[stop, "never-there"], logit_bias=NO_EOS)
+    r = client.chat.completions.create(
+        model=name,
+        messages=msgs,
+        max_tokens=24,
+        temperature=0,
+        stop=[stop, "never-there"],
+        logit_bias=NO_EOS,
+    )
     assert r.choices[0].message.content == want
     assert r.choices[0].finish_reason == "stop"
     text, reasons, _, _ = _chat_stream(client, name, msgs, 24, stop=stop, logit_bias=NO_EOS)
@@ -247,11 +295,15 @@ def test_stop_strings(client, local, name):
 
 
 def test_prefix_reuse_on_second_turn(client, name):
-    turn1 = [{"role": "system", "content": "You write Python."},
-             {"role": "user", "content": "for i in range(10):"}]
+    turn1 = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "for i in range(10):"},
+    ]
     r1 = client.chat.completions.create(model=name, messages=turn1, max_tokens=8, temperature=0)
-    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
-                     {"role": "user", "content": "print(i)"}]
+    turn2 = turn1 + [
+        {"role": "assistant", "content": r1.choices[0].message.content},
+        {"role": "user", "content": "print(i)"},
+    ]
     r2 = client.chat.completions.create(model=name, messages=turn2, max_tokens=8, temperature=0)
     cached = r2.usage.prompt_tokens_details.cached_tokens
     processed = r2.model_extra["dflash"]["prompt_tokens_processed"]
@@ -294,8 +346,9 @@ def _wait_health(server, pred, limit=20.0):
 def test_aborted_stream_is_cancelled(server, client, local, name):
     msgs = [{"role": "user", "content": "Hello world!"}]
     before = _http(server + "/health", key=None)[1]["cancelled"]
-    stream = client.chat.completions.create(model=name, messages=msgs, max_tokens=3000,
-                                            temperature=0, stream=True, logit_bias=NO_EOS)
+    stream = client.chat.completions.create(
+        model=name, messages=msgs, max_tokens=3000, temperature=0, stream=True, logit_bias=NO_EOS
+    )
     for n, _ in enumerate(stream):
         if n >= 3:
             break
@@ -310,13 +363,25 @@ def test_aborted_stream_is_cancelled(server, client, local, name):
 
 def test_disconnected_non_streaming_client_is_cancelled(server, client, name):
     before = _http(server + "/health", key=None)[1]["cancelled"]
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello"}],
-                       "max_tokens": 3000, "logit_bias": NO_EOS}).encode()
+    body = json.dumps(
+        {
+            "model": name,
+            "messages": [{"role": "user", "content": "Hello"}],
+            "max_tokens": 3000,
+            "logit_bias": NO_EOS,
+        }
+    ).encode()
     host, port = server.rsplit("/", 1)[1].split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                 b"application/json\r\nAuthorization: Bearer " + KEY.encode() +
-                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"application/json\r\nAuthorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     _wait_health(server, lambda h: h["running"])
     sock.close()
     h = _wait_health(server, lambda h: not h["running"], limit=15)
@@ -339,8 +404,20 @@ def test_bad_requests(server, client, name):
     assert _http(server + "/v1/nothing", ok)[0] == 404
     assert _http(chat, {**ok, "logit_bias": {"999999": 5}})[0] == 400
     assert _http(chat, {**ok, "n": 3})[0] == 400
-    assert _http(chat, {**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
-                 )[0] == 400
+    for field, value in [
+        ("seed", "-1"),
+        ("seed", "4294967296"),
+        ("presence_penalty", "NaN"),
+        ("frequency_penalty", "Infinity"),
+        ("temperature", "-Infinity"),
+    ]:
+        raw = json.dumps(ok)[:-1] + f', "{field}": {value}}}'
+        st, body = _http(chat, raw=raw.encode())  # Python's json reads NaN / Infinity
+        assert st == 400 and body["error"]["param"] == field, (field, value, st, body)
+    assert (
+        _http(chat, {**ok, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]})[0]
+        == 400
+    )
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=name, messages=ok["messages"], temperature=-1)
     with pytest.raises(openai.BadRequestError):
@@ -366,14 +443,16 @@ def test_queue_full_gives_503(paths, local, tmp_path):
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
         msgs = [{"role": "user", "content": "Hello world!"}]
-        busy = c.chat.completions.create(model=paths[0].name, messages=msgs, max_tokens=3000,
-                                         stream=True, logit_bias=NO_EOS)
+        busy = c.chat.completions.create(
+            model=paths[0].name, messages=msgs, max_tokens=3000, stream=True, logit_bias=NO_EOS
+        )
         next(iter(busy))  # running now
         waiting = {}
 
         def queued():
-            waiting["r"] = c.chat.completions.create(model=paths[0].name, messages=msgs,
-                                                     max_tokens=4, temperature=0)
+            waiting["r"] = c.chat.completions.create(
+                model=paths[0].name, messages=msgs, max_tokens=4, temperature=0
+            )
 
         t = threading.Thread(target=queued, daemon=True)
         t.start()

@@ -21,8 +21,9 @@ def parity(model, ids, n=64, block=8, wrong=(4,)):
     model.drafter = OracleDrafter(real, ids + ref + [0] * 20, wrong_at=wrong)
     try:
         out, acc = [], 0
-        for c in decode(model, ids, model.make_cache(), SamplingParams(), max_tokens=n,
-                        block_size=block):
+        for c in decode(
+            model, ids, model.make_cache(), SamplingParams(), max_tokens=n, block_size=block
+        ):
             out += c.tokens
             acc += c.accepted
     finally:
@@ -34,8 +35,13 @@ def parity(model, ids, n=64, block=8, wrong=(4,)):
 
 def test_muse_glimmer_past_its_sliding_window(tmp_path):
     build_target(tmp_path / "t", "muse_glimmer")
-    build_drafter(tmp_path / "d", tmp_path / "t", block_size=8, output_multiplier=0.2,
-                  final_logit_softcapping=20.0)
+    build_drafter(
+        tmp_path / "d",
+        tmp_path / "t",
+        block_size=8,
+        output_multiplier=0.2,
+        final_logit_softcapping=20.0,
+    )
     model, tok = load(str(tmp_path / "t"), drafter=str(tmp_path / "d"))
     ids = tok.encode("def parse_args(argv):\n")
     assert len(ids) + 64 > 3 * 8  # well past the 8-token window
@@ -63,8 +69,9 @@ def test_quantized_target(tmp_path):
     model, cfg = load_model(tmp_path / "t")
     nn.quantize(model, group_size=32, bits=4)
     cfg["quantization"] = {"group_size": 32, "bits": 4}
-    mx.save_safetensors(str(tmp_path / "t" / "model.safetensors"),
-                        dict(tree_flatten(model.parameters())))
+    mx.save_safetensors(
+        str(tmp_path / "t" / "model.safetensors"), dict(tree_flatten(model.parameters()))
+    )
     save_config(cfg, tmp_path / "t" / "config.json")
     build_drafter(tmp_path / "d", tmp_path / "t", block_size=8)
     dm, tok = load(str(tmp_path / "t"), drafter=str(tmp_path / "d"))

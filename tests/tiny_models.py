@@ -1,4 +1,5 @@
-"""Tiny random targets (mlx-lm architectures) and drafters written in the SPEC format.
+"""Tiny random targets (mlx-lm architectures) and drafters written in the released format
+(docs/format.md §2).
 
 Shared by the test suite, the CLI/server tests and the benchmarks' smoke runs.
 """

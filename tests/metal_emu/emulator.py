@@ -1,15 +1,15 @@
 """Run an ``mx.fast.metal_kernel`` body on the CPU by compiling it as C++ with g++.
 
 ``EmulatedKernel`` has the same constructor and call signature as ``mx.fast.metal_kernel``,
-so the dispatch code in ``dflash_mlx.kernels`` can be pointed at it unchanged. The generated
-function signature follows MLX's rules (inputs by dtype, ``const constant T&`` for 0-d
-inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and thread attributes only when the
-source mentions them). The body is compiled against ``metal_shim.h`` and a generated driver
-runs it over the whole grid, threadgroup by threadgroup; the threads of a group are
-cooperative fibers and ``threadgroup_barrier`` suspends each until the whole group has
-arrived. Every launch runs twice, with groups and threads (between barriers) in forward and
-in reverse order; differing results mean the body has a race (e.g. a missing barrier) and
-raise ``RaceDetected``.
+so the launch code in ``dflash_mlx.conv`` and ``dflash_mlx.selector`` can be pointed at it
+unchanged. The generated function signature follows MLX's rules (inputs by dtype, ``const
+constant T&`` for 0-d inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and thread
+attributes only when the source mentions them). The body is compiled against
+``metal_shim.h`` and a generated driver runs it over the whole grid, threadgroup by
+threadgroup; the threads of a group are cooperative fibers and ``threadgroup_barrier``
+suspends each until the whole group has arrived. Every launch runs twice, with groups and
+threads (between barriers) in forward and in reverse order; differing results mean the body
+has a race (e.g. a missing barrier) and raise ``RaceDetected``.
 
 Arrays travel through raw files: float dtypes as float32 (bf16 / fp16 values convert exactly),
 integers as their own 32-bit type. Outputs start poisoned (NaN / 0xDEADBEEF) like MLX's
@@ -77,16 +77,35 @@ class EmulatedKernel:
         atomic_outputs: must be False (atomics are not modelled).
     """
 
-    def __init__(self, name, input_names, output_names, source, header="",
-                 ensure_row_contiguous=True, atomic_outputs=False, compile_options=None):
+    def __init__(
+        self,
+        name,
+        input_names,
+        output_names,
+        source,
+        header="",
+        ensure_row_contiguous=True,
+        atomic_outputs=False,
+        compile_options=None,
+    ):
         if atomic_outputs or _UNSUPPORTED.search(_strip_comments(source + header)):
             raise NotImplementedError("SIMD-group, atomic and texture code is not emulated")
         self.name, self.source, self.header = name, source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.calls = 0  # launches, for dispatch accounting in tests and benchmarks
 
-    def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                 template=None, init_value=None, verbose=False, stream=None):
+    def __call__(
+        self,
+        inputs,
+        output_shapes,
+        output_dtypes,
+        grid,
+        threadgroup,
+        template=None,
+        init_value=None,
+        verbose=False,
+        stream=None,
+    ):
         """Compile (cached by source hash) and run over the grid; returns mx arrays."""
         if init_value is not None:
             raise NotImplementedError("init_value is not emulated")
@@ -98,22 +117,32 @@ class EmulatedKernel:
         with tempfile.TemporaryDirectory(prefix="metal_emu_") as tmp:
             for i, a in enumerate(arrays):
                 _, ftype = _TYPES[a.dtype]
-                np.asarray(a.astype(mx.float32) if ftype == np.float32 else a,
-                           dtype=ftype).tofile(f"{tmp}/in{i}.bin")
+                np.asarray(a.astype(mx.float32) if ftype == np.float32 else a, dtype=ftype).tofile(
+                    f"{tmp}/in{i}.bin"
+                )
             runs = []
             for order in ("forward", "reverse"):
-                res = subprocess.run([str(exe), tmp, order], capture_output=True, text=True,
-                                     check=False)
+                res = subprocess.run(
+                    [str(exe), tmp, order], capture_output=True, text=True, check=False
+                )
                 if res.returncode != 0:
                     raise RuntimeError(f"emulated kernel {self.name} failed: {res.stderr}")
-                runs.append([np.fromfile(f"{tmp}/out{i}.bin", dtype=_TYPES[dt][1])
-                             for i, dt in enumerate(output_dtypes)])
+                runs.append(
+                    [
+                        np.fromfile(f"{tmp}/out{i}.bin", dtype=_TYPES[dt][1])
+                        for i, dt in enumerate(output_dtypes)
+                    ]
+                )
             for i, (a, b) in enumerate(zip(*runs)):
                 if a.tobytes() != b.tobytes():
-                    raise RaceDetected(f"{self.name}: output {self.output_names[i]} differs "
-                                       "between forward and reverse thread order")
-            outs = [mx.array(raw.reshape(shape)).astype(dt)
-                    for raw, shape, dt in zip(runs[0], output_shapes, output_dtypes)]
+                    raise RaceDetected(
+                        f"{self.name}: output {self.output_names[i]} differs "
+                        "between forward and reverse thread order"
+                    )
+            outs = [
+                mx.array(raw.reshape(shape)).astype(dt)
+                for raw, shape, dt in zip(runs[0], output_shapes, output_dtypes)
+            ]
         return outs
 
     def _driver(self, arrays, output_shapes, output_dtypes, grid, threadgroup, template):
@@ -143,11 +172,15 @@ class EmulatedKernel:
             params.append(f"const {space} {ctype}* {n}")
             args.append(f"in{i}.data()")
             strides = np.cumprod([1] + list(a.shape[::-1]))[:-1][::-1]
-            for suffix, ctype2, vals in (("shape", "int", a.shape),
-                                         ("strides", "int64_t", strides)):
+            for suffix, ctype2, vals in (
+                ("shape", "int", a.shape),
+                ("strides", "int64_t", strides),
+            ):
                 if f"{n}_{suffix}" in src:
-                    setup.append(f"  static const {ctype2} {n}_{suffix}_v[] = "
-                                 f"{{{', '.join(str(int(v)) for v in vals)}}};")
+                    setup.append(
+                        f"  static const {ctype2} {n}_{suffix}_v[] = "
+                        f"{{{', '.join(str(int(v)) for v in vals)}}};"
+                    )
                     params.append(f"const constant {ctype2}* {n}_{suffix}")
                     args.append(f"{n}_{suffix}_v")
             if f"{n}_ndim" in src:
@@ -172,27 +205,29 @@ class EmulatedKernel:
         tuse = f"<{', '.join(targs)}>" if targs else ""
         gx, gy, gz = grid
         tx, ty, tz = (min(t, g) for t, g in zip(threadgroup, grid))
-        return "\n".join([
-            '#include "emu_all.h"',
-            self.header,
-            tdecl + "void kernel_body(\n  " + ",\n  ".join(params) + ") {",
-            src,
-            "}",
-            "int main(int argc, char** argv) {",
-            "  const std::string dir = argv[1];",
-            "  const bool reverse = argc > 2 && std::string(argv[2]) == \"reverse\";",
-            *setup,
-            f"  emu::launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, reverse,",
-            "    [&](uint3 thread_position_in_grid, uint3 thread_position_in_threadgroup,",
-            "        uint3 threadgroup_position_in_grid, uint3 threads_per_threadgroup,",
-            "        uint3 threadgroups_per_grid, uint3 threads_per_grid,",
-            "        uint thread_index_in_threadgroup) {",
-            f"      kernel_body{tuse}({', '.join(args)});",
-            "    });",
-            *saves,
-            "  return 0;",
-            "}",
-        ])
+        return "\n".join(
+            [
+                '#include "emu_all.h"',
+                self.header,
+                tdecl + "void kernel_body(\n  " + ",\n  ".join(params) + ") {",
+                src,
+                "}",
+                "int main(int argc, char** argv) {",
+                "  const std::string dir = argv[1];",
+                '  const bool reverse = argc > 2 && std::string(argv[2]) == "reverse";',
+                *setup,
+                f"  emu::launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, reverse,",
+                "    [&](uint3 thread_position_in_grid, uint3 thread_position_in_threadgroup,",
+                "        uint3 threadgroup_position_in_grid, uint3 threads_per_threadgroup,",
+                "        uint3 threadgroups_per_grid, uint3 threads_per_grid,",
+                "        uint thread_index_in_threadgroup) {",
+                f"      kernel_body{tuse}({', '.join(args)});",
+                "    });",
+                *saves,
+                "  return 0;",
+                "}",
+            ]
+        )
 
 
 def _strip_comments(code: str) -> str:
@@ -214,8 +249,19 @@ def _prelude(cxx: str) -> Path:
         tmp = Path(tempfile.mkdtemp(dir=CACHE_DIR))
         for name, body in text.items():
             (tmp / name).write_text(body)
-        subprocess.run([cxx, *_FLAGS, "-x", "c++-header", str(tmp / "emu_all.h"), "-o",
-                        str(tmp / "emu_all.h.gch")], capture_output=True, check=False)
+        subprocess.run(
+            [
+                cxx,
+                *_FLAGS,
+                "-x",
+                "c++-header",
+                str(tmp / "emu_all.h"),
+                "-o",
+                str(tmp / "emu_all.h.gch"),
+            ],
+            capture_output=True,
+            check=False,
+        )
         try:
             os.replace(tmp, folder)
         except OSError:  # another process got there first

@@ -1,5 +1,5 @@
-// DFlash 2 path selector, one launch for the whole batch (SPEC §4); body for
-// mx.fast.metal_kernel. Reference: dflash_mlx/selector.py::select_path.
+// DFlash 2 path selector, one launch for the whole batch (docs/algorithm.md §3); body for
+// mx.fast.metal_kernel. Reference: dflash_mlx/selector.py::select_path_ops.
 //
 // For every batch row b, walk the draft rows t = 0..L-1 from the anchor:
 //   prev_tok = anchor[b] for t = 0, else cand[b, t-1, choice[t-1]]

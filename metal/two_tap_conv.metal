@@ -1,6 +1,7 @@
-// Fused dynamic two-tap depthwise conv, one side (SPEC §3); body for mx.fast.metal_kernel.
+// Fused dynamic two-tap depthwise conv, one side (docs/algorithm.md §2.5); body for
+// mx.fast.metal_kernel.
 //
-// Semantics (reference: dflash_mlx/conv.py::two_tap_conv):
+// Semantics (reference: dflash_mlx/conv.py::two_tap_conv_ops):
 //   k[b, t, j, c] = base[j, c] + dyn[b, t, j, c / (H / G)]
 //   out[b, t, c]  = sum_j k[b, t, j, c] * x[b, t - j, c],  term dropped when (t % BLOCK) < j
 //   i.e. taps never reach into an earlier block. Accumulation in float32, one rounding to T.

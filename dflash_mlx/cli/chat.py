@@ -1,4 +1,4 @@
-"""The interactive ``dflash chat`` loop.
+"""``dflash chat``: the command and its interactive loop.
 
 The whole message history is re-sent each turn with one ``PromptCache`` kept for the
 session, so a new turn prefills only its own tokens. Ctrl-C stops an answer at the next
@@ -15,6 +15,13 @@ import shutil
 import signal
 import sys
 from typing import Dict, List, Optional
+
+import typer
+
+from ..errors import DFlashError
+from ..settings import GenerationConfig
+from . import common as c
+from .stats import sparkline
 
 HELP = """commands:
   /help            this list
@@ -77,12 +84,22 @@ class ChatSession:
 
     Args:
         model, tokenizer: from ``load``. name: shown in the banner.
-        gen: keyword arguments for ``stream_generate``. system: system prompt.
+        gen: the decoding settings of every answer. system: system prompt.
         show_stats: print a stats line after each answer.
     """
 
-    def __init__(self, model, tokenizer, name: str, gen: Dict, system: Optional[str] = None,
-                 show_stats: bool = True, stdin=None, stdout=None, markdown: bool = True):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        name: str,
+        gen: GenerationConfig,
+        system: Optional[str] = None,
+        show_stats: bool = True,
+        stdin=None,
+        stdout=None,
+        markdown: bool = True,
+    ):
         from rich.console import Console
 
         self.model, self.tok, self.name, self.gen = model, tokenizer, name, gen
@@ -155,15 +172,15 @@ class ChatSession:
         template text only; when the template rewrites earlier turns (some strip reasoning
         from old answers) the whole text is tokenized afresh.
         """
-        from .generation import encode_prompt
+        from ..generation import encode_prompt, template_errors
 
         msgs = self.messages()
         try:
             full = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except Exception:
+        except template_errors():
             return None, encode_prompt(self.tok, msgs)
         if self.prev_text is not None and isinstance(full, str) and full.startswith(self.prev_text):
-            tail = self.tok.encode(full[len(self.prev_text):], add_special_tokens=False)
+            tail = self.tok.encode(full[len(self.prev_text) :], add_special_tokens=False)
             return full, self.prev_ids + list(tail)
         return full, encode_prompt(self.tok, msgs)
 
@@ -176,8 +193,6 @@ class ChatSession:
         if r is None:
             return "no answers yet"
         acc = " ".join(f"{round(100 * a)}" for a in r.acceptance)
-        from .cli import sparkline
-
         return (
             f"last answer: prefilled {r.prompt_processed} of {r.prompt_tokens} prompt tokens "
             f"({r.prompt_tokens - r.prompt_processed} from cache), {r.prompt_tps:.1f} tok/s\n"
@@ -204,7 +219,8 @@ class ChatSession:
             self.system = arg.strip() or None
             self.reset()
             self.con.print(
-                "[dim]system prompt " + ("set" if self.system else "cleared")
+                "[dim]system prompt "
+                + ("set" if self.system else "cleared")
                 + "; conversation cleared[/dim]"
             )
         elif cmd == "/stats":
@@ -215,7 +231,7 @@ class ChatSession:
 
     # -- one turn
     def answer(self, text: str) -> None:
-        from .generation import stream_generate
+        from ..generation import stream_generate
 
         self.history.append({"role": "user", "content": text})
         full, ids = self.prompt_ids()
@@ -223,7 +239,7 @@ class ChatSession:
         answer_ids: List[int] = []
         last = None
         stopped = False
-        gen = stream_generate(self.model, self.tok, ids, prompt_cache=self.cache, **self.gen)
+        gen = stream_generate(self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache)
         try:
             with _StopFlag() as flag:
                 for r in gen:
@@ -283,7 +299,8 @@ class ChatSession:
 
     def loop(self) -> None:
         self.con.print(
-            f"[bold]dflash chat[/bold] · {self.name} · block {self.gen.get('block_size')}"
+            f"[bold]dflash chat[/bold] · {self.name} · "
+            f"block {self.gen.block_size or self.model.block_size}"
             f" · /help for commands, Ctrl-D to leave"
         )
         while True:
@@ -304,3 +321,39 @@ class ChatSession:
                 continue
             self.answer(line)
         self.out.flush()
+
+
+def chat(
+    model: str = c.MODEL,
+    drafter: Optional[str] = c.DRAFTER,
+    quant: Optional[str] = c.QUANT,
+    max_tokens: int = c.max_tokens_option("chat", "Tokens per answer."),
+    temp: float = c.TEMP,
+    top_p: float = c.TOP_P,
+    top_k: int = c.TOP_K,
+    min_p: float = c.MIN_P,
+    presence_penalty: float = c.PRESENCE,
+    seed: Optional[int] = c.SEED,
+    block_size: Optional[int] = c.BLOCK_SIZE,
+    no_selector: bool = c.NO_SELECTOR,
+    system: Optional[str] = c.SYSTEM,
+    offline: bool = c.OFFLINE,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-turn stats line."),
+    no_markdown: bool = typer.Option(
+        False, "--no-markdown", help="Keep answers as streamed (no markdown rendering)."
+    ),
+):
+    """Chat in the terminal; caches persist across turns. /help lists the commands."""
+    cfg = c.settings(
+        max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
+    )
+    m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg)
+    if getattr(tok, "chat_template", None) is None:
+        raise DFlashError(
+            f"{m.name} has no chat template, so it cannot chat; use `dflash run` with a prompt"
+        )
+    session = ChatSession(
+        m, tok, m.name, cfg, system=system, show_stats=not quiet, markdown=not no_markdown
+    )
+    session.loop()

@@ -1,8 +1,9 @@
 """OpenAI request parsing and response shapes for ``dflash_mlx.server``.
 
-Pure functions, no MLX: a request body becomes a ``CompletionRequest`` (or an ``APIError``
-carrying the HTTP status and OpenAI's error object), and generation results become
-``chat.completion`` / ``text_completion`` objects and their streaming chunks.
+Pure functions, no MLX: a request body becomes a ``CompletionRequest`` whose decoding
+settings are a validated ``GenerationConfig`` (or an ``APIError`` carrying the HTTP status and
+OpenAI's error object), and generation results become ``chat.completion`` /
+``text_completion`` objects and their streaming chunks.
 """
 
 from __future__ import annotations
@@ -10,26 +11,33 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
 
-from . import __version__
+from .. import __version__
+from ..settings import MAX_TOKENS, GenerationConfig, SettingError
 
 SYSTEM_FINGERPRINT = f"dflash-mlx-{__version__}"
 
-# Decoding settings a request (or the server's defaults) may set, with built-in defaults.
-GEN_DEFAULTS: Dict[str, Any] = {
-    "max_tokens": 512,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": None,
-    "block_size": None,
-    "use_selector": True,
-    "seed": None,
+# The server's decoding defaults when ``dflash serve`` gives none.
+DEFAULTS = GenerationConfig(max_tokens=MAX_TOKENS["serve"])
+
+# Request fields that are decoding settings, and the GenerationConfig field each one sets.
+SETTINGS = {
+    "max_completion_tokens": "max_tokens",
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "logit_bias": "logit_bias",
+    "block_size": "block_size",
+    "use_selector": "use_selector",
+    "seed": "seed",
+    "stop": "stop",
 }
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -38,18 +46,25 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 class APIError(Exception):
     """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
 
-    TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
-             503: "server_error", 500: "server_error"}
+    TYPES = {
+        401: "authentication_error",
+        404: "invalid_request_error",
+        413: "invalid_request_error",
+        503: "server_error",
+        500: "server_error",
+    }
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 code: Optional[str] = None):
+    def __init__(
+        self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict:
         kind = self.TYPES.get(self.status, "invalid_request_error")
-        return {"error": {"message": self.message, "type": kind, "param": self.param,
-                          "code": self.code}}
+        return {
+            "error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}
+        }
 
 
 def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
@@ -63,7 +78,7 @@ class CompletionRequest:
     Attributes:
         kind: "chat" or "completion". model: the name asked for (None: the served one).
         prompt: messages (chat), a str or a list of token ids (completion).
-        stream, include_usage: SSE options. gen: keyword arguments for ``stream_generate``.
+        stream, include_usage: SSE options. gen: the decoding settings.
     """
 
     kind: str
@@ -71,21 +86,43 @@ class CompletionRequest:
     prompt: Any
     stream: bool = False
     include_usage: bool = False
-    gen: Dict[str, Any] = field(default_factory=dict)
+    gen: GenerationConfig = DEFAULTS
 
 
-def _number(body: dict, name: str, lo=None, hi=None, integer=False, lo_open=False):
-    v = body.get(name)
-    if v is None:
-        return None
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok:
-        raise bad(f"'{name}' must be {'an integer' if integer else 'a number'} (got {v!r})", name)
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise bad(f"'{name}' must be {'>' if lo_open else '>='} {lo} (got {v})", name)
-    if hi is not None and v > hi:
-        raise bad(f"'{name}' must be <= {hi} (got {v})", name)
-    return v
+def _n(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise bad("only n=1 is supported", "n")
+
+
+def _logit_bias(lb) -> Any:
+    """JSON object keys are strings: token ids come back as ints (values are checked later)."""
+    if not isinstance(lb, dict):
+        return lb
+    out = {}
+    for k, v in lb.items():
+        try:
+            out[int(k)] = v
+        except (TypeError, ValueError):
+            raise bad(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+    return out or None
+
+
+def _settings(body: dict, defaults: GenerationConfig, max_block: Optional[int]):
+    """The request's decoding settings over the server's defaults, validated.
+
+    ``max_completion_tokens`` wins over ``max_tokens``; unset (null) fields keep the default.
+    """
+    got: Dict[str, Any] = {}
+    for key, name in SETTINGS.items():
+        if body.get(key) is not None and name not in got:
+            got[name] = body[key]
+    if "logit_bias" in got:
+        got["logit_bias"] = _logit_bias(got["logit_bias"])
+    try:
+        return replace(defaults, **got).validate(max_block)
+    except SettingError as e:
+        raise bad(str(e), e.field) from None
 
 
 def _content(msg: dict, i: int) -> str:
@@ -103,8 +140,10 @@ def _content(msg: dict, i: int) -> str:
                 parts.append(p["text"])
             else:
                 kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise bad(f"messages[{i}].content: only text parts are supported (got {kind!r})",
-                          "messages")
+                raise bad(
+                    f"messages[{i}].content: only text parts are supported (got {kind!r})",
+                    "messages",
+                )
         return "".join(parts)
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
@@ -137,42 +176,16 @@ def _prompt(body: dict):
     raise bad("'prompt' must be a non-empty string or list of token ids", "prompt")
 
 
-def _stop(body: dict) -> Optional[List[str]]:
-    s = body.get("stop")
-    if s is None:
-        return None
-    if isinstance(s, str):
-        return [s] if s else None
-    if isinstance(s, list) and all(isinstance(x, str) for x in s):
-        return [x for x in s if x] or None
-    raise bad("'stop' must be a string or a list of strings", "stop")
-
-
-def _logit_bias(body: dict) -> Optional[Dict[int, float]]:
-    lb = body.get("logit_bias")
-    if lb is None:
-        return None
-    if not isinstance(lb, dict):
-        raise bad("'logit_bias' must map token ids to numbers", "logit_bias")
-    out = {}
-    for k, v in lb.items():
-        try:
-            tid = int(k)
-        except (TypeError, ValueError):
-            raise bad(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-            raise bad(f"'logit_bias' values must be numbers in [-100, 100] (got {v!r})",
-                      "logit_bias")
-        out[tid] = float(v)
-    return out or None
-
-
-def parse_request(raw: bytes, kind: str, defaults: Optional[dict] = None,
-                  max_block_size: Optional[int] = None) -> CompletionRequest:
+def parse_request(
+    raw: bytes,
+    kind: str,
+    defaults: Optional[GenerationConfig] = None,
+    max_block_size: Optional[int] = None,
+) -> CompletionRequest:
     """Validate a request body for /v1/chat/completions (kind "chat") or /v1/completions.
 
     Args:
-        raw: the body bytes. defaults: server decoding defaults (GEN_DEFAULTS keys).
+        raw: the body bytes. defaults: the server's decoding settings (``DEFAULTS``).
         max_block_size: the drafter's block size (upper bound for ``block_size``).
 
     Raises:
@@ -188,41 +201,15 @@ def parse_request(raw: bytes, kind: str, defaults: Optional[dict] = None,
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
     prompt = _messages(body) if kind == "chat" else _prompt(body)
-    n = _number(body, "n", lo=1, integer=True)
-    if n not in (None, 1):
-        raise bad("only n=1 is supported", "n")
+    _n(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise bad("'stream' must be a boolean", "stream")
     opts = body.get("stream_options") or {}
     if not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
+    gen = _settings(body, defaults or DEFAULTS, max_block_size)
     include_usage = bool(opts.get("include_usage", False))
-
-    gen = {k: v for k, v in GEN_DEFAULTS.items()}
-    gen.update({k: v for k, v in (defaults or {}).items() if k in GEN_DEFAULTS and v is not None})
-    got = {
-        "max_tokens": _number(body, "max_completion_tokens", lo=1, integer=True),
-        "temperature": _number(body, "temperature", lo=0),
-        "top_p": _number(body, "top_p", lo=0, hi=1, lo_open=True),
-        "top_k": _number(body, "top_k", lo=0, integer=True),
-        "min_p": _number(body, "min_p", lo=0, hi=1),
-        "presence_penalty": _number(body, "presence_penalty", lo=-2, hi=2),
-        "frequency_penalty": _number(body, "frequency_penalty", lo=-2, hi=2),
-        "repetition_penalty": _number(body, "repetition_penalty", lo=0, lo_open=True),
-        "block_size": _number(body, "block_size", lo=2, hi=max_block_size, integer=True),
-        "seed": _number(body, "seed", integer=True),
-    }
-    if got["max_tokens"] is None:
-        got["max_tokens"] = _number(body, "max_tokens", lo=1, integer=True)
-    sel = body.get("use_selector")
-    if sel is not None:
-        if not isinstance(sel, bool):
-            raise bad("'use_selector' must be a boolean", "use_selector")
-        got["use_selector"] = sel
-    gen.update({k: v for k, v in got.items() if v is not None})
-    gen["stop"] = _stop(body)
-    gen["logit_bias"] = _logit_bias(body)
     return CompletionRequest(kind, model, prompt, bool(stream), include_usage, gen)
 
 
@@ -258,26 +245,50 @@ def dflash_stats(last, accepted: int, block_size: int) -> dict:
 
 def _base(kind: str, rid: str, model: str, created: int, chunk: bool) -> dict:
     obj = "chat.completion" if kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj + (".chunk" if chunk and kind == "chat" else ""),
-            "created": created, "model": model, "system_fingerprint": SYSTEM_FINGERPRINT}
+    return {
+        "id": rid,
+        "object": obj + (".chunk" if chunk and kind == "chat" else ""),
+        "created": created,
+        "model": model,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
 
 
-def completion(kind: str, rid: str, model: str, created: int, text: str,
-               finish_reason: Optional[str], usage_: dict, stats: dict) -> dict:
+def completion(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: Optional[str],
+    usage_: dict,
+    stats: dict,
+) -> dict:
     """A whole (non-streamed) response."""
     out = _base(kind, rid, model, created, False)
     if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
     else:
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     out.update(choices=[choice], usage=usage_, dflash=stats)
     return out
 
 
-def chunk(kind: str, rid: str, model: str, created: int, text: Optional[str],
-          finish_reason: Optional[str] = None, role: bool = False,
-          include_usage: bool = False) -> dict:
+def chunk(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    text: Optional[str],
+    finish_reason: Optional[str] = None,
+    role: bool = False,
+    include_usage: bool = False,
+) -> dict:
     """One streamed chunk carrying text (or the role, or the finish reason)."""
     out = _base(kind, rid, model, created, True)
     if kind == "chat":
@@ -295,8 +306,7 @@ def chunk(kind: str, rid: str, model: str, created: int, text: Optional[str],
     return out
 
 
-def usage_chunk(kind: str, rid: str, model: str, created: int, usage_: dict,
-                stats: dict) -> dict:
+def usage_chunk(kind: str, rid: str, model: str, created: int, usage_: dict, stats: dict) -> dict:
     """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
     out = _base(kind, rid, model, created, True)
     out.update(choices=[], usage=usage_, dflash=stats)

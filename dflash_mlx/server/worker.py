@@ -11,9 +11,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from . import generation
-from .errors import DFlashError
-from .openai_schema import APIError, bad
+from .. import generation
+from ..errors import DFlashError
+from ..settings import GenerationConfig
+from .schema import APIError, bad
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -24,7 +25,7 @@ class Job:
     APIError) and finally ("end", None); ``cancel`` is set when the client goes away."""
 
     ids: List[int]
-    gen: dict
+    gen: GenerationConfig
     out: "queue.Queue" = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -90,7 +91,7 @@ class Engine:
             return
         self.running, self.current = True, job
         gen = generation.stream_generate(
-            self.model, self.tokenizer, job.ids, prompt_cache=self.cache, **job.gen
+            self.model, self.tokenizer, job.ids, config=job.gen, prompt_cache=self.cache
         )
         try:
             for r in gen:
@@ -101,7 +102,7 @@ class Engine:
                     break
         except DFlashError as e:
             job.out.put(("error", bad(str(e))))
-        except Exception as e:  # never let one request take the server down
+        except Exception as e:  # noqa: BLE001 - one request must not take the server down
             logger.exception("generation failed")
             self.cache = self.model.make_cache()  # its contents are unknown now
             job.out.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}")))

@@ -1,0 +1,168 @@
+"""``dflash bench``: the benchmark command, and its report as rich tables, JSON and a PNG.
+
+The measurements themselves are ``dflash_mlx.bench``'s.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import DFlashError
+from ..settings import GenerationConfig
+from . import common as c
+
+
+def bench(
+    model: str = c.MODEL,
+    drafter: Optional[str] = c.DRAFTER,
+    quant: Optional[str] = c.QUANT,
+    dataset: Optional[str] = typer.Option(
+        None, "--dataset", help="'humaneval' (needs the bench extra) or a JSONL file."
+    ),
+    field: str = typer.Option("prompt", "--field", help="JSONL field holding the prompt."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="A single prompt."),
+    max_samples: int = typer.Option(20, "--max-samples", "-n", help="Prompts to run."),
+    max_tokens: int = c.max_tokens_option("bench", "Tokens per prompt."),
+    block_size: Optional[int] = c.BLOCK_SIZE,
+    temp: float = c.TEMP,
+    seed: int = typer.Option(
+        0, "--seed", help="PRNG seed, 0..2**32-1 (fixed, for comparable runs)."
+    ),
+    chat_template: bool = typer.Option(
+        False, "--chat-template", help="Wrap prompts in the chat template (default: raw)."
+    ),
+    json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON."),
+    plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the curves."),
+    offline: bool = c.OFFLINE,
+):
+    """Benchmark autoregressive vs DFlash 1 vs DFlash 2: tau, speedup, Recall@k, latency."""
+    if max_samples < 1 or max_tokens < 2:
+        raise DFlashError("--max-samples must be >= 1 and --max-tokens >= 2")
+    cfg = GenerationConfig(
+        max_tokens=max_tokens, temperature=temp, block_size=block_size, seed=seed
+    )
+    cfg.validate(flags=True)
+    from ..bench import load_prompts
+
+    prompts = load_prompts(dataset, max_samples, prompt, field)
+    if plot_path:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'") from None
+    m, tok = c.load_pair(model, drafter, quant, offline, False, False, cfg)
+    rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
+    from rich.console import Console
+
+    print_report(rep, Console(highlight=False))
+    if json_path:
+        write_json(rep, json_path)
+        print(f"wrote {json_path}", file=sys.stderr)
+    if plot_path:
+        write_plot(rep, plot_path)
+        print(f"wrote {plot_path}", file=sys.stderr)
+
+
+def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
+    """Run the benchmark with a progress bar; the report with the latency split added."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from ..bench import latency_split, run_bench
+    from ..generation import encode_prompt
+
+    block = cfg.block_size or m.block_size
+    with Progress(console=Console(stderr=True, highlight=False), transient=True) as bar:
+        task = bar.add_task("prompts", total=len(prompts))
+        rep = run_bench(
+            m,
+            tok,
+            prompts,
+            max_tokens=cfg.max_tokens,
+            block_size=cfg.block_size,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            raw=raw,
+            progress=lambda done, total: bar.update(task, completed=done),
+        )
+        ids = encode_prompt(tok, prompts[0], raw)
+        rep["latency_split"] = latency_split(m, ids, cfg.max_tokens, block, cfg.temperature)
+    return rep
+
+
+def print_report(rep: dict, console) -> None:
+    """Print the method table, the per-position table and the latency split."""
+    from rich.table import Table
+
+    c = rep["config"]
+    t = Table(
+        title=f"dflash bench — {c['prompts']} prompts, block {c['block_size']}, "
+        f"T={c['temperature']}, BLAS: {rep['blas']}"
+    )
+    for col in ("method", "tau", "tok/s", "speedup"):
+        t.add_column(col, justify="right" if col != "method" else "left")
+    for m, row in rep["methods"].items():
+        tau = f"{row['tau']:.2f}" if "tau" in row else "1.00"
+        t.add_row(m, tau, f"{row['tok_per_s']:.1f}", f"{row['speedup']:.2f}x")
+    console.print(t)
+    pos = rep["positions"]
+    keys = [k for k in pos if k.startswith("recall")] + [k for k in pos if k.startswith("accept")]
+    p = Table(title="per block position (Recall: teacher-forced; acceptance: conditional)")
+    p.add_column("position", justify="right")
+    for k in keys:
+        p.add_column(k.replace("acceptance_", "acc "), justify="right")
+    for i in range(len(pos[keys[0]])):
+        p.add_row(str(i), *[f"{100 * pos[k][i]:.1f}%" for k in keys])
+    console.print(p)
+    console.print(
+        f"tau with top-1 drafting (teacher forced): {rep['tau_top1_teacher_forced']:.2f}"
+        f"   oracle tau (top-{c['top_k']}): {rep['tau_oracle']:.2f}"
+    )
+    if "selector_gain" in rep:
+        console.print(f"selector gain in tau: {100 * rep['selector_gain']:+.1f}%")
+    split = rep.get("latency_split")
+    if split:
+        s = Table(title=f"cycle latency split (dflash2, {split['cycle_ms']:.1f} ms per cycle)")
+        names = [k for k in split if k != "cycle_ms"]
+        for n in names:
+            s.add_column(n, justify="right")
+        s.add_row(*[f"{100 * split[n]:.1f}%" for n in names])
+        console.print(s)
+
+
+def write_json(rep: dict, path: str) -> None:
+    """Write the report as JSON."""
+    Path(path).write_text(json.dumps(rep, indent=2) + "\n")
+
+
+def write_plot(rep: dict, path: str) -> None:
+    """Per-position Recall@1 / Recall@K / conditional acceptance curves as a PNG."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'") from None
+    pos = rep["positions"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, v in pos.items():
+        ax.plot(range(len(v)), [100 * x for x in v], marker="o", label=k)
+    ax.set_xlabel("block position")
+    ax.set_ylabel("%")
+    ax.set_ylim(0, 100)
+    ax.set_title(
+        f"tau: dflash1 {rep['methods'].get('dflash1', {}).get('tau', 0):.2f}, "
+        f"dflash2 {rep['methods'].get('dflash2', {}).get('tau', 0):.2f}, "
+        f"oracle {rep['tau_oracle']:.2f}"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

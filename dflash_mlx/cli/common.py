@@ -1,0 +1,134 @@
+"""What the ``dflash`` commands share: their options, the decoding settings built from them,
+loading a pair, and reading a prompt.
+
+Only typer and light modules are imported here; MLX and mlx-lm come in with ``load``.
+Option defaults are ``GenerationConfig``'s (``settings.MAX_TOKENS`` per command).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import DFlashError
+from ..hub import OFFLINE_HELP
+from ..settings import MAX_TOKENS, GenerationConfig
+
+D = GenerationConfig()
+
+MODEL = typer.Option(
+    ...,
+    "--model",
+    help="Registry alias (see `dflash models`; case-insensitive), Hub id, local directory or "
+    ".gguf file.",
+    show_default=False,
+)
+DRAFTER = typer.Option(
+    None,
+    "--drafter",
+    help="Drafter Hub id or directory (default: the registry's drafters, tried in order).",
+)
+QUANT = typer.Option(
+    None,
+    "--quant",
+    help="Target quantisation for a registry alias: 4bit (default), 8bit, bf16, mxfp8.",
+)
+TEMP = typer.Option(D.temperature, "--temp", help="Sampling temperature (0 = greedy).")
+TOP_P = typer.Option(D.top_p, "--top-p", help="Nucleus sampling (1 = off).")
+TOP_K = typer.Option(D.top_k, "--top-k", help="Top-k sampling (0 = off).")
+MIN_P = typer.Option(D.min_p, "--min-p", help="Min-p sampling (0 = off).")
+PRESENCE = typer.Option(D.presence_penalty, "--presence-penalty", help="Presence penalty.")
+SEED = typer.Option(D.seed, "--seed", help="PRNG seed for sampling, 0..2**32-1.")
+BLOCK_SIZE = typer.Option(
+    D.block_size, "--block-size", help="Tokens per verify (default: the drafter's block size)."
+)
+NO_SELECTOR = typer.Option(
+    not D.use_selector,
+    "--no-selector",
+    help="Draft each position's top token (DFlash 1 behaviour).",
+)
+SYSTEM = typer.Option(None, "--system", help="System prompt.")
+OFFLINE = typer.Option(False, "--offline", help=OFFLINE_HELP)
+
+
+def max_tokens_option(command: str, help: str = "Tokens to generate."):
+    """The --max-tokens / -m option.
+
+    Args:
+        command: the command whose default to use (a key of ``settings.MAX_TOKENS``).
+        help: the option's help text.
+    """
+    return typer.Option(MAX_TOKENS[command], "--max-tokens", "-m", help=help)
+
+
+def settings(
+    max_tokens: int,
+    temp: float,
+    top_p: float,
+    top_k: int,
+    min_p: float,
+    presence_penalty: float,
+    seed: Optional[int],
+    block_size: Optional[int],
+    no_selector: bool,
+) -> GenerationConfig:
+    """The decoding settings of a command line, checked before anything is loaded.
+
+    Args:
+        max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size: the flags'
+            values. no_selector: ``--no-selector``.
+
+    Raises:
+        SettingError: a flag out of range, named as typed (``--temp``).
+    """
+    cfg = GenerationConfig(
+        max_tokens=max_tokens,
+        temperature=temp,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        presence_penalty=presence_penalty,
+        block_size=block_size,
+        use_selector=not no_selector,
+        seed=seed,
+    )
+    return cfg.validate(flags=True)
+
+
+def load_pair(model: str, drafter, quant, offline: bool, quiet: bool, verbose: bool, cfg=None):
+    """(model, tokenizer) through ``dflash_mlx.load``.
+
+    Args:
+        model, drafter, quant, offline: ``--model``, ``--drafter``, ``--quant``, ``--offline``.
+        quiet: no download notices. verbose: print the loaded paths to stderr.
+        cfg: the command's settings; its block size is checked against the drafter's.
+    """
+    from ..loading import load
+
+    m, tok = load(model, drafter=drafter, quant=quant, offline=offline or None, quiet=quiet)
+    if verbose:
+        print(f"target  {m.target_path}\ndrafter {m.drafter_path}", file=sys.stderr, flush=True)
+    if cfg is not None:
+        cfg.validate(m.block_size, flags=True)
+    return m, tok
+
+
+def read_prompt(prompt: Optional[str], prompt_opt: Optional[str]) -> str:
+    """The prompt text.
+
+    Args:
+        prompt: the positional argument ("-" reads stdin). prompt_opt: ``--prompt``. With
+            neither, a pipe on stdin is read.
+    """
+    if prompt is not None and prompt_opt is not None:
+        raise DFlashError("give the prompt once: as an argument or with --prompt, not both")
+    text = prompt if prompt is not None else prompt_opt
+    if text == "-" or (text is None and not sys.stdin.isatty()):
+        text = sys.stdin.read()
+    if text is None:
+        raise DFlashError('no prompt; pass it as an argument, with --prompt, or on stdin ("-")')
+    if not text.strip():
+        raise DFlashError("the prompt is empty; give some text")
+    return text

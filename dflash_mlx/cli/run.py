@@ -1,0 +1,85 @@
+"""``dflash run``: one completion, streamed to stdout, then its stats to stderr."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import DFlashError
+from . import common as c
+from .stats import stats_dict, stats_lines, stderr_console
+
+
+def run(
+    prompt: Optional[str] = typer.Argument(
+        None, help='The prompt; "-" or a pipe reads stdin.', show_default=False
+    ),
+    model: str = c.MODEL,
+    drafter: Optional[str] = c.DRAFTER,
+    quant: Optional[str] = c.QUANT,
+    prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt."),
+    max_tokens: int = c.max_tokens_option("run"),
+    temp: float = c.TEMP,
+    top_p: float = c.TOP_P,
+    top_k: int = c.TOP_K,
+    min_p: float = c.MIN_P,
+    presence_penalty: float = c.PRESENCE,
+    seed: Optional[int] = c.SEED,
+    block_size: Optional[int] = c.BLOCK_SIZE,
+    no_selector: bool = c.NO_SELECTOR,
+    system: Optional[str] = c.SYSTEM,
+    ignore_chat_template: bool = typer.Option(
+        False, "--ignore-chat-template", help="Use the prompt as-is, without the chat template."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one JSON object (text + stats) instead of streaming."
+    ),
+    offline: bool = c.OFFLINE,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Paths and the time split."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the text: no stats, no notices."),
+):
+    """Generate a completion: stream the text to stdout, then stats to stderr."""
+    cfg = c.settings(
+        max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
+    )
+    if system is not None and ignore_chat_template:
+        raise DFlashError("--system needs the chat template; drop --ignore-chat-template")
+    text = c.read_prompt(prompt, prompt_opt)
+    m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg)
+    opts = dict(raw=ignore_chat_template, system=system, profile=verbose)
+    last, pieces = _generate(m, tok, text, cfg, opts, as_json)
+    has_selector = bool(getattr(m.drafter, "has_selector", True))
+    s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
+    if as_json:
+        print(json.dumps({"text": "".join(pieces), **s}, ensure_ascii=False))
+        return
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    if not quiet:
+        con = stderr_console()
+        for line in stats_lines(s, last.timings if verbose else None):
+            con.print(line)
+
+
+def _generate(m, tok, text: str, cfg, opts: dict, as_json: bool):
+    """Stream the completion to stdout (or collect it for --json): (last response, pieces)."""
+    from ..generation import stream_generate
+
+    last, pieces, out = None, [], sys.stdout
+    try:
+        for r in stream_generate(m, tok, text, config=cfg, **opts):
+            last = r
+            if as_json:
+                pieces.append(r.text)
+            elif r.text:
+                out.write(r.text)
+                out.flush()
+    except KeyboardInterrupt:
+        if not as_json:
+            out.write("\n")
+            out.flush()
+        raise
+    return last, pieces

@@ -1,0 +1,59 @@
+"""``dflash serve`` (also ``python -m dflash_mlx.server``): the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import typer
+
+from ..errors import DFlashError
+from . import common as c
+
+
+def serve(
+    model: str = c.MODEL,
+    drafter: Optional[str] = c.DRAFTER,
+    quant: Optional[str] = c.QUANT,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on (0: a free one)."),
+    api_key: Optional[str] = typer.Option(
+        None,
+        "--api-key",
+        help="Require 'Authorization: Bearer KEY' (also DFLASH_API_KEY).",
+        envvar="DFLASH_API_KEY",
+    ),
+    max_queue: int = typer.Option(16, "--max-queue", help="Waiting requests before 503."),
+    max_tokens: int = c.max_tokens_option("serve", "Default max tokens."),
+    temp: float = c.TEMP,
+    top_p: float = c.TOP_P,
+    top_k: int = c.TOP_K,
+    min_p: float = c.MIN_P,
+    presence_penalty: float = c.PRESENCE,
+    seed: Optional[int] = c.SEED,
+    block_size: Optional[int] = c.BLOCK_SIZE,
+    no_selector: bool = c.NO_SELECTOR,
+    offline: bool = c.OFFLINE,
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No download notices."),
+):
+    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models).
+
+    The decoding options are the defaults of requests that do not set them.
+    """
+    cfg = c.settings(
+        max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
+    )
+    if not 0 <= port < 65536:
+        raise DFlashError(f"--port must be in 0..65535 (got {port}); 0 picks a free port")
+    if max_queue < 1:
+        raise DFlashError(f"--max-queue must be at least 1 (got {max_queue})")
+    from .. import server
+
+    warning = server.bind_warning(host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg)
+    server.run_server(
+        m, tok, m.name, host=host, port=port, api_key=api_key, defaults=cfg, max_queue=max_queue
+    )

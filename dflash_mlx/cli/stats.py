@@ -1,0 +1,63 @@
+"""The statistics ``dflash run`` and ``dflash chat`` print after a generation."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+_BARS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: List[float]) -> str:
+    """One character per value in [0, 1]."""
+    out = []
+    for v in values:
+        v = min(max(float(v), 0.0), 1.0)
+        out.append(_BARS[round(v * (len(_BARS) - 1))])
+    return "".join(out)
+
+
+def stats_dict(r, name: str, block_size: int, selector: bool) -> dict:
+    """The machine-readable stats of a finished generation (its last GenerationResponse)."""
+    return {
+        "model": name,
+        "finish_reason": r.finish_reason,
+        "prompt_tokens": r.prompt_tokens,
+        "prompt_processed": r.prompt_processed,
+        "prompt_tps": round(r.prompt_tps, 3),
+        "generation_tokens": r.generation_tokens,
+        "generation_tps": round(r.generation_tps, 3),
+        "tau": round(r.tau, 4),
+        "cycles": r.cycles,
+        "block_size": block_size,
+        "selector": selector,
+        "acceptance": [round(a, 4) for a in r.acceptance],
+        "peak_memory_gb": round(r.peak_memory, 4),
+    }
+
+
+def stats_lines(s: dict, timings: Optional[dict] = None) -> List[str]:
+    """The human stats block (rich markup)."""
+    acc = s["acceptance"]
+    pct = " ".join(f"{round(100 * a):d}" for a in acc)
+    cached = s["prompt_tokens"] - s["prompt_processed"]
+    lines = [
+        f"[dim]prompt    [/dim] {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s"
+        + (f" ({cached} from cache)" if cached else ""),
+        f"[dim]generated [/dim] {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
+        f"[dim]tau       [/dim] {s['tau']:.2f} tokens/cycle over {s['cycles']} cycles "
+        f"(block {s['block_size']}, selector {'on' if s['selector'] else 'off'})",
+        f"[dim]acceptance[/dim] {sparkline(acc)}  {pct} % by block position",
+        f"[dim]peak mem  [/dim] {s['peak_memory_gb']:.2f} GB",
+    ]
+    if timings:
+        total = sum(timings.values()) or 1.0
+        split = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in timings.items())
+        lines.append(f"[dim]time split[/dim] {split}")
+    return lines
+
+
+def stderr_console():
+    """A rich console on stderr that leaves text as it is."""
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False, soft_wrap=True)

@@ -1,0 +1,199 @@
+"""The serving loop of ``dflash serve``: bind the HTTP server, answer requests in threads,
+run generations one at a time in the calling thread.
+
+One generation runs at a time; requests wait in a bounded FIFO queue (503 when full). One
+prompt cache is kept across requests, so a chat history re-sent each turn prefills only its
+new part. All MLX work runs in the thread that calls ``run_server`` (the main thread): MLX
+streams belong to the thread that makes them, and the decode loop makes its stream on first
+use there (``decode.generation_stream``).
+
+Start it with ``dflash serve`` (or ``python -m dflash_mlx.server``, the same command).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import threading
+from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import List, Optional
+
+from .. import generation
+from ..errors import DFlashError
+from ..settings import GenerationConfig
+from .http import Handler
+from .schema import DEFAULTS, bad, now
+from .worker import Engine
+
+logger = logging.getLogger("dflash_mlx.server")
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
+    """The warning printed when the server listens beyond loopback with no key."""
+    if host in LOOPBACK or host.startswith("127.") or api_key:
+        return None
+    return (
+        f"warning: binding {host} without --api-key: anyone who can reach this machine "
+        "can use the model; pass --api-key KEY (or bind to 127.0.0.1)"
+    )
+
+
+def context_length(model) -> Optional[int]:
+    """The target's max_position_embeddings (from its args or config.json), or None."""
+    target = getattr(model, "target", model)
+    for obj in (target, getattr(target, "language_model", None)):
+        args = getattr(obj, "args", None)
+        for src in (args, getattr(args, "text_config", None)):
+            v = (
+                src.get("max_position_embeddings")
+                if isinstance(src, dict)
+                else getattr(src, "max_position_embeddings", None)
+            )
+            if isinstance(v, int) and v > 0:
+                return v
+    cfg = Path(getattr(model, "target_path", "") or ".") / "config.json"
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return None
+    v = data.get("max_position_embeddings") or (data.get("text_config") or {}).get(
+        "max_position_embeddings"
+    )
+    return v if isinstance(v, int) and v > 0 else None
+
+
+class DFlashHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer holding the engine and the serving options."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(
+        self,
+        addr,
+        engine: Engine,
+        model_name: str,
+        api_key: Optional[str],
+        defaults: Optional[GenerationConfig],
+    ):
+        super().__init__(addr, Handler)
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.defaults = defaults or DEFAULTS
+        self.created = now()
+        self.context = context_length(engine.model)
+        model = engine.model
+        names = {model_name, Path(str(model_name)).name, "default_model"}
+        for p in (getattr(model, "target_path", ""),):
+            if p:
+                names |= {str(p), Path(str(p)).name}
+        self.names = {n.lower() for n in names if n}
+        self._tok_lock = threading.Lock()
+
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is the served model (its name or its directory, any case)."""
+        return name.lower() in self.names
+
+    def tokenize(self, req) -> List[int]:
+        """Prompt ids: chat messages through the chat template, completions raw."""
+        tok = self.engine.tokenizer
+        try:
+            with self._tok_lock:
+                ids = generation.encode_prompt(tok, req.prompt, raw=req.kind == "completion")
+        except DFlashError as e:
+            raise bad(str(e), "prompt") from None
+        except generation.template_errors() as e:  # e.g. a template refusing the roles' order
+            raise bad(
+                f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
+                "messages",
+            ) from None
+        vocab = self.engine.model.adapter.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad(f"token ids must be in [0, {vocab})", "prompt")
+        return ids
+
+
+def make_server(
+    model,
+    tokenizer,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: Optional[str] = None,
+    defaults: Optional[GenerationConfig] = None,
+    max_queue: int = 16,
+) -> DFlashHTTPServer:
+    """Bind the HTTP server; ``run_server`` serves it.
+
+    Args:
+        model, tokenizer, model_name, host, api_key, defaults, max_queue: as for
+            ``run_server``. port: 0 picks a free one.
+
+    Raises:
+        DFlashError: the address cannot be resolved or bound.
+    """
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = info[0]
+
+        class _Server(DFlashHTTPServer):
+            address_family = family
+
+        return _Server(addr, Engine(model, tokenizer, max_queue), model_name, api_key, defaults)
+    except OSError as e:
+        raise DFlashError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host"
+        ) from None
+
+
+def run_server(
+    model,
+    tokenizer,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    api_key: Optional[str] = None,
+    defaults: Optional[GenerationConfig] = None,
+    max_queue: int = 16,
+) -> None:
+    """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
+
+    Call it from the main thread: generation runs in the calling thread, HTTP in others.
+    The caller warns about a non-loopback host without a key (see ``bind_warning``).
+
+    Args:
+        model, tokenizer: from ``dflash_mlx.load``. model_name: the id clients ask for.
+        host, port: where to listen (loopback by default). api_key: require
+            'Authorization: Bearer <key>' on /v1/*. defaults: the decoding settings that
+            requests override (default ``schema.DEFAULTS``). max_queue: requests that may
+            wait behind the running one.
+    """
+    httpd = make_server(model, tokenizer, model_name, host, port, api_key, defaults, max_queue)
+    h, p = httpd.server_address[:2]
+    shown = f"[{h}]" if ":" in str(h) else h
+    print(
+        f"dflash serve: '{model_name}' listening on http://{shown}:{p}/v1 "
+        f"(queue {httpd.engine.jobs.maxsize}, api key {'on' if api_key else 'off'})",
+        flush=True,
+    )
+    engine = httpd.engine
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        old = signal.signal(signal.SIGTERM, lambda *_: engine.stop())
+    web = threading.Thread(target=httpd.serve_forever, name="dflash-http", daemon=True)
+    web.start()
+    try:
+        engine.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.stop()
+        engine._drain()
+        httpd.shutdown()
+        httpd.server_close()
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,285 @@
+"""The HTTP exchange of the OpenAI-compatible server: routes, authentication, and answers
+as one JSON object or as server-sent events.
+
+``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``GET /health``. Each connection is answered in its own thread; the
+generation itself runs in the worker (``worker.Engine``), and a client that disconnects
+cancels its generation at the next cycle.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import queue
+import select
+import socket
+import time
+from dataclasses import replace
+from http.server import BaseHTTPRequestHandler
+
+from .schema import (
+    APIError,
+    bad,
+    chunk,
+    completion,
+    dflash_stats,
+    new_id,
+    now,
+    parse_request,
+    usage,
+    usage_chunk,
+)
+from .worker import Job
+
+logger = logging.getLogger("dflash_mlx.server")
+
+MAX_BODY = 32 * 1024 * 1024
+
+
+class Handler(BaseHTTPRequestHandler):
+    """One HTTP exchange; the shared state lives on ``self.server``."""
+
+    server_version = "dflash-mlx"
+    protocol_version = "HTTP/1.0"
+    timeout = 600  # seconds a stalled client may block its own handler thread
+    _checked = 0.0  # when the connection was last checked for a disconnect
+
+    # ------------------------------------------------------------------ plumbing
+    def log_message(self, fmt, *args):
+        logger.info("%s %s", self.address_string(), fmt % args)
+
+    def _send_json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _error(self, err: APIError) -> None:
+        self._send_json(err.status, err.body())
+
+    def _client_gone(self) -> bool:
+        try:
+            r, _, _ = select.select([self.connection], [], [], 0)
+            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
+        except (OSError, ValueError):
+            return True
+
+    def _authorized(self) -> bool:
+        key = self.server.api_key
+        if not key:
+            return True
+        got = self.headers.get("Authorization", "")
+        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+        return hmac.compare_digest(token.encode(), key.encode())
+
+    def _guard(self, fn) -> None:
+        try:
+            fn()
+        except APIError as e:
+            self._safe_error(e)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        except Exception as e:  # noqa: BLE001 - the last resort of a server: log it, answer 500
+            logger.exception("request failed")
+            self._safe_error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+
+    def _safe_error(self, err: APIError) -> None:
+        try:
+            self._error(err)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ routes
+    def do_GET(self):
+        self._guard(self._get)
+
+    def do_POST(self):
+        self._guard(self._post)
+
+    def _path(self) -> str:
+        return self.path.split("?", 1)[0].rstrip("/") or "/"
+
+    def _get(self):
+        path = self._path()
+        if path == "/health":
+            eng = self.server.engine
+            return self._send_json(
+                200,
+                {
+                    "status": "ok",
+                    "model": self.server.model_name,
+                    "running": eng.running,
+                    "queued": eng.jobs.qsize(),
+                    "served": eng.served,
+                    "cancelled": eng.cancelled,
+                },
+            )
+        if not path.startswith("/v1/"):
+            raise APIError(404, f"no route {path}; see /v1/models", code="not_found")
+        if not self._authorized():
+            raise self._unauthorized()
+        card = {
+            "id": self.server.model_name,
+            "object": "model",
+            "created": self.server.created,
+            "owned_by": "dflash-mlx",
+        }
+        if path == "/v1/models":
+            return self._send_json(200, {"object": "list", "data": [card]})
+        if path.startswith("/v1/models/"):
+            name = path[len("/v1/models/") :]
+            if self.server.knows(name):
+                return self._send_json(200, card)
+            raise self._unknown_model(name)
+        raise APIError(404, f"no route {path}", code="not_found")
+
+    def _unauthorized(self) -> APIError:
+        return APIError(
+            401,
+            "invalid or missing API key; send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+        )
+
+    def _unknown_model(self, name) -> APIError:
+        return APIError(
+            404,
+            f"model '{name}' is not served here; this server serves '{self.server.model_name}'",
+            "model",
+            "model_not_found",
+        )
+
+    def _post(self):
+        path = self._path()
+        kind = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}.get(path)
+        if kind is None:
+            raise APIError(404, f"no route {path}", code="not_found")
+        if not self._authorized():
+            raise self._unauthorized()
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise bad("a Content-Length header is required") from None
+        if length > MAX_BODY:
+            raise APIError(413, f"request body over {MAX_BODY} bytes")
+        raw = self.rfile.read(length) if length > 0 else b""
+        srv = self.server
+        req = parse_request(raw, kind, srv.defaults, srv.engine.model.block_size)
+        if req.model is not None and not srv.knows(req.model):
+            raise self._unknown_model(req.model)
+        ids = srv.tokenize(req)
+        vocab = srv.engine.model.adapter.vocab_size
+        if any(not 0 <= t < vocab for t in req.gen.logit_bias or {}):
+            raise bad(f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
+        ctx = srv.context
+        if ctx is not None:
+            if len(ids) >= ctx:
+                raise bad(
+                    f"the prompt is {len(ids)} tokens; this model's context is {ctx} "
+                    "tokens; shorten the prompt",
+                    "messages" if kind == "chat" else "prompt",
+                    "context_length_exceeded",
+                )
+            req.gen = replace(req.gen, max_tokens=min(req.gen.max_tokens, ctx - len(ids)))
+        job = Job(ids, req.gen)
+        if not srv.engine.submit(job):
+            raise APIError(
+                503, "the server is busy (request queue full); retry later", code="server_busy"
+            )
+        try:
+            self._answer(req, job)
+        finally:
+            job.cancel.set()  # no-op when finished; stops the generation otherwise
+
+    # ------------------------------------------------------------------ answering
+    def _next(self, job: Job):
+        """Next item from the worker; None when the client went away meanwhile."""
+        while True:
+            now_ = time.monotonic()
+            if now_ - self._checked > 0.1:
+                self._checked = now_
+                if self._client_gone():
+                    job.cancel.set()
+                    return None
+            try:
+                return job.out.get(timeout=0.1)
+            except queue.Empty:
+                pass
+
+    def _answer(self, req, job: Job) -> None:
+        kind, rid, created = req.kind, new_id(req.kind), now()
+        name = self.server.model_name
+        block = req.gen.block_size or self.server.engine.model.block_size
+        texts, accepted, last, started = [], 0, None, False
+
+        def send(obj) -> None:
+            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+            self.wfile.flush()
+
+        while True:
+            item = self._next(job)
+            if item is None:
+                return
+            tag, val = item
+            if tag == "end":
+                break
+            if tag == "error":
+                if not started:
+                    raise val
+                send(val.body())
+                self.wfile.write(b"data: [DONE]\n\n")
+                return
+            r, last = val, val
+            accepted += r.accepted
+            if not req.stream:
+                texts.append(r.text)
+                continue
+            if not started:
+                started = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                if kind == "chat":
+                    send(
+                        chunk(
+                            kind, rid, name, created, "", role=True, include_usage=req.include_usage
+                        )
+                    )
+            try:
+                if r.text:
+                    send(chunk(kind, rid, name, created, r.text, include_usage=req.include_usage))
+                if r.finish_reason:
+                    send(
+                        chunk(
+                            kind,
+                            rid,
+                            name,
+                            created,
+                            None if kind == "chat" else "",
+                            r.finish_reason,
+                            include_usage=req.include_usage,
+                        )
+                    )
+            except OSError:
+                job.cancel.set()
+                return
+        if last is None:
+            raise APIError(500, "the generation produced nothing")
+        use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
+        stats = dflash_stats(last, accepted, block)
+        if not req.stream:
+            return self._send_json(
+                200,
+                completion(
+                    kind, rid, name, created, "".join(texts), last.finish_reason, use, stats
+                ),
+            )
+        if req.include_usage:
+            send(usage_chunk(kind, rid, name, created, use, stats))
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()

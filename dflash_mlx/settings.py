@@ -1,0 +1,201 @@
+"""Decoding settings: one typed object, checked in one place.
+
+The Python API, ``dflash run`` / ``chat`` / ``serve`` / ``bench`` and the HTTP server all build
+a ``GenerationConfig`` and call ``validate``; their defaults are its field defaults (and
+``MAX_TOKENS`` per command). Error messages name the setting the way the user spelled it: the
+flag on the command line (``--temp``), the field name in Python and JSON (``temperature``).
+No MLX here: the command line imports this module before anything heavy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+from typing import Dict, List, Optional, Union
+
+from .errors import DFlashError
+
+SEED_MAX = 2**32 - 1  # seeds are 0 .. 2**32 - 1
+
+# max_tokens when the user gives none, per entry point; "api" is the field default.
+MAX_TOKENS = {"api": 256, "run": 256, "chat": 1024, "serve": 512, "bench": 128}
+
+# The command-line flag of each field that has one (the API and the server use field names).
+FLAGS = {
+    "max_tokens": "--max-tokens",
+    "temperature": "--temp",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "repetition_penalty": "--repetition-penalty",
+    "block_size": "--block-size",
+    "seed": "--seed",
+}
+
+
+class SettingError(DFlashError):
+    """A decoding setting that is out of range or of the wrong type.
+
+    Attributes:
+        field: the ``GenerationConfig`` field at fault (the server reports it as ``param``).
+    """
+
+    def __init__(self, message: str, field: str):
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How to decode one completion; mlx-lm's names where mlx-lm has the setting.
+
+    Attributes:
+        max_tokens: tokens to generate (>= 1).
+        temperature: 0 is greedy (token for token the target's output); else > 0.
+        top_p, top_k, min_p: mlx-lm's sampling filters; 1.0, 0 and 0.0 turn them off.
+        presence_penalty, frequency_penalty: in [-2, 2], 0 is off. repetition_penalty:
+            > 0 or None (off). logit_bias: token id -> bias in [-100, 100]. All applied
+            exactly at every block position, so sampling stays lossless.
+        block_size: tokens per verify cycle: None for the drafter checkpoint's, else an
+            int in 2 .. the checkpoint's.
+        use_selector: walk the DFlash 2 path selector; False drafts each row's top token.
+        seed: 0 .. 2**32 - 1 makes sampling reproducible; None draws a fresh one.
+        stop: strings that end the completion (not included in the text).
+    """
+
+    max_tokens: int = MAX_TOKENS["api"]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[int, float]] = None
+    block_size: Optional[int] = None
+    use_selector: bool = True
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+
+    def validate(
+        self, max_block_size: Optional[int] = None, *, flags: bool = False
+    ) -> "GenerationConfig":
+        """Check every setting; return self.
+
+        Args:
+            max_block_size: the drafter checkpoint's block size, when it is known yet.
+            flags: name settings by their command-line flags in messages.
+
+        Raises:
+            SettingError: one line naming the setting, the bad value and the fix.
+        """
+        c = _Checker(flags)
+        c.integer("max_tokens", self.max_tokens, 1, None, "must be at least 1")
+        c.number("temperature", self.temperature, "use 0 for greedy decoding", lo=0)
+        c.number("top_p", self.top_p, "use 1.0 to turn it off", lo=0, hi=1, open_lo=True)
+        c.integer("top_k", self.top_k, 0, None, "must be >= 0", "; use 0 to turn it off")
+        c.number("min_p", self.min_p, "use 0 to turn it off", lo=0, hi=1)
+        c.number("presence_penalty", self.presence_penalty, "use 0 to turn it off", lo=-2, hi=2)
+        c.number("frequency_penalty", self.frequency_penalty, "use 0 to turn it off", lo=-2, hi=2)
+        if self.repetition_penalty is not None:
+            c.number(
+                "repetition_penalty",
+                self.repetition_penalty,
+                "leave it unset to turn it off",
+                lo=0,
+                open_lo=True,
+            )
+        c.logit_bias(self.logit_bias)
+        check_block_size(self.block_size, max_block_size, flags)
+        c.boolean("use_selector", self.use_selector)
+        if self.seed is not None:
+            c.integer("seed", self.seed, 0, SEED_MAX, f"must be in 0..{SEED_MAX}")
+        c.stop(self.stop)
+        return self
+
+
+def check_block_size(value, checkpoint: Optional[int], flags: bool = False) -> None:
+    """The one check of a block size: None (the checkpoint's) or an int in 2..checkpoint.
+
+    Args:
+        value: the setting. checkpoint: the drafter's block size, or None when not loaded.
+        flags: phrase the message for the command line.
+
+    Raises:
+        SettingError: out of range or not an integer.
+    """
+    if value is None:
+        return
+    name = FLAGS["block_size"] if flags else "block_size"
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise SettingError(f"{name} must be an integer (got {value!r})", "block_size")
+    if flags and value < 2:
+        raise SettingError(f"{name} must be at least 2 (got {value})", "block_size")
+    if checkpoint is None:
+        if value < 2:
+            raise SettingError(f"{name} must be at least 2 (got {value})", "block_size")
+        return
+    if flags and value > checkpoint:
+        raise SettingError(
+            f"{name} {value} is larger than this drafter's block of {checkpoint}; "
+            f"use 2..{checkpoint}",
+            "block_size",
+        )
+    if not 2 <= value <= checkpoint:
+        raise SettingError(
+            f"block size {value} is out of range; this drafter supports 2..{checkpoint}",
+            "block_size",
+        )
+
+
+class _Checker:
+    """Range and type checks that phrase one-line messages with the user's name for a field."""
+
+    def __init__(self, flags: bool):
+        self.flags = flags
+
+    def name(self, field: str) -> str:
+        return FLAGS.get(field, field) if self.flags else field
+
+    def fail(self, field: str, message: str):
+        raise SettingError(f"{self.name(field)} {message}", field)
+
+    def number(self, field, v, fix, lo=None, hi=None, open_lo=False) -> None:
+        if isinstance(v, bool) or not isinstance(v, Real):
+            self.fail(field, f"must be a number (got {v!r})")
+        if not math.isfinite(v):
+            self.fail(field, f"must be a finite number (got {v})")
+        if hi is not None and not (lo < v <= hi if open_lo else lo <= v <= hi):
+            left = "(" if open_lo else "["
+            self.fail(field, f"must be in {left}{lo:g}, {hi:g}] (got {v}); {fix}")
+        if hi is None and not (v > lo if open_lo else v >= lo):
+            self.fail(field, f"must be {'>' if open_lo else '>='} {lo:g} (got {v}); {fix}")
+
+    def integer(self, field, v, lo, hi, rule, fix="") -> None:
+        if isinstance(v, bool) or not isinstance(v, Integral):
+            self.fail(field, f"must be an integer (got {v!r})")
+        if v < lo or (hi is not None and v > hi):
+            self.fail(field, f"{rule} (got {v}){fix}")
+
+    def boolean(self, field, v) -> None:
+        if not isinstance(v, bool):
+            self.fail(field, f"must be true or false (got {v!r})")
+
+    def logit_bias(self, bias) -> None:
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            self.fail("logit_bias", f"must map token ids to numbers (got {bias!r})")
+        for tid, v in bias.items():
+            if isinstance(tid, bool) or not isinstance(tid, Integral) or tid < 0:
+                self.fail("logit_bias", f"keys must be token ids (got {tid!r})")
+            self.number("logit_bias", v, "-100 bans a token", lo=-100, hi=100)
+
+    def stop(self, stop) -> None:
+        if stop is None or isinstance(stop, str):
+            return
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            self.fail("stop", f"must be a string or a list of strings (got {stop!r})")
