@@ -22,7 +22,7 @@ from .acceptance import (
     sample_rows,
     target_probs,
 )
-from .state import DFlashModel, PromptCache
+from .state import DFlashModel, Interrupted, PromptCache
 
 _local = threading.local()
 
@@ -83,6 +83,14 @@ def _propose(model, logits, hidden, anchor, params, use_selector, key):
     return sample_rows(q_full, key), q_full
 
 
+def prefill_chunk(step_size: int) -> int:
+    """Prompt tokens per target forward: at most step_size, and small enough that a stop
+    request (checked between chunks; MLX cannot stop inside an evaluation) is honoured
+    within about a second on the CPU (256 tokens) and on a GPU (512)."""
+    cap = 256 if mx.default_device() == mx.cpu else 512
+    return max(1, min(step_size, cap))
+
+
 def prefill(
     model: DFlashModel,
     prompt: List[int],
@@ -94,23 +102,35 @@ def prefill(
     """Run the uncached part of the prompt through the target, feed its features to the
     drafter's context, and choose the first token.
 
+    The prompt runs in chunks (``prefill_chunk``); after each one the caches hold exactly
+    ``cache.tokens``, so stopping between chunks leaves them consistent.
+
     Args:
         model: the loaded pair. prompt: token ids (at least one). cache: reused if it holds
-            a prefix of prompt. params: target sampling. key: PRNG key. step_size: tokens
-            per target forward.
+            a prefix of prompt. params: target sampling. key: PRNG key. step_size: the
+            most tokens per target forward.
 
     Returns:
         (the Cycle holding the first token, the key to continue with).
+
+    Raises:
+        Interrupted: ``cache.interrupt`` was set; the caches keep the chunks already run.
     """
     adapter, drafter = model.adapter, model.drafter
-    todo = prompt[cache.reuse(model, prompt) :]
-    cache.busy = True  # caches and cache.tokens disagree until the Cycle is returned
+    start = done = cache.reuse(model, prompt)
+    step = prefill_chunk(step_size)
     clock = _Clock(True)
-    for s in range(0, len(todo), step_size):
-        logits, feats = adapter(mx.array(todo[s : s + step_size])[None], cache.target)
+    while done < len(prompt):
+        if cache.interrupt.is_set():
+            raise Interrupted(f"stopped after {done - start} of {len(prompt) - start} tokens")
+        end = min(done + step, len(prompt))
+        cache.busy = True  # caches and cache.tokens disagree until this chunk is evaluated
+        logits, feats = adapter(mx.array(prompt[done:end])[None], cache.target)
         drafter.append_context(feats, cache.drafter)
         mx.eval(logits[:, -1], cache.state)
-    cache.tokens = list(prompt)
+        cache.tokens = list(prompt[:end])
+        cache.busy = False
+        done = end
     if adapter.is_hybrid:
         cache.checkpoint = (len(prompt), adapter.snapshot(cache.target))
     last = process_rows(
@@ -123,8 +143,7 @@ def prefill(
         first = sample_rows(target_probs(last, params), sub)
     anchor = first.item()
     clock.lap("prefill")
-    cache.busy = False
-    return Cycle([anchor], prompt_tokens=len(todo), timings=dict(clock.split)), key
+    return Cycle([anchor], prompt_tokens=len(prompt) - start, timings=dict(clock.split)), key
 
 
 def _draft(model, cache, anchor, b, params, use_selector, key, clock):

@@ -11,3 +11,8 @@ class IncompatibleDrafterError(DFlashError):
 
 class UnsupportedModelError(DFlashError):
     """The target architecture cannot be served by the speculative decoder."""
+
+
+class ContextLengthError(DFlashError):
+    """The prompt does not fit in the model's context (the server answers 400 with the code
+    ``context_length_exceeded``)."""

@@ -16,6 +16,16 @@ from mlx_lm.sample_utils import make_logits_processors
 from .acceptance import SamplingParams
 from .decode import Cycle, decode
 from .errors import DFlashError
+from .prompt import (
+    chat_ids,
+    check_fits,
+    check_prompt,
+    context_length,
+    end_of_turn_ids,
+    has_chat_template,
+    room,
+    with_default_stops,
+)
 from .settings import GenerationConfig
 from .state import DFlashModel, PromptCache
 
@@ -53,17 +63,31 @@ class GenerationResponse:
     timings: Dict[str, float] = field(default_factory=dict)
 
 
-def encode_prompt(tokenizer, prompt: Prompt, raw: bool = False, system: Optional[str] = None):
+def encode_prompt(
+    tokenizer,
+    prompt: Prompt,
+    raw: bool = False,
+    system: Optional[str] = None,
+    context: Optional[int] = None,
+):
     """Turn a prompt into ids: a str gets the chat template unless raw, messages always
-    do, token ids are used as-is.
+    do, token ids are used as-is. A tokenizer without a template gets the default chat
+    format (``prompt.chat_ids``) for messages and for a str with a system message; a bare
+    str is then encoded as-is (a completion).
 
     Args:
         tokenizer: mlx-lm TokenizerWrapper. prompt: str, list of ids or list of messages.
         raw: skip the chat template for a str. system: optional system message.
+        context: the model's context length; a prompt that does not fit is refused (text
+            far too long before it is tokenized).
+
+    Raises:
+        DFlashError: an empty prompt, text that is not valid UTF-8.
+        ContextLengthError: a prompt longer than the context.
     """
+    check_prompt(tokenizer, prompt, system, context)
     if isinstance(prompt, str):
-        has_template = getattr(tokenizer, "chat_template", None) is not None
-        if raw or not has_template:
+        if raw or not (has_chat_template(tokenizer) or system):
             bos = getattr(tokenizer, "bos_token", None)
             special = bos is None or not prompt.startswith(bos)
             ids = tokenizer.encode(prompt, add_special_tokens=special)
@@ -71,16 +95,47 @@ def encode_prompt(tokenizer, prompt: Prompt, raw: bool = False, system: Optional
             msgs = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+            ids = chat_ids(tokenizer, msgs)
     elif len(prompt) and isinstance(prompt[0], dict):
-        ids = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+        ids = chat_ids(tokenizer, list(prompt))
     else:
-        ids = [int(t) for t in prompt]
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise DFlashError(
+                "a prompt is a str, a list of token ids or a list of {role, content} messages"
+            ) from None
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     if not ids:
         raise DFlashError("the prompt is empty; give at least one token of text")
+    check_fits(len(ids), context)
     return list(ids)
+
+
+def fit_prompt(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationConfig, **kw):
+    """(ids, cfg): the prompt encoded and checked against the model's context and
+    vocabulary, with ``max_tokens`` clamped to the room the context leaves.
+
+    Args:
+        model, tokenizer: from ``load``. prompt: as for ``stream_generate``. cfg: validated
+            settings. kw: ``raw`` and ``system`` for ``encode_prompt``.
+
+    Raises:
+        DFlashError: as ``encode_prompt``; token ids outside the vocabulary.
+    """
+    ctx = context_length(model)
+    ids = encode_prompt(tokenizer, prompt, context=ctx, **kw)
+    vocab = model.adapter.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab] + [
+        t for t in cfg.logit_bias or {} if not 0 <= t < vocab
+    ]
+    if bad:
+        raise DFlashError(f"token id {bad[0]} is outside this model's vocabulary [0, {vocab})")
+    chat = not isinstance(prompt, str) and len(prompt) and isinstance(prompt[0], dict)
+    if chat or (isinstance(prompt, str) and kw.get("system") and not kw.get("raw")):
+        cfg = replace(cfg, stop=with_default_stops(cfg.stop, tokenizer))
+    return ids, replace(cfg, max_tokens=room(len(ids), cfg.max_tokens, ctx))
 
 
 def template_errors() -> tuple:
@@ -239,14 +294,16 @@ def stream_generate(
         GenerationResponse per committed piece; the last has finish_reason set.
 
     Raises:
-        DFlashError: a bad setting or an empty prompt.
+        DFlashError: a bad setting, an empty prompt, text that is not valid UTF-8, token
+            ids outside the vocabulary, a prompt longer than the context
+            (``ContextLengthError``); ``max_tokens`` is clamped to the room the context leaves.
     """
     cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
     block_size = cfg.block_size or model.block_size
-    ids = encode_prompt(tokenizer, prompt, raw, system)
+    ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
     stats = _Stats(len(ids), block_size)
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
     key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()

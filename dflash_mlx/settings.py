@@ -151,6 +151,15 @@ def check_block_size(value, checkpoint: Optional[int], flags: bool = False) -> N
         )
 
 
+def _shown(v) -> str:
+    """A value as messages quote it: short, even for an integer of thousands of digits."""
+    try:
+        text = str(v)
+    except ValueError:  # Python refuses to print integers over 4300 digits
+        return f"an integer of {v.bit_length()} bits"
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 class _Checker:
     """Range and type checks that phrase one-line messages with the user's name for a field."""
 
@@ -166,19 +175,23 @@ class _Checker:
     def number(self, field, v, fix, lo=None, hi=None, open_lo=False) -> None:
         if isinstance(v, bool) or not isinstance(v, Real):
             self.fail(field, f"must be a number (got {v!r})")
-        if not math.isfinite(v):
-            self.fail(field, f"must be a finite number (got {v})")
+        try:
+            finite = math.isfinite(v)
+        except OverflowError:  # an integer beyond any float (JSON allows them)
+            finite = False
+        if not finite:
+            self.fail(field, f"must be a finite number (got {_shown(v)})")
         if hi is not None and not (lo < v <= hi if open_lo else lo <= v <= hi):
             left = "(" if open_lo else "["
-            self.fail(field, f"must be in {left}{lo:g}, {hi:g}] (got {v}); {fix}")
+            self.fail(field, f"must be in {left}{lo:g}, {hi:g}] (got {_shown(v)}); {fix}")
         if hi is None and not (v > lo if open_lo else v >= lo):
-            self.fail(field, f"must be {'>' if open_lo else '>='} {lo:g} (got {v}); {fix}")
+            self.fail(field, f"must be {'>' if open_lo else '>='} {lo:g} (got {_shown(v)}); {fix}")
 
     def integer(self, field, v, lo, hi, rule, fix="") -> None:
         if isinstance(v, bool) or not isinstance(v, Integral):
             self.fail(field, f"must be an integer (got {v!r})")
         if v < lo or (hi is not None and v > hi):
-            self.fail(field, f"{rule} (got {v}){fix}")
+            self.fail(field, f"{rule} (got {_shown(v)}){fix}")
 
     def boolean(self, field, v) -> None:
         if not isinstance(v, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -45,6 +46,11 @@ class DFlashModel:
         return PromptCache(self.adapter.make_cache(), self.drafter.make_cache())
 
 
+class Interrupted(Exception):
+    """A prefill stopped because its ``PromptCache.interrupt`` was set; the cache is
+    consistent and holds the prompt tokens that were run."""
+
+
 @dataclass
 class PromptCache:
     """Target caches and drafter context caches holding exactly ``tokens``.
@@ -60,6 +66,9 @@ class PromptCache:
     checkpoint: Optional[Tuple[int, list]] = None
     # True while a cycle is mutating the caches; an interrupted cycle leaves it set
     busy: bool = False
+    # Set it (from a signal handler or another thread) to stop a prefill at its next chunk:
+    # ``Interrupted`` is raised and the caches keep the prompt tokens run so far.
+    interrupt: threading.Event = field(default_factory=threading.Event)
 
     def reuse(self, model: DFlashModel, prompt: List[int]) -> int:
         """Keep the longest usable cached prefix of prompt; return its length.

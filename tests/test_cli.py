@@ -391,6 +391,7 @@ def fake_server(monkeypatch):
 
     calls = []
     monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append((a, k)))
+    monkeypatch.setattr(server, "listen", lambda host, port: None)  # binds nothing here
     return calls
 
 

@@ -1,19 +1,18 @@
 """``dflash chat``: the command and its interactive loop.
 
 The whole message history is re-sent each turn with one ``PromptCache`` kept for the
-session, so a new turn prefills only its own tokens. Ctrl-C stops an answer at the next
-cycle boundary (the caches stay consistent) and keeps the session; a second Ctrl-C stops at
-once and starts a fresh cache. Ctrl-D or /exit leaves.
+session, so a new turn prefills only its own tokens. When the next turn would not fit in the
+context, the oldest turns are dropped (the system prompt stays). Ctrl-C stops an answer at
+the next cycle boundary, or a prefill at its next chunk (the caches stay consistent), and
+keeps the session; a second Ctrl-C stops at once and starts a fresh cache. Ctrl-D or /exit
+leaves.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import select
-import shutil
-import signal
 import sys
+from dataclasses import replace
 from typing import Dict, List, Optional
 
 import typer
@@ -21,6 +20,7 @@ import typer
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
+from .terminal import StopFlag, looks_like_markdown, rerender_markdown, rows_used
 from .stats import sparkline
 
 HELP = """commands:
@@ -31,52 +31,6 @@ HELP = """commands:
   /exit            leave (also Ctrl-D)
 a line ending in \\ continues on the next line; pasted multi-line text is one message.
 Ctrl-C stops the current answer."""
-
-
-_MARKDOWN = re.compile(r"(^|\n)(#{1,6} |```|\s*[-*] |\s*\d+\. |> )|\*\*[^*\n]+\*\*|`[^`\n]+`")
-
-
-def looks_like_markdown(text: str) -> bool:
-    """True when text uses markdown worth rendering (headings, fences, lists, bold, code)."""
-    return bool(_MARKDOWN.search(text))
-
-
-def rows_used(text: str, width: int) -> Optional[int]:
-    """Terminal rows that text printed from column 0 (plus a final newline) occupies, or
-    None when that cannot be known (control characters, tabs)."""
-    from rich.cells import cell_len
-
-    if any(ord(ch) < 32 and ch != "\n" for ch in text) or "\x7f" in text:
-        return None
-    width = max(int(width), 1)
-    return sum(max(1, math.ceil(cell_len(line) / width)) for line in text.split("\n"))
-
-
-class _StopFlag:
-    """SIGINT handler for the duration of an answer: the first Ctrl-C asks to stop at the
-    next cycle, a second one interrupts immediately."""
-
-    def __init__(self):
-        self.hit = 0
-        self._old = None
-
-    def __enter__(self):
-        self.hit = 0
-        try:
-            self._old = signal.signal(signal.SIGINT, self._handle)
-        except ValueError:  # not the main thread
-            self._old = None
-        return self
-
-    def _handle(self, signum, frame):
-        self.hit += 1
-        if self.hit > 1:
-            raise KeyboardInterrupt
-
-    def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
-        return False
 
 
 class ChatSession:
@@ -102,7 +56,11 @@ class ChatSession:
     ):
         from rich.console import Console
 
-        self.model, self.tok, self.name, self.gen = model, tokenizer, name, gen
+        from ..prompt import context_length, with_default_stops
+
+        self.model, self.tok, self.name = model, tokenizer, name
+        self.gen = replace(gen, stop=with_default_stops(gen.stop, tokenizer))
+        self.context = context_length(model)
         self.system = system
         self.show_stats = show_stats
         self.markdown = markdown
@@ -175,6 +133,8 @@ class ChatSession:
         from ..generation import encode_prompt, template_errors
 
         msgs = self.messages()
+        if getattr(self.tok, "chat_template", None) is None:  # the default chat format
+            return None, encode_prompt(self.tok, msgs)
         try:
             full = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         except template_errors():
@@ -231,17 +191,98 @@ class ChatSession:
 
     # -- one turn
     def answer(self, text: str) -> None:
-        from ..generation import stream_generate
+        """Answer one message: fit the conversation in the context, stream, keep the stats."""
+        from ..prompt import check_chars, check_text
 
+        try:
+            check_text(text, "that message", "type it again")
+            check_chars(self.tok, len(text), self.context)
+        except DFlashError as e:
+            self._error(str(e))
+            return
         self.history.append({"role": "user", "content": text})
+        fitted = self._fit()
+        if fitted is None:
+            return
+        full, ids = fitted
+        last, pieces, answer_ids, stopped = self._stream(ids)
+        if last is None:  # stopped before the first token: the message was never answered
+            self.history.pop()
+            self.con.print(
+                "[yellow]\\[stopped][/yellow] [dim]before the answer began; the message was "
+                "dropped and the session continues[/dim]"
+            )
+            return
+        if not stopped:
+            if self.markdown:
+                rerender_markdown(self.out, self.con, "".join(pieces))
+        reply = self.tok.decode(answer_ids) if answer_ids else "".join(pieces)
+        self.history.append({"role": "assistant", "content": reply})
+        if full is not None:
+            self.prev_text, self.prev_ids = full + reply, ids + answer_ids
+        self.last = last
+        self.turns += 1
+        self.total_generated += last.generation_tokens
+        self.total_prefilled += last.prompt_processed
+        if stopped:
+            self.con.print("[yellow]\\[stopped][/yellow] [dim]the session continues[/dim]")
+        if self.show_stats:
+            self.con.print(f"[dim]{self._stats_line(last)}[/dim]")
+
+    def _stats_line(self, r) -> str:
+        line = f"{r.prompt_processed} new prompt tokens · {r.generation_tokens} tokens"
+        if r.cycles:  # a rate and tau need at least one verify cycle to mean anything
+            line += f" at {r.generation_tps:.1f} tok/s · tau {r.tau:.2f}"
+        return line
+
+    def _error(self, message: str) -> None:
+        self.out.flush()
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+    def _fit(self):
+        """(template text, ids) of the conversation, its oldest turns dropped while it and
+        room for an answer do not fit in the context; None (message dropped) when the
+        message alone does not fit."""
         full, ids = self.prompt_ids()
+        ctx = self.context
+        if ctx is None:
+            return full, ids
+        reserve = min(self.gen.max_tokens, ctx // 2)
+        dropped = 0
+        while len(ids) + reserve > ctx and len(self.history) > 1:
+            pair = len(self.history) > 2 and self.history[1]["role"] == "assistant"
+            del self.history[: 2 if pair else 1]
+            dropped += 1
+            # The conversation no longer starts as the cache does: re-tokenize it whole;
+            # the cache keeps only the common prefix (the system prompt) and prefills the rest.
+            self.prev_text, self.prev_ids = None, []
+            full, ids = self.prompt_ids()
+        if dropped:
+            turns = "turn" if dropped == 1 else "turns"
+            self.con.print(
+                f"[dim]dropped the {dropped} oldest {turns} to fit the {ctx}-token context[/dim]"
+            )
+        if len(ids) >= ctx:
+            self.history.pop()
+            self._error(
+                f"this message makes a prompt of {len(ids)} tokens; this model's context is "
+                f"{ctx} tokens; shorten the message"
+            )
+            return None
+        return full, ids
+
+    def _stream(self, ids: List[int]):
+        """Stream one answer: (last response or None, text pieces, ids, stopped)."""
+        from ..generation import stream_generate
+        from ..state import Interrupted
+
         pieces: List[str] = []
         answer_ids: List[int] = []
-        last = None
-        stopped = False
+        last, stopped = None, False
+        self.cache.interrupt.clear()
         gen = stream_generate(self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache)
         try:
-            with _StopFlag() as flag:
+            with StopFlag(on_first=self.cache.interrupt.set) as flag:
                 for r in gen:
                     last = r
                     answer_ids.extend(r.tokens)
@@ -252,6 +293,8 @@ class ChatSession:
                     if flag.hit:
                         stopped = True
                         break
+        except Interrupted:  # the first Ctrl-C, during the prefill: the cache is consistent
+            stopped = True
         except KeyboardInterrupt:
             # Stopped mid-cycle: the caches may be half-updated, so start a fresh one.
             stopped = True
@@ -260,42 +303,7 @@ class ChatSession:
             gen.close()
         self.out.write("\n")
         self.out.flush()
-        if not stopped:
-            self._render_markdown("".join(pieces))
-        reply = self.tok.decode(answer_ids) if answer_ids else "".join(pieces)
-        self.history.append({"role": "assistant", "content": reply})
-        if full is not None:
-            self.prev_text, self.prev_ids = full + reply, ids + answer_ids
-        if last is not None:
-            self.last = last
-            self.turns += 1
-            self.total_generated += last.generation_tokens
-            self.total_prefilled += last.prompt_processed
-        if stopped:
-            self.con.print("[yellow]\\[stopped][/yellow] [dim]the session continues[/dim]")
-        if self.show_stats and last is not None:
-            self.con.print(
-                f"[dim]{last.prompt_processed} new prompt tokens · {last.generation_tokens} "
-                f"tokens at {last.generation_tps:.1f} tok/s · tau {last.tau:.2f}[/dim]"
-            )
-
-    def _render_markdown(self, shown: str) -> None:
-        """Replace the streamed answer by its rendered markdown, when the terminal allows:
-        stdout is a terminal and the whole answer is still on screen."""
-        if not (self.markdown and shown.strip() and looks_like_markdown(shown)):
-            return
-        isatty = getattr(self.out, "isatty", None)
-        if not (isatty and isatty()):
-            return
-        size = shutil.get_terminal_size()
-        n = rows_used(shown, size.columns)
-        if n is None or n >= size.lines - 1:
-            return
-        from rich.markdown import Markdown
-
-        self.out.write(f"\x1b[{n}F\x1b[J")  # back to the answer's first row, clear below
-        self.out.flush()
-        self.con.print(Markdown(shown))
+        return last, pieces, answer_ids, stopped
 
     def loop(self) -> None:
         self.con.print(
@@ -309,6 +317,9 @@ class ChatSession:
             except EOFError:
                 self.out.write("\n")
                 break
+            except UnicodeDecodeError as e:
+                self._error(f"that input is not valid UTF-8 ({e.reason}); type it again")
+                continue
             except KeyboardInterrupt:
                 self.out.write("\n")
                 self.con.print("[dim](Ctrl-D or /exit to leave)[/dim]")
@@ -349,10 +360,9 @@ def chat(
         max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
     )
     m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg)
-    if getattr(tok, "chat_template", None) is None:
-        raise DFlashError(
-            f"{m.name} has no chat template, so it cannot chat; use `dflash run` with a prompt"
-        )
+    from ..prompt import notice_default_format
+
+    notice_default_format(tok)  # no chat template: say once which format stands in
     session = ChatSession(
         m, tok, m.name, cfg, system=system, show_stats=not quiet, markdown=not no_markdown
     )

@@ -14,6 +14,7 @@ import typer
 
 from ..errors import DFlashError
 from ..hub import OFFLINE_HELP
+from ..prompt import check_text
 from ..settings import MAX_TOKENS, GenerationConfig
 
 D = GenerationConfig()
@@ -115,6 +116,31 @@ def load_pair(model: str, drafter, quant, offline: bool, quiet: bool, verbose: b
     return m, tok
 
 
+def fit_prompt(m, tok, text: str, cfg: GenerationConfig, raw: bool, system, quiet: bool):
+    """(ids, settings) of a prompt checked against the model's context, ``max_tokens``
+    clamped to the room left; the clamp is said in one line on stderr (unless quiet).
+
+    Args:
+        m, tok: the loaded pair. text: the prompt. cfg: the command's settings.
+        raw: ``--ignore-chat-template``. system: ``--system``. quiet: ``--quiet``.
+
+    Raises:
+        DFlashError: the prompt does not fit (``ContextLengthError``) or is not valid text.
+    """
+    from ..generation import fit_prompt as fit
+
+    ids, fitted = fit(m, tok, text, cfg, raw=raw, system=system)
+    if fitted.max_tokens < cfg.max_tokens and not quiet:
+        ctx = len(ids) + fitted.max_tokens
+        print(
+            f"note: --max-tokens {cfg.max_tokens} lowered to {fitted.max_tokens}: the prompt "
+            f"takes {len(ids)} of this model's {ctx}-token context",
+            file=sys.stderr,
+            flush=True,
+        )
+    return ids, fitted
+
+
 def read_prompt(prompt: Optional[str], prompt_opt: Optional[str]) -> str:
     """The prompt text.
 
@@ -126,9 +152,32 @@ def read_prompt(prompt: Optional[str], prompt_opt: Optional[str]) -> str:
         raise DFlashError("give the prompt once: as an argument or with --prompt, not both")
     text = prompt if prompt is not None else prompt_opt
     if text == "-" or (text is None and not sys.stdin.isatty()):
-        text = sys.stdin.read()
+        text = read_stdin()
+    elif text is not None:
+        check_text(text, "the prompt argument")
     if text is None:
         raise DFlashError('no prompt; pass it as an argument, with --prompt, or on stdin ("-")')
     if not text.strip():
         raise DFlashError("the prompt is empty; give some text")
     return text
+
+
+def read_stdin() -> str:
+    """All of stdin as text: UTF-8 (a leading byte-order mark is dropped), else an error.
+
+    Raises:
+        DFlashError: stdin is not UTF-8, naming the first bad byte and its offset.
+    """
+    buf = getattr(sys.stdin, "buffer", None)
+    if buf is None:  # a text-only stream (tests, embedding): already decoded
+        text = sys.stdin.read()
+        check_text(text, "stdin")
+        return text
+    data = buf.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DFlashError(
+            f"stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "convert it first, e.g. iconv -f latin1 -t utf-8"
+        ) from None

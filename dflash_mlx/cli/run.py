@@ -49,8 +49,8 @@ def run(
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")
     text = c.read_prompt(prompt, prompt_opt)
     m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg)
-    opts = dict(raw=ignore_chat_template, system=system, profile=verbose)
-    last, pieces = _generate(m, tok, text, cfg, opts, as_json)
+    ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet)
+    last, pieces = _generate(m, tok, ids, cfg, dict(profile=verbose), as_json)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
     if as_json:
@@ -64,13 +64,13 @@ def run(
             con.print(line)
 
 
-def _generate(m, tok, text: str, cfg, opts: dict, as_json: bool):
+def _generate(m, tok, prompt, cfg, opts: dict, as_json: bool):
     """Stream the completion to stdout (or collect it for --json): (last response, pieces)."""
     from ..generation import stream_generate
 
     last, pieces, out = None, [], sys.stdout
     try:
-        for r in stream_generate(m, tok, text, config=cfg, **opts):
+        for r in stream_generate(m, tok, prompt, config=cfg, **opts):
             last = r
             if as_json:
                 pieces.append(r.text)

@@ -50,10 +50,23 @@ def serve(
         raise DFlashError(f"--max-queue must be at least 1 (got {max_queue})")
     from .. import server
 
+    sock = server.listen(host, port)  # a busy port or a bad host fails before the load
     warning = server.bind_warning(host, api_key)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg)
+    try:
+        m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg)
+    except BaseException:
+        sock.close()
+        raise
     server.run_server(
-        m, tok, m.name, host=host, port=port, api_key=api_key, defaults=cfg, max_queue=max_queue
+        m,
+        tok,
+        m.name,
+        host=host,
+        port=port,
+        api_key=api_key,
+        defaults=cfg,
+        max_queue=max_queue,
+        sock=sock,
     )

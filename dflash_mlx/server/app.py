@@ -12,7 +12,6 @@ Start it with ``dflash serve`` (or ``python -m dflash_mlx.server``, the same com
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import socket
@@ -22,7 +21,8 @@ from pathlib import Path
 from typing import List, Optional
 
 from .. import generation
-from ..errors import DFlashError
+from ..errors import ContextLengthError, DFlashError
+from ..prompt import context_length
 from ..settings import GenerationConfig
 from .http import Handler
 from .schema import DEFAULTS, bad, now
@@ -43,30 +43,6 @@ def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
     )
 
 
-def context_length(model) -> Optional[int]:
-    """The target's max_position_embeddings (from its args or config.json), or None."""
-    target = getattr(model, "target", model)
-    for obj in (target, getattr(target, "language_model", None)):
-        args = getattr(obj, "args", None)
-        for src in (args, getattr(args, "text_config", None)):
-            v = (
-                src.get("max_position_embeddings")
-                if isinstance(src, dict)
-                else getattr(src, "max_position_embeddings", None)
-            )
-            if isinstance(v, int) and v > 0:
-                return v
-    cfg = Path(getattr(model, "target_path", "") or ".") / "config.json"
-    try:
-        data = json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return None
-    v = data.get("max_position_embeddings") or (data.get("text_config") or {}).get(
-        "max_position_embeddings"
-    )
-    return v if isinstance(v, int) and v > 0 else None
-
-
 class DFlashHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer holding the engine and the serving options."""
 
@@ -75,13 +51,16 @@ class DFlashHTTPServer(ThreadingHTTPServer):
 
     def __init__(
         self,
-        addr,
+        sock: socket.socket,
         engine: Engine,
         model_name: str,
         api_key: Optional[str],
         defaults: Optional[GenerationConfig],
     ):
-        super().__init__(addr, Handler)
+        super().__init__(sock.getsockname()[:2], Handler, bind_and_activate=False)
+        self.socket.close()  # the unbound one made above; serve the socket ``listen`` bound
+        self.socket, self.server_address = sock, sock.getsockname()
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.defaults = defaults or DEFAULTS
         self.created = now()
@@ -101,11 +80,16 @@ class DFlashHTTPServer(ThreadingHTTPServer):
     def tokenize(self, req) -> List[int]:
         """Prompt ids: chat messages through the chat template, completions raw."""
         tok = self.engine.tokenizer
+        field = "messages" if req.kind == "chat" else "prompt"
         try:
             with self._tok_lock:
-                ids = generation.encode_prompt(tok, req.prompt, raw=req.kind == "completion")
+                ids = generation.encode_prompt(
+                    tok, req.prompt, raw=req.kind == "completion", context=self.context
+                )
+        except ContextLengthError as e:
+            raise bad(str(e), field, "context_length_exceeded") from None
         except DFlashError as e:
-            raise bad(str(e), "prompt") from None
+            raise bad(str(e), field) from None
         except generation.template_errors() as e:  # e.g. a template refusing the roles' order
             raise bad(
                 f"cannot apply the chat template: {str(e).splitlines()[0] if str(e) else e}",
@@ -117,6 +101,34 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         return ids
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port and listening; ``dflash serve`` calls it before loading
+    the model, so a busy port or an unknown host is reported at once.
+
+    Args:
+        host: a name or an address. port: 0..65535 (0 picks a free one).
+
+    Raises:
+        DFlashError: the host cannot be resolved or the address cannot be bound.
+    """
+    sock = None
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, _, _, _, addr = info[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(DFlashHTTPServer.request_queue_size)
+        return sock
+    except (OSError, UnicodeError, ValueError, OverflowError) as e:  # idna, NUL, port range
+        if sock is not None:
+            sock.close()
+        reason = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise DFlashError(
+            f"cannot listen on {host}:{port} ({reason}); pick another --port or --host"
+        ) from None
+
+
 def make_server(
     model,
     tokenizer,
@@ -126,28 +138,26 @@ def make_server(
     api_key: Optional[str] = None,
     defaults: Optional[GenerationConfig] = None,
     max_queue: int = 16,
+    sock: Optional[socket.socket] = None,
 ) -> DFlashHTTPServer:
     """Bind the HTTP server; ``run_server`` serves it.
 
     Args:
         model, tokenizer, model_name, host, api_key, defaults, max_queue: as for
-            ``run_server``. port: 0 picks a free one.
+            ``run_server``. port: 0 picks a free one. sock: a socket from ``listen`` (host
+            and port are then only names).
 
     Raises:
         DFlashError: the address cannot be resolved or bound.
     """
+    sock = sock or listen(host, port)
     try:
-        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, addr = info[0]
-
-        class _Server(DFlashHTTPServer):
-            address_family = family
-
-        return _Server(addr, Engine(model, tokenizer, max_queue), model_name, api_key, defaults)
-    except OSError as e:
-        raise DFlashError(
-            f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host"
-        ) from None
+        return DFlashHTTPServer(
+            sock, Engine(model, tokenizer, max_queue), model_name, api_key, defaults
+        )
+    except BaseException:
+        sock.close()
+        raise
 
 
 def run_server(
@@ -159,6 +169,7 @@ def run_server(
     api_key: Optional[str] = None,
     defaults: Optional[GenerationConfig] = None,
     max_queue: int = 16,
+    sock: Optional[socket.socket] = None,
 ) -> None:
     """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
 
@@ -170,9 +181,11 @@ def run_server(
         host, port: where to listen (loopback by default). api_key: require
             'Authorization: Bearer <key>' on /v1/*. defaults: the decoding settings that
             requests override (default ``schema.DEFAULTS``). max_queue: requests that may
-            wait behind the running one.
+            wait behind the running one. sock: already bound (``listen``), else bound here.
     """
-    httpd = make_server(model, tokenizer, model_name, host, port, api_key, defaults, max_queue)
+    httpd = make_server(
+        model, tokenizer, model_name, host, port, api_key, defaults, max_queue, sock
+    )
     h, p = httpd.server_address[:2]
     shown = f"[{h}]" if ":" in str(h) else h
     print(

@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler
 
+from ..prompt import room, with_default_stops
 from .schema import (
     APIError,
     bad,
@@ -36,6 +37,25 @@ from .worker import Job
 logger = logging.getLogger("dflash_mlx.server")
 
 MAX_BODY = 32 * 1024 * 1024
+RETRY_AFTER = "1"  # seconds; a 503 means the queue is full or the server is stopping
+
+# The stdlib's own errors ({} is its short message): what went wrong and how to fix it.
+HTTP_ERRORS = {
+    400: "malformed HTTP request ({}); send 'METHOD /path HTTP/1.1' and valid headers",
+    405: "method not allowed ({}); use GET or POST",
+    414: "the URL is too long ({}); send data in the request body",
+    431: "the request headers are too large ({}); send fewer, shorter headers",
+    501: "method not supported ({}); use GET or POST",
+    505: "HTTP version not supported ({}); use HTTP/1.1",
+}
+HTTP_CODES = {
+    400: "invalid_request",
+    405: "method_not_allowed",
+    414: "uri_too_long",
+    431: "headers_too_large",
+    501: "method_not_allowed",
+    505: "http_version_not_supported",
+}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -50,17 +70,50 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt, *args):
         logger.info("%s %s", self.address_string(), fmt % args)
 
-    def _send_json(self, status: int, obj: dict) -> None:
+    def _send_json(self, status: int, obj: dict, headers=()) -> None:
         data = json.dumps(obj).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
         self.wfile.flush()
 
     def _error(self, err: APIError) -> None:
-        self._send_json(err.status, err.body())
+        headers = [("Retry-After", RETRY_AFTER)] if err.status == 503 else []
+        if err.status == 405:
+            headers.append(("Allow", "GET, POST"))
+        self._send_json(err.status, err.body(), headers)
+
+    def send_error(self, code, message=None, explain=None):
+        """The HTTP layer's own errors (a malformed request line, a URL or headers too
+        large, an unknown method) in OpenAI's JSON shape instead of the stdlib's HTML page."""
+        code = int(code)
+        self.log_error("code %d, message %s", code, message)
+        self.close_connection = True
+        if self.request_version in ("", "HTTP/0.9"):  # the line was unreadable: answer 1.0
+            self.request_version = "HTTP/1.0"
+        text = HTTP_ERRORS.get(code, "{}").format(message or self.responses.get(code, ("",))[0])
+        try:
+            self._error(APIError(code, text, code=HTTP_CODES.get(code)))
+            self._drain()
+        except OSError:
+            pass
+
+    def _drain(self) -> None:
+        """Read what the client still sends (briefly): closing a socket with unread input
+        resets the connection, and the client may lose the answer."""
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(0.5)
+            for _ in range(64):
+                if not self.connection.recv(65536):
+                    break
+        except OSError:
+            pass
 
     def _client_gone(self) -> bool:
         try:
@@ -100,6 +153,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self._guard(self._post)
+
+    def _not_allowed(self):
+        self._safe_error(
+            APIError(
+                405,
+                f"method {self.command} is not allowed on {self._path()}; use GET or POST",
+                code="method_not_allowed",
+            )
+        )
+        self._drain()
+
+    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+    do_HEAD = do_GET  # the same answer without its body (see _send_json)
 
     def _path(self) -> str:
         return self.path.split("?", 1)[0].rstrip("/") or "/"
@@ -175,16 +241,11 @@ class Handler(BaseHTTPRequestHandler):
         vocab = srv.engine.model.adapter.vocab_size
         if any(not 0 <= t < vocab for t in req.gen.logit_bias or {}):
             raise bad(f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
-        ctx = srv.context
-        if ctx is not None:
-            if len(ids) >= ctx:
-                raise bad(
-                    f"the prompt is {len(ids)} tokens; this model's context is {ctx} "
-                    "tokens; shorten the prompt",
-                    "messages" if kind == "chat" else "prompt",
-                    "context_length_exceeded",
-                )
-            req.gen = replace(req.gen, max_tokens=min(req.gen.max_tokens, ctx - len(ids)))
+        # the prompt fits (srv.tokenize checked it); the answer gets the room that is left
+        req.gen = replace(req.gen, max_tokens=room(len(ids), req.gen.max_tokens, srv.context))
+        if kind == "chat":
+            tok = srv.engine.tokenizer
+            req.gen = replace(req.gen, stop=with_default_stops(req.gen.stop, tok))
         job = Job(ids, req.gen)
         if not srv.engine.submit(job):
             raise APIError(

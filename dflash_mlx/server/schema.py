@@ -46,17 +46,14 @@ ROLES = {"system", "developer", "user", "assistant", "tool"}
 class APIError(Exception):
     """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
 
-    TYPES = {
-        401: "authentication_error",
-        404: "invalid_request_error",
-        413: "invalid_request_error",
-        503: "server_error",
-        500: "server_error",
-    }
+    TYPES = {401: "authentication_error", 500: "server_error", 503: "server_error"}
+    MAX_MESSAGE = 1000  # a message quoting a huge value stays readable
 
     def __init__(
         self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None
     ):
+        if len(message) > self.MAX_MESSAGE:
+            message = message[: self.MAX_MESSAGE - 3] + "..."
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -154,7 +151,7 @@ def _messages(body: dict) -> List[Dict[str, str]]:
         raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise bad(f"messages[{i}] needs a 'role' among {sorted(ROLES)}", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": _content(m, i)})
@@ -192,8 +189,18 @@ def parse_request(
         APIError: 400 with a one-line message naming the field.
     """
     try:
+        return _parse(raw, kind, defaults, max_block_size)
+    except RecursionError:  # json's reader and repr() recurse once per level of nesting
+        raise bad(
+            "the request body is nested too deeply; send a flat JSON object",
+            code="invalid_json",
+        ) from None
+
+
+def _parse(raw: bytes, kind: str, defaults, max_block_size) -> CompletionRequest:
+    try:
         body = json.loads(raw.decode("utf-8") if raw else "")
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # not UTF-8, not JSON, or an integer of over 4300 digits
         raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")

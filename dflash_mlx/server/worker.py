@@ -14,6 +14,7 @@ from typing import List, Optional
 from .. import generation
 from ..errors import DFlashError
 from ..settings import GenerationConfig
+from ..state import Interrupted
 from .schema import APIError, bad
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -90,6 +91,7 @@ class Engine:
             job.out.put(("end", None))
             return
         self.running, self.current = True, job
+        self.cache.interrupt = job.cancel  # a client gone mid-prefill stops it at a chunk
         gen = generation.stream_generate(
             self.model, self.tokenizer, job.ids, config=job.gen, prompt_cache=self.cache
         )
@@ -100,6 +102,10 @@ class Engine:
                     logger.info("generation cancelled (client gone or server stopping)")
                     self.cancelled += 1
                     break
+        except Interrupted:
+            logger.info("prefill cancelled (client gone or server stopping)")
+            self.cancelled += 1
+            job.out.put(("error", APIError(503, "the request was cancelled before its answer")))
         except DFlashError as e:
             job.out.put(("error", bad(str(e))))
         except Exception as e:  # noqa: BLE001 - one request must not take the server down
