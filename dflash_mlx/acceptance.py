@@ -10,6 +10,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+MIN_TEMPERATURE = 1e-5  # a lower temperature samples as temperature 0 (greedy)
 
 
 @dataclass
@@ -17,7 +18,8 @@ class SamplingParams:
     """How the target samples; mirrors mlx-lm's make_sampler / make_logits_processors.
 
     Args:
-        temperature: 0 means greedy. top_p, min_p, top_k: mlx-lm filters (0 = off).
+        temperature: 0 (or below ``MIN_TEMPERATURE``) means greedy. top_p, min_p, top_k:
+            mlx-lm filters (0 = off; a top_k of the vocabulary or more is off too).
         processors: mlx-lm logits processors (penalties, logit bias).
     """
 
@@ -26,6 +28,12 @@ class SamplingParams:
     min_p: float = 0.0
     top_k: int = 0
     processors: List[LogitsProcessor] = field(default_factory=list)
+
+    def __post_init__(self):
+        # Below this, 1 / temperature overflows float32 near 1e-39 and the law turns NaN;
+        # long before, all that is left of it is the argmax: decode greedily (as vLLM does).
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
 
     @property
     def greedy(self) -> bool:
@@ -73,7 +81,7 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p)
-    if params.top_k > 0:
+    if 0 < params.top_k < logprobs.shape[-1]:  # top_k >= the vocabulary keeps every token
         logprobs = apply_top_k(logprobs, params.top_k)
     return mx.softmax(logprobs * (1.0 / params.temperature), axis=-1, precise=True)
 

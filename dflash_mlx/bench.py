@@ -62,12 +62,17 @@ def load_prompts(
             raise DFlashError(f"dataset {dataset} is not a file nor 'humaneval'; check the path")
         opener = gzip.open if path.suffix == ".gz" else open
         rows = []
-        with opener(path, "rt") as f:
+        with opener(path, "rb") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    rows.append(json.loads(line)[field_name])
+                    rows.append(json.loads(line.decode("utf-8"))[field_name])
+                except UnicodeDecodeError as e:
+                    raise DFlashError(
+                        f"{path}:{n} is not valid UTF-8 (byte 0x{line[e.start]:02x}); "
+                        "convert the file to UTF-8"
+                    ) from None
                 except (json.JSONDecodeError, KeyError, TypeError):
                     raise DFlashError(
                         f"{path}:{n} is not a JSON object with a '{field_name}' field; fix the file"

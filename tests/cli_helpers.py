@@ -14,13 +14,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_pair(root: Path, block_size: int = 8) -> Path:
-    """root/target (tiny qwen3) and root/drafter (DFlash 2, fits it); returns root."""
+def build_pair(root: Path, block_size: int = 8, **target) -> Path:
+    """root/target (tiny qwen3) and root/drafter (DFlash 2, fits it); returns root.
+
+    target: options of ``tiny_models.build_target`` (``chat_template``, ``context``).
+    """
     from tiny_models import build_drafter, build_target
 
     root = Path(root)
     if not (root / "drafter" / "config.json").is_file():
-        build_target(root / "target", "qwen3")
+        build_target(root / "target", "qwen3", **target)
         build_drafter(root / "drafter", root / "target", dflash2=True, block_size=block_size)
     return root
 

@@ -459,7 +459,8 @@ def test_queue_full_gives_503(paths, local, tmp_path):
         _wait_health(url, lambda h: h["running"] and h["queued"] == 1)
         with pytest.raises(openai.APIStatusError) as e:
             c.chat.completions.create(model=paths[0].name, messages=msgs, max_tokens=2)
-        assert e.value.status_code == 503
+        assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "1"
+        assert e.value.body["code"] == "server_busy" and e.value.body["type"] == "server_error"
         busy.close()  # frees the worker; the queued request runs next
         t.join(30)
         assert waiting["r"].choices[0].message.content == _expected(local, msgs, 4)

@@ -29,8 +29,9 @@ CORPUS = (
 ) * 4
 
 
-def build_tokenizer(path: Path, vocab_size: int = 320) -> int:
-    """Train a tiny byte-level BPE into path; return its vocabulary size."""
+def build_tokenizer(path: Path, vocab_size: int = 320, chat_template: bool = True) -> int:
+    """Train a tiny byte-level BPE into path (without a chat template when chat_template is
+    False: the default chat format then applies); return its vocabulary size."""
     tok = train_tokenizer([CORPUS], vocab_size, SPECIALS)
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
@@ -41,6 +42,8 @@ def build_tokenizer(path: Path, vocab_size: int = 320) -> int:
         "chat_template": CHAT_TEMPLATE,
         "model_max_length": 4096,
     }
+    if not chat_template:
+        del cfg["chat_template"]
     (path / "tokenizer_config.json").write_text(json.dumps(cfg))
     return tok.get_vocab_size()
 
@@ -82,15 +85,19 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
 
 
 def build_target(path: Path, kind: str = "qwen3", seed: int = 0, vocab_size: Optional[int] = None,
-                 tokenizer: bool = True, **kw) -> Path:
-    """Write a tiny random float32 target (config, weights, tokenizer) to path."""
+                 tokenizer: bool = True, chat_template: bool = True,
+                 context: Optional[int] = None, **kw) -> Path:
+    """Write a tiny random float32 target (config, weights, tokenizer) to path; context
+    sets max_position_embeddings (4096 by default)."""
     from mlx_lm.utils import _get_classes
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    V = build_tokenizer(path) if tokenizer else vocab_size
+    V = build_tokenizer(path, chat_template=chat_template) if tokenizer else vocab_size
     V = vocab_size or V
     cfg = target_config(kind, V, **kw)
+    if context is not None:
+        cfg["max_position_embeddings"] = context
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(cfg))

@@ -248,7 +248,7 @@ class ChatSession:
         if ctx is None:
             return full, ids
         reserve = min(self.gen.max_tokens, ctx // 2)
-        dropped = 0
+        saved, dropped = list(self.history), 0
         while len(ids) + reserve > ctx and len(self.history) > 1:
             pair = len(self.history) > 2 and self.history[1]["role"] == "assistant"
             del self.history[: 2 if pair else 1]
@@ -257,18 +257,18 @@ class ChatSession:
             # the cache keeps only the common prefix (the system prompt) and prefills the rest.
             self.prev_text, self.prev_ids = None, []
             full, ids = self.prompt_ids()
-        if dropped:
-            turns = "turn" if dropped == 1 else "turns"
-            self.con.print(
-                f"[dim]dropped the {dropped} oldest {turns} to fit the {ctx}-token context[/dim]"
-            )
-        if len(ids) >= ctx:
-            self.history.pop()
+        if len(ids) >= ctx:  # even alone it does not fit: keep the conversation as it was
+            self.history = saved[:-1]
             self._error(
                 f"this message makes a prompt of {len(ids)} tokens; this model's context is "
                 f"{ctx} tokens; shorten the message"
             )
             return None
+        if dropped:
+            turns = "turn" if dropped == 1 else "turns"
+            self.con.print(
+                f"[dim]dropped the {dropped} oldest {turns} to fit the {ctx}-token context[/dim]"
+            )
         return full, ids
 
     def _stream(self, ids: List[int]):
