@@ -85,6 +85,11 @@ def context_length(model) -> Optional[int]:
 
 
 def _vocab(tokenizer) -> Dict[str, int]:
+    return _vocab_and_longest(tokenizer)[0]
+
+
+def _vocab_and_longest(tokenizer):
+    """(token -> id, the longest token's length in characters), computed once per tokenizer."""
     try:
         return _vocab_cache[tokenizer]
     except (KeyError, TypeError):
@@ -93,11 +98,12 @@ def _vocab(tokenizer) -> Dict[str, int]:
         vocab = dict(tokenizer.get_vocab())
     except Exception:  # noqa: BLE001 - an exotic tokenizer: no vocabulary, no shortcuts
         vocab = {}
+    found = (vocab, max(map(len, vocab), default=0))
     try:
-        _vocab_cache[tokenizer] = vocab
+        _vocab_cache[tokenizer] = found
     except TypeError:
         pass
-    return vocab
+    return found
 
 
 def check_chars(tokenizer, chars: int, context: Optional[int]) -> None:
@@ -111,11 +117,10 @@ def check_chars(tokenizer, chars: int, context: Optional[int]) -> None:
     Raises:
         ContextLengthError: the text cannot fit whatever it tokenizes to.
     """
-    vocab = _vocab(tokenizer)
-    if context is None or not vocab:
+    longest = _vocab_and_longest(tokenizer)[1]
+    if context is None or not longest:
         return
-    # x2: a normalizer may merge characters (NFKC), so keep the bound loose
-    per_token = 2 * max(len(k) for k in vocab)
+    per_token = 2 * longest  # x2: a normalizer may merge characters (NFKC): a loose bound
     if chars // per_token >= context:
         raise ContextLengthError(
             f"the prompt is {chars} characters, at least {chars // per_token} tokens; this "
