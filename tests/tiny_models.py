@@ -71,18 +71,31 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
             "linear_value_head_dim": 16,
             "linear_conv_kernel_dim": 4,
             "rope_parameters": {
-                "type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
             },
             **base,
         }
     if kind == "muse_glimmer":  # soft-capped logits, sliding + full attention
-        return {"model_type": "muse_glimmer", "sliding_window": 8, "rope_theta": 10000.0,
-                "qk_scale_factor": 1.0, **base}
+        return {
+            "model_type": "muse_glimmer",
+            "sliding_window": 8,
+            "rope_theta": 10000.0,
+            "qk_scale_factor": 1.0,
+            **base,
+        }
     raise ValueError(kind)
 
 
-def build_target(path: Path, kind: str = "qwen3", seed: int = 0, vocab_size: Optional[int] = None,
-                 tokenizer: bool = True, **kw) -> Path:
+def build_target(
+    path: Path,
+    kind: str = "qwen3",
+    seed: int = 0,
+    vocab_size: Optional[int] = None,
+    tokenizer: bool = True,
+    **kw,
+) -> Path:
     """Write a tiny random float32 target (config, weights, tokenizer) to path."""
     from mlx_lm.utils import _get_classes
 
@@ -102,8 +115,9 @@ def build_target(path: Path, kind: str = "qwen3", seed: int = 0, vocab_size: Opt
     return path
 
 
-def build_drafter(path: Path, target_dir: Path, dflash2: bool = True, seed: int = 1,
-                  block_size: int = 16, **kw) -> Path:
+def build_drafter(
+    path: Path, target_dir: Path, dflash2: bool = True, seed: int = 1, block_size: int = 16, **kw
+) -> Path:
     """Write a tiny random drafter fitting the target in target_dir."""
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     n = tcfg["num_hidden_layers"]

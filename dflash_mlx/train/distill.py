@@ -30,6 +30,7 @@ from dflash_mlx.train.prompts import build_prompts
 
 FP16_MAX = 65000.0
 PREFILL_CHUNK = 128
+MAX_PROMPT = 320  # tokens; a longer prompt (a huge docstring) would pad its whole batch
 
 
 def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
@@ -135,7 +136,10 @@ def run(
     meta = {"layer_ids": list(layer_ids), "max_new": max_new}
     (out / "meta.json").write_text(json.dumps(meta))
     adapter = TargetAdapter(target, layer_ids)
-    prompts = build_prompts(split)[:limit]
+    encode = lambda p: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": p}], add_generation_prompt=True
+    )
+    prompts = [ids for ids in map(encode, build_prompts(split)[:limit]) if len(ids) <= MAX_PROMPT]
     eos = sorted(set(tokenizer.eos_token_ids))
     total = {"tokens": 0, "seconds": 0.0}
     for s0 in range(0, len(prompts), shard_size):
@@ -143,18 +147,14 @@ def run(
         if not claim(path):
             continue
         t0 = time.time()
-        ids = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True
-            )
-            for p in prompts[s0 : s0 + shard_size]
-        ]
+        ids = prompts[s0 : s0 + shard_size]
         order = np.argsort([len(i) for i in ids])  # similar lengths share a batch
         seqs = [None] * len(ids)
         for b0 in range(0, len(ids), batch):
             pick = order[b0 : b0 + batch]
             for i, r in zip(pick, generate_batch(adapter, [ids[i] for i in pick], eos, max_new)):
                 seqs[i] = r
+            log(f"{path.name}: batch {b0 // batch + 1}, {time.time() - t0:.0f} s", flush=True)
         write_shard(path, seqs, [len(i) for i in ids])
         n = sum(len(s[0]) for s in seqs)
         dt = time.time() - t0
