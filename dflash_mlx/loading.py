@@ -251,6 +251,22 @@ def _load_target(path: Path, name: str, tokenizer_config: Optional[dict]):
         ) from None
 
 
+def load_target(model: str, offline: Optional[bool] = None, quiet: bool = False):
+    """Only the target (no drafter): for training a drafter, or plain mlx-lm decoding.
+
+    Args:
+        model: a registry alias (its default target), a Hub id, a local mlx-lm directory or
+            a ``.gguf`` file. offline, quiet: as for ``load``.
+
+    Returns:
+        (mlx-lm model, tokenizer).
+    """
+    entry = registry.find(str(model).strip())
+    target, name = (entry.target(), entry.alias) if entry else _resolve_target(str(model))
+    path = locate(target, "model", hub.offline_mode(offline), quiet, None)
+    return _load_target(path, name, None)
+
+
 def _target_dtype(model):
     """The dtype the target computes in (its embedding output)."""
     import mlx.core as mx

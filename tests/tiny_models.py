@@ -14,7 +14,6 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
-from dflash_mlx.corpus import train_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -27,6 +26,23 @@ CORPUS = (
     "class Foo:\n    def __init__(self, x):\n        self.x = x\n"
     "The quick brown fox jumps over the lazy dog. Hello world!\n"
 ) * 4
+
+
+def train_tokenizer(texts, vocab_size: int, special_tokens):
+    """A byte-level BPE trained with ``tokenizers`` on texts; special tokens get ids 0.."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
 
 
 def build_tokenizer(path: Path, vocab_size: int = 320) -> int:
