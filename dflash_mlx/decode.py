@@ -291,12 +291,17 @@ def decode(
             b = choice.block if choice else max(1, min(block_size, budget))
             key, k_draft, k_acc = mx.random.split(key, 3)
             if b == 1 and choice and not params.processors:
-                run = min(budget, scheduler.plain_run())
-                for step in plain_steps(model, cache, params, history, run, k_draft):
-                    t_last = _timed(scheduler, 1, 0, t_last)
-                    history += step.tokens
-                    n_gen += 1
-                    yield step
+                steps = plain_steps(
+                    model, cache, params, history, min(budget, scheduler.plain_run()), k_draft
+                )
+                try:
+                    for step in steps:
+                        t_last = _timed(scheduler, 1, 0, t_last)
+                        history += step.tokens
+                        n_gen += 1
+                        yield step
+                finally:
+                    steps.close()  # closed early: its caches are tidied before ours are read
                 continue
             step = cycle(model, cache, params, history, b, use_selector, (k_draft, k_acc), profile)
             t_last = _timed(scheduler, b, step.accepted, t_last)
