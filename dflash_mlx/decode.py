@@ -22,6 +22,7 @@ from .acceptance import (
     sample_rows,
     target_probs,
 )
+from .schedule import CostTable, Tuning
 from .state import DFlashModel, Interrupted, PromptCache
 
 _local = threading.local()
@@ -212,6 +213,65 @@ def cycle(
     return Cycle(committed, a, block_size - 1, timings=dict(clock.split))
 
 
+def plain_steps(
+    model: DFlashModel,
+    cache: PromptCache,
+    params: SamplingParams,
+    history: List[int],
+    n: int,
+    key: mx.array,
+) -> Iterator[Cycle]:
+    """``n`` plain target steps (no drafting) after ``history``, pipelined like mlx-lm's
+    ``generate_step``: the next step is queued before the current token is read.
+
+    The drafter is not run, but its context must stay current so speculation can resume:
+    the features of the fed tokens are appended in one batch when the run ends (or is
+    closed early). No logits processors here: with them ``cycle`` runs one step at a time.
+
+    Args:
+        model, cache, params: as for ``decode`` (params without processors).
+        history: committed ids; the last is fed first. n: steps. key: PRNG key.
+    """
+    adapter = model.adapter
+    feats: List[mx.array] = []
+
+    def step(tok: mx.array, k) -> mx.array:
+        logits, f = adapter(tok.reshape(1, 1), cache.target)
+        feats.append(f)
+        row = logits[0, -1:]  # [1, V]
+        nxt = (
+            mx.argmax(row, axis=-1) if params.greedy else sample_rows(target_probs(row, params), k)
+        )
+        return nxt.astype(mx.uint32)
+
+    def tidy():
+        if feats:
+            model.drafter.append_context(mx.concatenate(feats, axis=1), cache.drafter)
+            mx.async_eval(cache.state)
+        cache.busy = False
+
+    keys = mx.random.split(key, n)
+    cache.busy = True  # the drafter context lags until the run ends
+    try:
+        y = step(mx.array([history[-1]], mx.uint32), keys[0])
+        mx.async_eval(y)
+        cache.tokens.append(history[-1])
+        for i in range(n):
+            nxt = None
+            if i + 1 < n:
+                nxt = step(y, keys[i + 1])
+                mx.async_eval(nxt)
+            tok = y.item()
+            if nxt is not None:
+                cache.tokens.append(tok)  # queued for feeding already
+            yield Cycle([tok])
+            y = nxt
+    except GeneratorExit:  # closed between steps: the caches are consistent, tidy them up
+        tidy()
+        raise
+    tidy()  # any other exception leaves cache.busy set: the next request starts over
+
+
 def decode(
     model: DFlashModel,
     prompt: List[int],
@@ -224,26 +284,85 @@ def decode(
     key: Optional[mx.array] = None,
     prefill_step_size: int = 2048,
     profile: bool = False,
+    scheduler=None,
 ) -> Iterator[Cycle]:
     """Generate from a prompt with speculative decoding; yields one Cycle per step.
 
     Args:
         model: the loaded pair. prompt: token ids (at least one). cache: reused if it
             holds a prefix of prompt. params: target sampling. max_tokens: budget.
-        block_size: tokens verified per cycle (anchor + block_size - 1 drafts).
+        block_size: tokens verified per cycle (anchor + block_size - 1 drafts); ignored
+            when a scheduler chooses.
         use_selector: walk the DFlash 2 lattice; False drafts each row's top token.
         key: PRNG key for sampling. profile: time each stage (adds syncs).
+        scheduler: a ``schedule.Scheduler`` (``block_size="auto"``) choosing each cycle's
+            block from the past only, so every schedule is lossless; None: fixed blocks.
     """
     key = mx.random.key(int(time.time_ns() % 2**31)) if key is None else key
     with mx.stream(generation_stream()):
         first, key = prefill(model, prompt, cache, params, key, prefill_step_size)
         yield first
         history = list(prompt) + first.tokens
-        n_gen = 1
+        n_gen, t_last = 1, time.perf_counter()
         while n_gen < max_tokens:
-            b = max(1, min(block_size, max_tokens - n_gen))
+            budget = max_tokens - n_gen
+            choice = scheduler.choose(budget) if scheduler is not None else None
+            b = choice.block if choice else max(1, min(block_size, budget))
             key, k_draft, k_acc = mx.random.split(key, 3)
+            if b == 1 and choice and not params.processors:
+                steps = plain_steps(
+                    model, cache, params, history, min(budget, scheduler.plain_run()), k_draft
+                )
+                try:
+                    for step in steps:
+                        t_last = _timed(scheduler, 1, 0, t_last)
+                        history += step.tokens
+                        n_gen += 1
+                        yield step
+                finally:
+                    steps.close()  # closed early: its caches are tidied before ours are read
+                continue
             step = cycle(model, cache, params, history, b, use_selector, (k_draft, k_acc), profile)
+            t_last = _timed(scheduler, b, step.accepted, t_last)
             history += step.tokens
             n_gen += len(step.tokens)
             yield step
+
+
+def _timed(scheduler, block: int, accepted: int, since: float) -> float:
+    """Give the scheduler a step's wall time (from the previous step's result to this one,
+    consumer time included, as it is for every block size); return now."""
+    now = time.perf_counter()
+    if scheduler is not None:
+        scheduler.record(block, accepted, now - since)
+    return now
+
+
+def warm_up(model: DFlashModel, context: int = 48) -> Tuning:
+    """Measure what a step costs on this machine at blocks 1 (plain), 2 and the checkpoint's
+    (the scheduler interpolates between them and refines them from live timings), on a
+    throwaway cache; sets and returns ``model.tuning``.
+
+    Args:
+        model: the loaded pair. context: tokens of dummy context before the timed steps.
+    """
+    B = model.block_size
+    table, params = CostTable(B), SamplingParams()
+    cache = model.make_cache()
+    ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
+    with mx.stream(generation_stream()):
+        first, key = prefill(model, ids, cache, params, mx.random.key(0))
+        history = ids + first.tokens
+        for b in [B] + sorted({2, B}):  # the first block-B cycle warms the kernels up
+            t = time.perf_counter()
+            step = cycle(model, cache, params, history, b, True, (key, key))
+            mx.eval(cache.state)
+            table.seconds[b] = time.perf_counter() - t  # the last measurement stands
+            history += step.tokens
+        t = None
+        for i, step in enumerate(plain_steps(model, cache, params, history, 5, key)):
+            t = time.perf_counter() if i == 0 else t  # time steps 2..5 (the pipeline is full)
+            history += step.tokens
+        table.seconds[1] = (time.perf_counter() - t) / 4
+    model.tuning = Tuning(table)
+    return model.tuning

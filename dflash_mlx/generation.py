@@ -14,7 +14,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptance import SamplingParams
-from .decode import Cycle, decode
+from .decode import Cycle, decode, warm_up
 from .errors import DFlashError
 from .prompt import (
     chat_ids,
@@ -26,7 +26,7 @@ from .prompt import (
     room,
     with_default_stops,
 )
-from .settings import GenerationConfig
+from .settings import AUTO, GenerationConfig
 from .state import DFlashModel, PromptCache
 
 Prompt = Union[str, Sequence[int], Sequence[Dict[str, str]]]
@@ -43,8 +43,12 @@ class GenerationResponse:
         prompt_tokens: prompt length; prompt_processed: tokens actually prefilled (the rest
             came from the prompt cache). prompt_tps, generation_tps: tokens per second.
         generation_tokens: tokens generated so far. tau: mean tokens per verify cycle so far.
-        cycles: verify cycles so far. peak_memory: GB. acceptance: conditional acceptance
-            per block position so far. timings: seconds per stage (profile=True).
+        cycles: verify cycles so far (plain steps included). peak_memory: GB.
+        acceptance: conditional acceptance per block position so far.
+        blocks: how many steps used each block size (1 = a plain target step).
+        plain_share: the share of steps decoded plainly.
+        schedule: with block_size="auto", when and why decoding switched to or from
+            plain decoding. timings: seconds per stage (profile=True).
     """
 
     text: str
@@ -60,6 +64,9 @@ class GenerationResponse:
     cycles: int
     peak_memory: float
     acceptance: List[float] = field(default_factory=list)
+    blocks: Dict[int, int] = field(default_factory=dict)
+    plain_share: float = 0.0
+    schedule: List[str] = field(default_factory=list)
     timings: Dict[str, float] = field(default_factory=dict)
 
 
@@ -212,6 +219,8 @@ class _Stats:
         self.generated = self.cycles = self.committed = self.processed = 0
         self.reached = [0] * block_size
         self.accepted_at = [0] * block_size
+        self.blocks: Dict[int, int] = {}
+        self.notes: List[str] = []
         self.timings: Dict[str, float] = {}
         self.tic, self.prompt_time = time.perf_counter(), 0.0
 
@@ -223,6 +232,7 @@ class _Stats:
         else:
             self.cycles += 1
             self.committed += len(cyc.tokens)
+            self.blocks[cyc.drafted + 1] = self.blocks.get(cyc.drafted + 1, 0) + 1
             for k in range(min(cyc.accepted + 1, cyc.drafted)):
                 self.reached[k] += 1
                 self.accepted_at[k] += k < cyc.accepted
@@ -247,6 +257,9 @@ class _Stats:
             cycles=self.cycles,
             peak_memory=mx.get_peak_memory() / 1e9,
             acceptance=[a / r if r else 0.0 for a, r in pairs][: self.block_size - 1],
+            blocks=dict(sorted(self.blocks.items())),
+            plain_share=self.blocks.get(1, 0) / self.cycles if self.cycles else 0.0,
+            schedule=list(self.notes),
             timings=dict(self.timings),
         )
 
@@ -299,8 +312,14 @@ def stream_generate(
             (``ContextLengthError``); ``max_tokens`` is clamped to the room the context leaves.
     """
     cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
-    block_size = cfg.block_size or model.block_size
     ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
+    params = sampling_params(cfg)
+    sched = None
+    if cfg.block_size == AUTO:
+        tuning = model.tuning or warm_up(model)
+        selector = cfg.use_selector and model.drafter.has_selector
+        sched = tuning.scheduler(params.greedy, selector, seeded=cfg.seed is not None)
+    block_size = model.block_size if cfg.block_size in (None, AUTO) else cfg.block_size
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
     stats = _Stats(len(ids), block_size)
     eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
@@ -311,22 +330,30 @@ def stream_generate(
         model,
         ids,
         cache,
-        sampling_params(cfg),
+        params,
         max_tokens=cfg.max_tokens,
         block_size=block_size,
         use_selector=cfg.use_selector,
         key=key,
         prefill_step_size=prefill_step_size,
         profile=profile,
+        scheduler=sched,
     )
-    for cyc in cycles:
-        stats.add(cyc)
-        tokens, finish = _take(cyc.tokens, eos, stats.generated, cfg.max_tokens)
-        stats.generated += len(tokens)
-        piece, finish = text.add(tokens, finish)
-        yield stats.response(piece, tokens, cyc.accepted, finish)
-        if finish:
-            return
+    try:
+        for cyc in cycles:
+            stats.add(cyc)
+            if sched is not None:
+                stats.notes = sched.notes
+            tokens, finish = _take(cyc.tokens, eos, stats.generated, cfg.max_tokens)
+            stats.generated += len(tokens)
+            piece, finish = text.add(tokens, finish)
+            yield stats.response(piece, tokens, cyc.accepted, finish)
+            if finish:
+                return
+    finally:
+        cycles.close()  # the decode loop tidies the caches up before the prior is updated
+        if sched is not None:
+            model.tuning.finish(sched)
 
 
 def generate(model: DFlashModel, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:

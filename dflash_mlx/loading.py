@@ -251,6 +251,22 @@ def _load_target(path: Path, name: str, tokenizer_config: Optional[dict]):
         ) from None
 
 
+def load_target(model: str, offline: Optional[bool] = None, quiet: bool = False):
+    """Only the target (no drafter): for training a drafter, or plain mlx-lm decoding.
+
+    Args:
+        model: a registry alias (its default target), a Hub id, a local mlx-lm directory or
+            a ``.gguf`` file. offline, quiet: as for ``load``.
+
+    Returns:
+        (mlx-lm model, tokenizer).
+    """
+    entry = registry.find(str(model).strip())
+    target, name = (entry.target(), entry.alias) if entry else _resolve_target(str(model))
+    path = locate(target, "model", hub.offline_mode(offline), quiet, None)
+    return _load_target(path, name, None)
+
+
 def _target_dtype(model):
     """The dtype the target computes in (its embedding output)."""
     import mlx.core as mx
@@ -268,8 +284,10 @@ def load(
     quiet: bool = False,
     log: Optional[Callable[[str], None]] = None,
     tokenizer_config: Optional[dict] = None,
+    warmup: bool = True,
 ) -> Tuple["DFlashModel", object]:
-    """Load a target model and its DFlash drafter.
+    """Load a target model and its DFlash drafter, and time a few decode steps for the
+    ``block_size="auto"`` scheduler.
 
     Args:
         model: a registry alias (case-insensitive; ``dflash models`` lists them), a Hub id,
@@ -281,6 +299,7 @@ def load(
         quiet: no download notices or progress bars. log: callable(str) for notices
             (default: print to stderr).
         tokenizer_config: extra options for mlx-lm's tokenizer loader.
+        warmup: measure step costs now (else at the first ``block_size="auto"`` request).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -290,6 +309,7 @@ def load(
         DFlashError: one line naming the problem and the fix.
     """
     from .checkpoint import load_drafter
+    from .decode import warm_up
     from .state import DFlashModel
     from .target import TargetAdapter
 
@@ -303,4 +323,6 @@ def load(
     check_compatible(adapter, draft, f"drafter {dname}")
     adapter.tap(draft.args.target_layer_ids)
     pair = DFlashModel(target, draft, adapter, str(tpath), str(dpath), res.display_name)
+    if warmup:
+        warm_up(pair)
     return pair, tokenizer

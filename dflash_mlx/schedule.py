@@ -24,6 +24,8 @@ EMA = 0.25  # weight of a new cost observation
 PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each position
 FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
 PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to the max
+PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
+DEFAULT_PRIOR = 0.7  # acceptance assumed per position before a model has decoded anything
 
 
 class CostTable:
@@ -130,49 +132,75 @@ class Scheduler:
         costs: the model's CostTable (shared across requests, updated here).
         prior: acceptance per draft position from earlier requests (len max_block - 1).
         min_block: smallest speculative block considered (2).
+        frozen: never update the costs (a seeded request's schedule must not depend on
+            timings taken during it).
     """
 
-    def __init__(self, costs: CostTable, prior: list[float], min_block: int = 2):
-        self.costs = costs
+    def __init__(
+        self, costs: CostTable, prior: list[float], min_block: int = 2, frozen: bool = False
+    ):
+        self.costs, self.frozen = costs, frozen
         self.max_block = costs.max_block
         self.min_block = min_block
         self.acc = Acceptance(list(prior))
-        self.plain_run = 0
+        self.since_spec = 0
         self.probe_after = PROBE_START
         self.history: Counter = Counter()
+        self.key: tuple = ()  # (mode, selector): where Tuning keeps this request's prior
+        self.notes: list[str] = []  # why and when decoding switched to / from plain
+        self._plain = False
         self.last_reason = ""
 
-    def _best(self, rates: list[float]) -> tuple[int, float]:
+    def _best(self, rates: list[float], top: int) -> tuple[int, float]:
+        """The speculative block (<= top) with the highest expected speedup over plain."""
         plain = 1.0 / self.costs(1)
-        best_b, best = 1, 1.0
-        for b in range(self.min_block, self.max_block + 1):
+        best_b, best = self.min_block, 0.0
+        for b in range(self.min_block, top + 1):
             s = expected_tokens(rates, b) / self.costs(b) / plain
             if s > best:
                 best_b, best = b, s
         return best_b, best
 
     def choose(self, budget: int | None = None) -> Choice:
-        """The block size for the next cycle.
+        """The block size for the next cycle (1: a plain step).
 
         Args:
             budget: tokens still to generate (a block never drafts past it).
         """
         top = self.max_block if budget is None else max(1, min(self.max_block, budget))
-        b, s = self._best(self.acc.rates())
-        b = min(b, top)
-        if b >= self.min_block:
+        if top < self.min_block:
+            return Choice(1, 1.0, reason="one token left")
+        b, s = self._best(self.acc.rates(), top)
+        if s > 1.0:
             self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
-            return Choice(b, s, reason=f"block {b}: expected {s:.2f}x plain decoding")
-        ob, os_ = self._best(self.acc.rates(optimistic=True))
-        self.last_reason = (
-            f"plain: no block beats plain decoding (best {ob}: {os_:.2f}x even optimistically)"
-            if os_ <= 1.0
-            else f"plain: best block expected {s:.2f}x; re-probing after {self.probe_after} steps"
-        )
-        if os_ > 1.0 and self.plain_run >= self.probe_after and top >= self.min_block:
-            self.probe_after = min(self.probe_after * 2, PROBE_MAX)
-            return Choice(min(ob, top), os_, probe=True, reason=f"probe block {min(ob, top)}")
-        return Choice(1, 1.0, reason=self.last_reason)
+            choice = Choice(b, s, reason=f"block {b}: expected {s:.2f}x plain decoding")
+        else:
+            ob, os_ = self._best(self.acc.rates(optimistic=True), top)
+            if os_ <= 1.0:
+                why = f"no block beats plain decoding (best, block {b}: {s:.2f}x; even "
+                why += f"optimistically {os_:.2f}x)"
+            else:
+                why = f"best block {b} expected {s:.2f}x plain; re-probing with backoff"
+            self.last_reason = "plain: " + why
+            if os_ > 1.0 and self.since_spec >= self.probe_after:
+                self.probe_after = min(self.probe_after * 2, PROBE_MAX)
+                choice = Choice(ob, os_, probe=True, reason=f"probe block {ob}")
+            else:
+                choice = Choice(1, 1.0, reason=self.last_reason)
+        self._note(choice)
+        return choice
+
+    def _note(self, choice: Choice) -> None:
+        """Remember switches between plain and speculative decoding (for --verbose)."""
+        plain = choice.block == 1
+        if plain != self._plain and len(self.notes) < 20:
+            steps = sum(self.history.values())
+            self.notes.append(f"step {steps}: {choice.reason}")
+        self._plain = plain
+
+    def plain_run(self) -> int:
+        """Plain steps to run back to back before choosing again (up to the next probe)."""
+        return max(1, min(PLAIN_RUN_MAX, self.probe_after - self.since_spec))
 
     def record(self, b: int, accepted: int, seconds: float | None) -> None:
         """Fold in a finished cycle of block b.
@@ -181,13 +209,13 @@ class Scheduler:
             accepted: drafts accepted. seconds: the cycle's wall time, or None if unknown.
         """
         self.history[b] += 1
-        if seconds is not None and seconds > 0:
+        if seconds is not None and seconds > 0 and not self.frozen:
             self.costs.observe(b, seconds)
         if b == 1:
-            self.plain_run += 1
+            self.since_spec += 1
             return
         self.acc.update(b - 1, accepted)
-        self.plain_run = 0
+        self.since_spec = 0
 
     def posterior(self) -> list[float]:
         """Acceptance per position after this request (the next request's prior)."""
@@ -200,3 +228,47 @@ class Scheduler:
             "blocks": dict(sorted(self.history.items())),
             "plain_share": self.history.get(1, 0) / n if n else 0.0,
         }
+
+
+class Tuning:
+    """What a loaded model keeps across requests: the costs measured at load, a live cost
+    table per decoding mode (greedy, sampled) and an acceptance prior per (mode, selector).
+
+    Args:
+        measured: the CostTable of the warm-up at load (kept as measured).
+    """
+
+    def __init__(self, measured: CostTable):
+        self.max_block = measured.max_block
+        self.measured = measured
+        self.costs: dict[str, CostTable] = {}
+        self.priors: dict[tuple, list[float]] = {}
+
+    def _copy(self) -> CostTable:
+        table = CostTable(self.max_block)
+        table.seconds = dict(self.measured.seconds)
+        return table
+
+    def scheduler(self, greedy: bool, selector: bool, seeded: bool = False) -> Scheduler:
+        """A scheduler for one request.
+
+        Args:
+            greedy: temperature 0. selector: the path selector is on.
+            seeded: seeded sampling: the schedule must depend on the seed alone, so it uses
+                the costs measured at load, frozen, and the default prior (two runs with the
+                same seed on the same loaded model then draw the same sample).
+        """
+        mode = "greedy" if greedy else "sampled"
+        default = [DEFAULT_PRIOR] * (self.max_block - 1)
+        if seeded and not greedy:
+            sched = Scheduler(self._copy(), default, frozen=True)
+        else:
+            table = self.costs.setdefault(mode, self._copy())
+            sched = Scheduler(table, self.priors.get((mode, selector), default))
+        sched.key = (mode, selector, seeded and not greedy)
+        return sched
+
+    def finish(self, sched: Scheduler) -> None:
+        """Carry a finished request's acceptance into the prior of its mode."""
+        if not sched.key[2]:
+            self.priors[sched.key[:2]] = sched.posterior()

@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Union
 from .errors import DFlashError
 
 SEED_MAX = 2**32 - 1  # seeds are 0 .. 2**32 - 1
+AUTO = "auto"  # block_size chosen per cycle by the scheduler (schedule.py)
 
 # max_tokens when the user gives none, per entry point; "api" is the field default.
 MAX_TOKENS = {"api": 256, "run": 256, "chat": 1024, "serve": 512, "bench": 128}
@@ -59,8 +60,9 @@ class GenerationConfig:
         presence_penalty, frequency_penalty: in [-2, 2], 0 is off. repetition_penalty:
             > 0 or None (off). logit_bias: token id -> bias in [-100, 100]. All applied
             exactly at every block position, so sampling stays lossless.
-        block_size: tokens per verify cycle: None for the drafter checkpoint's, else an
-            int in 2 .. the checkpoint's.
+        block_size: tokens per verify cycle: "auto" (the default) chooses each cycle's block,
+            plain decoding included, from measured costs and live acceptance; None is the
+            drafter checkpoint's block; an int in 2 .. the checkpoint's is fixed.
         use_selector: walk the DFlash 2 path selector; False drafts each row's top token.
         seed: 0 .. 2**32 - 1 makes sampling reproducible; None draws a fresh one.
         stop: strings that end the completion (not included in the text).
@@ -75,7 +77,7 @@ class GenerationConfig:
     frequency_penalty: float = 0.0
     repetition_penalty: Optional[float] = None
     logit_bias: Optional[Dict[int, float]] = None
-    block_size: Optional[int] = None
+    block_size: Union[int, str, None] = AUTO
     use_selector: bool = True
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
@@ -118,7 +120,8 @@ class GenerationConfig:
 
 
 def check_block_size(value, checkpoint: Optional[int], flags: bool = False) -> None:
-    """The one check of a block size: None (the checkpoint's) or an int in 2..checkpoint.
+    """The one check of a block size: "auto", None (the checkpoint's) or an int in
+    2..checkpoint.
 
     Args:
         value: the setting. checkpoint: the drafter's block size, or None when not loaded.
@@ -127,11 +130,11 @@ def check_block_size(value, checkpoint: Optional[int], flags: bool = False) -> N
     Raises:
         SettingError: out of range or not an integer.
     """
-    if value is None:
+    if value is None or value == AUTO:
         return
     name = FLAGS["block_size"] if flags else "block_size"
     if isinstance(value, bool) or not isinstance(value, Integral):
-        raise SettingError(f"{name} must be an integer (got {value!r})", "block_size")
+        raise SettingError(f"{name} must be an integer or {AUTO!r} (got {value!r})", "block_size")
     if flags and value < 2:
         raise SettingError(f"{name} must be at least 2 (got {value})", "block_size")
     if checkpoint is None:
@@ -212,3 +215,17 @@ class _Checker:
             return
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             self.fail("stop", f"must be a string or a list of strings (got {stop!r})")
+
+
+def parse_block_size(text: Optional[str]):
+    """A block size as typed on a command line: "auto", an integer, or None; anything else
+    is returned as-is for ``check_block_size`` to reject with the flag's name."""
+    if text is None:
+        return None
+    t = str(text).strip().lower()
+    if t == AUTO:
+        return AUTO
+    try:
+        return int(t)
+    except ValueError:
+        return text

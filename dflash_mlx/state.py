@@ -20,6 +20,7 @@ class DFlashModel:
         target: the mlx-lm model. drafter: the DFlash drafter. adapter: capture/rollback.
         target_path, drafter_path: where they were loaded from.
         name: what to call the pair (a registry alias, a Hub id or a directory name).
+        tuning: the ``block_size="auto"`` scheduler's costs and priors (``decode.warm_up``).
     """
 
     target: object
@@ -28,6 +29,8 @@ class DFlashModel:
     target_path: str = ""
     drafter_path: str = ""
     name: str = ""
+    # Costs measured here and acceptance priors for block_size="auto" (schedule.Tuning).
+    tuning: Optional[object] = None
 
     @property
     def block_size(self) -> int:

@@ -11,6 +11,7 @@ from dflash_mlx.checkpoint import load_drafter
 from dflash_mlx.decode import decode
 from dflash_mlx.state import DFlashModel
 from dflash_mlx.target import TargetAdapter
+from scripted import Scripted
 from tiny_models import build_drafter, build_target
 
 
@@ -106,16 +107,18 @@ def exact_law(model, prompt, n, temp, top_p, top_k, presence):
 
 
 @pytest.mark.parametrize(
-    "selector,temp,top_p,top_k,presence",
+    "selector,temp,top_p,top_k,presence,script",
     [
-        (True, 1.0, 1.0, 0, 0.0),
-        (True, 0.8, 0.9, 5, 0.0),
-        (True, 1.0, 1.0, 0, 1.5),
-        (False, 0.7, 1.0, 4, 1.0),
+        (True, 1.0, 1.0, 0, 0.0, None),
+        (True, 0.8, 0.9, 5, 0.0, None),
+        (True, 1.0, 1.0, 0, 1.5, None),
+        (False, 0.7, 1.0, 4, 1.0, None),
+        (True, 0.9, 1.0, 0, 0.0, [1, 4]),  # a plain step (pipelined), then a block
+        (True, 1.0, 1.0, 0, 1.0, [2, 1]),  # with a penalty, plain steps go through cycle()
     ],
 )
 def test_end_to_end_sampling_matches_the_target_law(
-    small_vocab_pair, selector, temp, top_p, top_k, presence
+    small_vocab_pair, selector, temp, top_p, top_k, presence, script
 ):
     model = small_vocab_pair
     prompt = [2, 5, 1, 7]
@@ -137,11 +140,13 @@ def test_end_to_end_sampling_matches_the_target_law(
             block_size=4,
             use_selector=selector,
             key=sub,
+            scheduler=None if script is None else Scripted(script, plain=1),
         ):
             out += c.tokens
             drafted_accepted += c.accepted
         samples.append(tuple(out[:n]))
-    assert drafted_accepted > trials // 4  # drafts really were accepted along the way
+    # drafts really were accepted along the way (scripts spend some steps drafting nothing)
+    assert drafted_accepted > (trials // 4 if script is None else trials // 8)
     for pos in range(1, n):  # marginal law of each later position
         exact = np.zeros(8)
         for seq, pr in law.items():

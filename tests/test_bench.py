@@ -19,8 +19,14 @@ def test_prompts_from_jsonl_and_errors(tmp_path):
         load_prompts(str(f), 2)
     with pytest.raises(DFlashError, match="is not a file"):
         load_prompts(str(tmp_path / "nope.jsonl"), 2)
-    with pytest.raises(DFlashError, match="give --prompt or --dataset"):
-        load_prompts(None, 2)
+
+
+def test_default_prompts_are_the_builtin_code_and_chat_mix():
+    from dflash_mlx.bench_prompts import CHAT, CODE
+
+    got = load_prompts(None, 4)
+    assert got == [CODE[0], CHAT[0], CODE[1], CHAT[1]]
+    assert load_prompts("chat", 100) == CHAT and load_prompts("code", 3) == CODE[:3]
 
 
 def test_report_has_every_method_position_and_figure(pairs, tmp_path):
@@ -28,11 +34,18 @@ def test_report_has_every_method_position_and_figure(pairs, tmp_path):
 
     model, tok = pairs("qwen3", "d2")
     rep = run_bench(model, tok, ["def parse_args(", "import os\n"], max_tokens=24, block_size=8)
-    assert set(rep["methods"]) == {"autoregressive", "dflash1", "dflash2"}
+    assert set(rep["methods"]) == {"autoregressive", "dflash1", "dflash2", "auto"}
     assert rep["methods"]["autoregressive"]["speedup"] == pytest.approx(1.0)
-    for m in ("dflash1", "dflash2"):
+    for m in ("dflash1", "dflash2", "auto"):
         assert rep["methods"][m]["tau"] >= 1.0 and rep["methods"][m]["tokens"] == 48
         assert len(rep["positions"][f"acceptance_{m}"]) == 7
+    auto = rep["methods"]["auto"]
+    # every step of the auto run is in its histogram: 2 prompts x 23 tokens after the first
+    assert auto["tau"] * sum(auto["blocks"].values()) == pytest.approx(46)
+    assert auto["plain_share"] == pytest.approx(
+        auto["blocks"].get("1", 0) / sum(auto["blocks"].values())
+    )
+    assert set(rep["methods"]["dflash2"]["blocks"]) <= {str(b) for b in range(1, 9)}
     r1, r16 = rep["positions"]["recall@1"], rep["positions"]["recall@16"]
     assert len(r1) == 7 and all(a <= b for a, b in zip(r1, r16))
     assert rep["tau_oracle"] >= rep["tau_top1_teacher_forced"] >= 1.0

@@ -123,7 +123,21 @@ def test_run_streams_text_then_stats(pair, loaded):
     err = r.stderr
     for key in ("prompt", "tok/s", "generated  24 tokens", "tau", "acceptance", "peak mem"):
         assert key in err, (key, err)
-    assert "selector on" in err and "block 8" in err
+    assert "selector on" in err and "block auto" in err and "blocks" in err
+
+
+def test_run_auto_block_size_reports_blocks_plain_share_and_why(pair, loaded):
+    r = invoke("run", *model_args(pair), "--prompt", "hello world", "-m", 16, "--json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["block_size"] == "auto"
+    assert sum(out["blocks"].values()) == out["cycles"]
+    assert out["plain_share"] == pytest.approx(out["blocks"].get("1", 0) / out["cycles"], abs=1e-4)
+    # A random drafter cannot pay: the scheduler decodes plainly and --verbose says why.
+    r = invoke("run", *model_args(pair), "hello world", "-m", 24, "--verbose")
+    assert r.exit_code == 0, r.stderr
+    assert "schedule" in r.stderr and "plain" in r.stderr
+    assert "blas" in r.stderr and "blocks" in r.stderr
 
 
 def test_run_json(pair, loaded):
@@ -181,6 +195,8 @@ def test_run_sampling_is_seeded_and_verbose(pair):
         0.5,
         "--seed",
         7,
+        "--block-size",  # two processes time their warm-ups differently: under auto the
+        4,  # schedule (and so the sample, not its law) may differ between them
         "--json",
     ]
     a, b = invoke("run", *args), invoke("run", *args)

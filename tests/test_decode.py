@@ -110,3 +110,36 @@ def test_greedy_with_penalties_matches_mlx_lm_processors_per_position(pairs, kin
     finally:
         model.drafter = real
     assert out == ref
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("script", [[1, 8, 3, 1, 1, 5, 2], [4, 1], [1]])
+@pytest.mark.parametrize("oracle", [False, True])
+def test_greedy_matches_mlx_lm_under_any_schedule_of_plain_and_speculative_steps(
+    pairs, kind, script, oracle
+):
+    from scripted import Scripted
+
+    model, tok = pairs(kind, "d2")
+    ids = tok.encode(PROMPTS[1])
+    ref = reference(model, ids, 90)
+    real = model.drafter
+    if oracle:  # drafts get accepted, so blocks commit several tokens between plain runs
+        model.drafter = OracleDrafter(real, ids + ref, wrong_at=(4,))
+    sched = Scripted(script)
+    try:
+        out = []
+        for c in decode(
+            model,
+            ids,
+            model.make_cache(),
+            SamplingParams(),
+            max_tokens=64,
+            block_size=8,
+            scheduler=sched,
+        ):
+            out += c.tokens
+    finally:
+        model.drafter = real
+    assert out == ref[:64]
+    assert set(script) <= set(sched.used)  # every scripted block size really ran

@@ -6,15 +6,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import llama
-from tiny_models import CHAT_TEMPLATE, CORPUS, SPECIALS
+from tiny_models import CHAT_TEMPLATE, CORPUS, SPECIALS, train_tokenizer
 
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.gguf import build_tokenizer, load_gguf, packaged_gguf
 
 
 def _tiny_vocab(tmp_path):
-    from dflash_mlx.corpus import train_tokenizer
-
     tok = train_tokenizer([CORPUS], 300, SPECIALS)
     model = json.loads(tok.to_str())["model"]
     vocab = sorted(model["vocab"].items(), key=lambda kv: kv[1])

@@ -74,6 +74,16 @@ def test_good_values_pass():
     assert GenerationConfig(seed=0, stop="x").validate() is not None
 
 
+def test_block_size_auto_is_the_default_and_parses_from_the_command_line():
+    from dflash_mlx.settings import parse_block_size
+
+    check_block_size("auto", 8)
+    assert parse_block_size("AUTO") == "auto" and parse_block_size(" 4 ") == 4
+    assert parse_block_size(None) is None
+    with pytest.raises(SettingError, match="^--block-size must be an integer or 'auto'"):
+        GenerationConfig(block_size=parse_block_size("fast")).validate(flags=True)
+
+
 def test_block_size_is_checked_in_one_place():
     check_block_size(None, 8)
     check_block_size(8, 8)
@@ -93,7 +103,7 @@ def test_defaults():
     assert cfg.max_tokens == MAX_TOKENS["api"] == MAX_TOKENS["run"] == 256
     assert (MAX_TOKENS["chat"], MAX_TOKENS["serve"], MAX_TOKENS["bench"]) == (1024, 512, 128)
     assert (cfg.temperature, cfg.top_p, cfg.top_k, cfg.min_p) == (0.0, 1.0, 0, 0.0)
-    assert cfg.block_size is None and cfg.use_selector and cfg.seed is None
+    assert cfg.block_size == "auto" and cfg.use_selector and cfg.seed is None
     assert {f.name for f in fields(cfg)} >= set(FLAGS)
     with pytest.raises(Exception):  # frozen: a request changes a copy, never the defaults
         cfg.temperature = 1.0

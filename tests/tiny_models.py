@@ -14,7 +14,6 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
-from dflash_mlx.corpus import train_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -27,6 +26,23 @@ CORPUS = (
     "class Foo:\n    def __init__(self, x):\n        self.x = x\n"
     "The quick brown fox jumps over the lazy dog. Hello world!\n"
 ) * 4
+
+
+def train_tokenizer(texts, vocab_size: int, special_tokens):
+    """A byte-level BPE trained with ``tokenizers`` on texts; special tokens get ids 0.."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
 
 
 def build_tokenizer(path: Path, vocab_size: int = 320, chat_template: bool = True) -> int:
@@ -74,19 +90,33 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
             "linear_value_head_dim": 16,
             "linear_conv_kernel_dim": 4,
             "rope_parameters": {
-                "type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "type": "default",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
             },
             **base,
         }
     if kind == "muse_glimmer":  # soft-capped logits, sliding + full attention
-        return {"model_type": "muse_glimmer", "sliding_window": 8, "rope_theta": 10000.0,
-                "qk_scale_factor": 1.0, **base}
+        return {
+            "model_type": "muse_glimmer",
+            "sliding_window": 8,
+            "rope_theta": 10000.0,
+            "qk_scale_factor": 1.0,
+            **base,
+        }
     raise ValueError(kind)
 
 
-def build_target(path: Path, kind: str = "qwen3", seed: int = 0, vocab_size: Optional[int] = None,
-                 tokenizer: bool = True, chat_template: bool = True,
-                 context: Optional[int] = None, **kw) -> Path:
+def build_target(
+    path: Path,
+    kind: str = "qwen3",
+    seed: int = 0,
+    vocab_size: Optional[int] = None,
+    tokenizer: bool = True,
+    chat_template: bool = True,
+    context: Optional[int] = None,
+    **kw,
+) -> Path:
     """Write a tiny random float32 target (config, weights, tokenizer) to path; context
     sets max_position_embeddings (4096 by default)."""
     from mlx_lm.utils import _get_classes
@@ -109,8 +139,9 @@ def build_target(path: Path, kind: str = "qwen3", seed: int = 0, vocab_size: Opt
     return path
 
 
-def build_drafter(path: Path, target_dir: Path, dflash2: bool = True, seed: int = 1,
-                  block_size: int = 16, **kw) -> Path:
+def build_drafter(
+    path: Path, target_dir: Path, dflash2: bool = True, seed: int = 1, block_size: int = 16, **kw
+) -> Path:
     """Write a tiny random drafter fitting the target in target_dir."""
     tcfg = json.loads((Path(target_dir) / "config.json").read_text())
     n = tcfg["num_hidden_layers"]

@@ -15,6 +15,7 @@ import typer
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
+from .stats import blocks_text
 
 
 def bench(
@@ -22,19 +23,24 @@ def bench(
     drafter: Optional[str] = c.DRAFTER,
     quant: Optional[str] = c.QUANT,
     dataset: Optional[str] = typer.Option(
-        None, "--dataset", help="'humaneval' (needs the bench extra) or a JSONL file."
+        None,
+        "--dataset",
+        help="Built-in 'mixed' (default: code + chat), 'code' or 'chat'; 'humaneval' (needs the "
+        "bench extra); or a JSONL file.",
     ),
     field: str = typer.Option("prompt", "--field", help="JSONL field holding the prompt."),
     prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="A single prompt."),
     max_samples: int = typer.Option(20, "--max-samples", "-n", help="Prompts to run."),
     max_tokens: int = c.max_tokens_option("bench", "Tokens per prompt."),
-    block_size: Optional[int] = c.BLOCK_SIZE,
+    block_size: Optional[str] = c.BLOCK_SIZE,
     temp: float = c.TEMP,
     seed: int = typer.Option(
         0, "--seed", help="PRNG seed, 0..2**32-1 (fixed, for comparable runs)."
     ),
     chat_template: bool = typer.Option(
-        False, "--chat-template", help="Wrap prompts in the chat template (default: raw)."
+        True,
+        "--chat-template/--raw",
+        help="Send prompts through the model's chat template (default), or as raw text.",
     ),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the curves."),
@@ -44,7 +50,10 @@ def bench(
     if max_samples < 1 or max_tokens < 2:
         raise DFlashError("--max-samples must be >= 1 and --max-tokens >= 2")
     cfg = GenerationConfig(
-        max_tokens=max_tokens, temperature=temp, block_size=block_size, seed=seed
+        max_tokens=max_tokens,
+        temperature=temp,
+        block_size=c.parse_block_size(block_size),
+        seed=seed,
     )
     cfg.validate(flags=True)
     from ..bench import load_prompts
@@ -76,7 +85,7 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     from ..bench import latency_split, run_bench
     from ..generation import encode_prompt
 
-    block = cfg.block_size or m.block_size
+    block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
     with Progress(console=Console(stderr=True, highlight=False), transient=True) as bar:
         task = bar.add_task("prompts", total=len(prompts))
         rep = run_bench(
@@ -104,11 +113,15 @@ def print_report(rep: dict, console) -> None:
         title=f"dflash bench — {c['prompts']} prompts, block {c['block_size']}, "
         f"T={c['temperature']}, BLAS: {rep['blas']}"
     )
-    for col in ("method", "tau", "tok/s", "speedup"):
+    for col in ("method", "tau", "tok/s", "speedup", "blocks (plain share)"):
         t.add_column(col, justify="right" if col != "method" else "left")
     for m, row in rep["methods"].items():
         tau = f"{row['tau']:.2f}" if "tau" in row else "1.00"
-        t.add_row(m, tau, f"{row['tok_per_s']:.1f}", f"{row['speedup']:.2f}x")
+        blocks = ""
+        if m == "auto":
+            hist = {int(b): n for b, n in row["blocks"].items()}
+            blocks = f"{blocks_text(hist)} ({100 * row['plain_share']:.0f}%)"
+        t.add_row(m, tau, f"{row['tok_per_s']:.1f}", f"{row['speedup']:.2f}x", blocks)
     console.print(t)
     pos = rep["positions"]
     keys = [k for k in pos if k.startswith("recall")] + [k for k in pos if k.startswith("accept")]

@@ -345,7 +345,7 @@ def chat(
     min_p: float = c.MIN_P,
     presence_penalty: float = c.PRESENCE,
     seed: Optional[int] = c.SEED,
-    block_size: Optional[int] = c.BLOCK_SIZE,
+    block_size: Optional[str] = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     system: Optional[str] = c.SYSTEM,
     offline: bool = c.OFFLINE,

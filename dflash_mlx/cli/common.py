@@ -15,7 +15,7 @@ import typer
 from ..errors import DFlashError
 from ..hub import OFFLINE_HELP
 from ..prompt import check_text
-from ..settings import MAX_TOKENS, GenerationConfig
+from ..settings import MAX_TOKENS, GenerationConfig, parse_block_size
 
 D = GenerationConfig()
 
@@ -43,7 +43,10 @@ MIN_P = typer.Option(D.min_p, "--min-p", help="Min-p sampling (0 = off).")
 PRESENCE = typer.Option(D.presence_penalty, "--presence-penalty", help="Presence penalty.")
 SEED = typer.Option(D.seed, "--seed", help="PRNG seed for sampling, 0..2**32-1.")
 BLOCK_SIZE = typer.Option(
-    D.block_size, "--block-size", help="Tokens per verify (default: the drafter's block size)."
+    D.block_size,
+    "--block-size",
+    help="Tokens per verify: auto (each cycle's block chosen from measured costs and live "
+    "acceptance, plain decoding when drafting cannot pay) or a fixed 2..the drafter's block.",
 )
 NO_SELECTOR = typer.Option(
     not D.use_selector,
@@ -72,7 +75,7 @@ def settings(
     min_p: float,
     presence_penalty: float,
     seed: Optional[int],
-    block_size: Optional[int],
+    block_size: Optional[str],
     no_selector: bool,
 ) -> GenerationConfig:
     """The decoding settings of a command line, checked before anything is loaded.
@@ -91,7 +94,7 @@ def settings(
         top_k=top_k,
         min_p=min_p,
         presence_penalty=presence_penalty,
-        block_size=block_size,
+        block_size=parse_block_size(block_size),
         use_selector=not no_selector,
         seed=seed,
     )

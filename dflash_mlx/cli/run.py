@@ -28,7 +28,7 @@ def run(
     min_p: float = c.MIN_P,
     presence_penalty: float = c.PRESENCE,
     seed: Optional[int] = c.SEED,
-    block_size: Optional[int] = c.BLOCK_SIZE,
+    block_size: Optional[str] = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     system: Optional[str] = c.SYSTEM,
     ignore_chat_template: bool = typer.Option(
@@ -53,6 +53,11 @@ def run(
     last, pieces = _generate(m, tok, ids, cfg, dict(profile=verbose), as_json)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
+    extra = None
+    if verbose:
+        from ..blas import measure
+
+        extra = {"schedule": last.schedule, "blas": measure()["name"]}
     if as_json:
         print(json.dumps({"text": "".join(pieces), **s}, ensure_ascii=False))
         return
@@ -60,7 +65,7 @@ def run(
     sys.stdout.flush()
     if not quiet:
         con = stderr_console()
-        for line in stats_lines(s, last.timings if verbose else None):
+        for line in stats_lines(s, last.timings if verbose else None, extra):
             con.print(line)
 
 

@@ -31,7 +31,7 @@ def serve(
     min_p: float = c.MIN_P,
     presence_penalty: float = c.PRESENCE,
     seed: Optional[int] = c.SEED,
-    block_size: Optional[int] = c.BLOCK_SIZE,
+    block_size: Optional[str] = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     offline: bool = c.OFFLINE,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),

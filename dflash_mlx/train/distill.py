@@ -19,6 +19,7 @@ import argparse
 import json
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,6 +31,7 @@ from dflash_mlx.train.prompts import build_prompts
 
 FP16_MAX = 65000.0
 PREFILL_CHUNK = 128
+MAX_PROMPT = 320  # tokens; a longer prompt (a huge docstring) would pad its whole batch
 
 
 def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
@@ -120,7 +122,8 @@ def run(
     batch: int = 48,
     shard_size: int = 192,
     limit: int | None = None,
-    log=print,
+    log=partial(print, flush=True),
+    prompts: list | None = None,
 ) -> dict:
     """Generate every missing shard of a split.
 
@@ -129,13 +132,18 @@ def run(
         layer_ids: target layers to record. split: prompt split. max_new: answer budget.
         batch: prompts per generation batch. shard_size: prompts per shard.
         limit: use only the first ``limit`` prompts (smoke runs).
+        prompts: the prompt texts (default: ``build_prompts(split)``).
     """
     out = Path(out) / split
     out.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": list(layer_ids), "max_new": max_new}
     (out / "meta.json").write_text(json.dumps(meta))
     adapter = TargetAdapter(target, layer_ids)
-    prompts = build_prompts(split)[:limit]
+    encode = lambda p: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": p}], add_generation_prompt=True
+    )
+    texts = (build_prompts(split) if prompts is None else prompts)[:limit]
+    prompts = [ids for ids in map(encode, texts) if len(ids) <= MAX_PROMPT]
     eos = sorted(set(tokenizer.eos_token_ids))
     total = {"tokens": 0, "seconds": 0.0}
     for s0 in range(0, len(prompts), shard_size):
@@ -143,18 +151,14 @@ def run(
         if not claim(path):
             continue
         t0 = time.time()
-        ids = [
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True
-            )
-            for p in prompts[s0 : s0 + shard_size]
-        ]
+        ids = prompts[s0 : s0 + shard_size]
         order = np.argsort([len(i) for i in ids])  # similar lengths share a batch
         seqs = [None] * len(ids)
         for b0 in range(0, len(ids), batch):
             pick = order[b0 : b0 + batch]
             for i, r in zip(pick, generate_batch(adapter, [ids[i] for i in pick], eos, max_new)):
                 seqs[i] = r
+            log(f"{path.name}: batch {b0 // batch + 1}, {time.time() - t0:.0f} s")
         write_shard(path, seqs, [len(i) for i in ids])
         n = sum(len(s[0]) for s in seqs)
         dt = time.time() - t0
@@ -166,18 +170,23 @@ def run(
 
 def main(argv=None) -> None:
     """Command-line entry point (see the module docstring)."""
-    from dflash_mlx.gguf import load_gguf, packaged_gguf
-    from dflash_mlx.train_drafter import default_layer_ids
+    from dflash_mlx.loading import load_target
+    from dflash_mlx.train.common import default_layer_ids, default_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--target",
+        default=None,
+        help="alias, Hub id, directory or .gguf (default: the demo's SmolLM2-135M-Instruct GGUF)",
+    )
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--split", choices=["train", "heldout"], default="train")
     p.add_argument("--max-new", type=int, default=192)
     p.add_argument("--batch", type=int, default=48)
     p.add_argument("--limit", type=int, default=None)
     a = p.parse_args(argv)
-    target, tok, cfg = load_gguf(packaged_gguf())
-    ids = default_layer_ids(cfg["num_hidden_layers"])
+    target, tok = load_target(a.target or default_target())
+    ids = default_layer_ids(len(target.layers))
     run(target, tok, a.out, ids, a.split, a.max_new, a.batch, limit=a.limit)
 
 

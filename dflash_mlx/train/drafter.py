@@ -33,7 +33,6 @@ from mlx import nn
 from mlx.utils import tree_flatten
 
 from dflash_mlx.checkpoint import drafter_config, save_drafter
-from dflash_mlx.selector import select_path, top_candidates
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.common import (
     Every,
@@ -44,6 +43,7 @@ from dflash_mlx.train.common import (
     selector_scores,
 )
 from dflash_mlx.train.data import ShardSet, build_batch, eval_anchors
+from dflash_mlx.train.evaluate import evaluate, to_device
 
 DEMO_SHAPE = {
     "num_hidden_layers": 2,
@@ -100,74 +100,6 @@ def losses(
     return ce + sel_weight * sel, ce, sel
 
 
-def to_device(blk: dict, adapter: TargetAdapter, scale: float, dtype):
-    """Batch arrays on the device, with the block embeddings."""
-    ids = mx.array(blk["ids"])
-    emb = adapter.embed(ids)
-    emb = (emb * scale if scale != 1.0 else emb).astype(dtype)
-    return (
-        mx.array(blk["feats"]),
-        emb,
-        ids[:, 0],
-        mx.array(blk["offsets"]),
-        mx.array(blk["mask"]),
-        mx.array(blk["labels"]),
-    )
-
-
-def evaluate(drafter, adapter, data: ShardSet, picks, anchors, batch: int = 8) -> dict:
-    """Teacher-forced acceptance on held-out answers: tau for top-1 drafting (DFlash 1),
-    the greedy selector walk (DFlash 2) and the top-K oracle, and per-position accuracy.
-
-    A row counts as accepted while it and every row before it equal the target's token.
-    """
-    a = drafter.args
-    B, K, nb = a.block_size, a.selector_top_k, anchors.shape[1]
-    hits = {"argmax": [], "selector": [], "oracle": []}
-    for i in range(0, len(picks), batch):
-        blk = build_batch(
-            data,
-            picks[i : i + batch],
-            nb,
-            B,
-            a.mask_token_id,
-            None,
-            a.sliding_window,
-            anchors[i : i + batch],
-        )
-        feats, emb, anchor, offs, mask, labels = to_device(
-            blk, adapter, a.input_embedding_scale, drafter.fc.weight.dtype
-        )
-        kv = drafter.context_kv(drafter.project_context(feats), 0)
-        kv = [(mx.repeat(k, nb, 0), mx.repeat(v, nb, 0)) for k, v in kv]
-        h = drafter(emb, kv, offs, B, mask)[:, 1:]
-        logits = drafter.logits(h, adapter.lm_head).astype(mx.float32)
-        U, cand = top_candidates(logits, K)
-        sel = drafter.candidate_selector
-        path, _ = select_path(
-            U,
-            cand,
-            anchor,
-            sel.hidden_projection(h),
-            sel.predecessor_codebook,
-            sel.successor_codebook,
-        )
-        chosen = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), -1)[..., 0]
-        valid = np.array(blk["valid"]) > 0
-        for name, ok in (
-            ("argmax", mx.argmax(logits, -1) == labels),
-            ("selector", chosen.astype(mx.int32) == labels),
-            ("oracle", (cand == labels[..., None].astype(cand.dtype)).any(-1)),
-        ):
-            hits[name].append(np.array(ok) & valid)
-    out = {}
-    for name, parts in hits.items():
-        ok = np.concatenate(parts)  # [N, B-1]
-        out[f"tau_{name}"] = round(float(1 + np.cumprod(ok, axis=1).sum(1).mean()), 4)
-        out[f"pos_{name}"] = [round(float(v), 3) for v in ok.mean(0)]
-    return out
-
-
 def make_step(drafter, optimizer, head, vocab_ids, n_blocks, sel_weight):
     """A compiled optimizer step over one batch; returns (loss, ce, selector ce)."""
     state = [drafter.state, optimizer.state]
@@ -196,13 +128,14 @@ def make_step(drafter, optimizer, head, vocab_ids, n_blocks, sel_weight):
     return step, state
 
 
-def shortlist(data: ShardSet, vocab: int, cap: int) -> np.ndarray:
-    """Token ids the training head scores: every answer label, or the ``cap`` most
-    frequent. Softmax over all 49k entries costs most of a CPU step (MLX's CPU exp is
-    scalar); held-out evaluation always uses the full vocabulary."""
+def shortlist(data: ShardSet, vocab: int, cap: int, floor: int = 256) -> np.ndarray:
+    """Token ids the training head scores: every answer label (at least ``floor`` tokens,
+    the most frequent first), or the ``cap`` most frequent. Softmax over all 49k entries
+    costs most of a CPU step (MLX's CPU exp is scalar); held-out evaluation always uses the
+    full vocabulary."""
     counts = data.label_counts(vocab)
     order = np.argsort(-counts, kind="stable")
-    n = min(cap, max(int((counts > 0).sum()), 1))
+    n = min(cap, vocab, max(int((counts > 0).sum()), floor))
     return np.sort(order[:n]).astype(np.int32)
 
 
@@ -258,6 +191,79 @@ class Batches:
         return blk
 
 
+class Trainer:
+    """One training run: data, drafter, optimizer, evaluation and checkpoints.
+
+    Args: as for :func:`train`.
+    """
+
+    def __init__(
+        self,
+        target,
+        data_dir,
+        out,
+        shape,
+        seqs,
+        n_blocks,
+        lr,
+        gamma,
+        sel_weight,
+        vocab_cap,
+        eval_seqs,
+        resume,
+        seed,
+        log,
+    ):
+        self.out, self.lr, self.log = Path(out), lr, log
+        target.freeze()
+        self.adapter, self.config, self.drafter, self.opt, self.st = setup(
+            target, data_dir, self.out, dict(DEMO_SHAPE, **(shape or {})), lr, resume, seed
+        )
+        data = ShardSet(Path(data_dir) / "train")
+        self.held = ShardSet(Path(data_dir) / "heldout")
+        vocab_ids = shortlist(data, self.drafter.args.vocab_size, vocab_cap)
+        H = self.drafter.args.hidden_size
+        head_w = self.adapter.lm_head(mx.eye(H)).T[mx.array(vocab_ids)]  # [V', H]
+        mx.eval(head_w)
+        self.batches = Batches(data, self.drafter, seqs, n_blocks, gamma, vocab_ids, seed)
+        self.picks, self.anchors = eval_anchors(self.held, eval_seqs, 4)
+        self.step_fn, self.state = make_step(
+            self.drafter,
+            self.opt,
+            lambda h: h @ head_w.T,
+            mx.array(vocab_ids),
+            n_blocks,
+            sel_weight,
+        )
+        self.t0 = time.time() - self.st["elapsed_s"]
+        log(
+            f"data: {len(data.seqs)} answers, {data.tokens} answer tokens, shortlist "
+            f"{len(vocab_ids)} tokens; held-out {len(self.held.seqs)} answers"
+        )
+
+    def step(self, frac: float, warmup: int) -> list:
+        """One optimizer step; returns [loss, block CE, selector CE]."""
+        self.opt.learning_rate = lr_at(self.st["step"], frac, self.lr, warmup)
+        blk = self.batches(self.st["step"])
+        res = self.step_fn(*to_device(blk, self.adapter, self.drafter), mx.array(blk["weights"]))
+        mx.eval(res, self.state)
+        self.st["step"] += 1
+        return [r.item() for r in res]
+
+    def evaluate(self) -> dict:
+        """Held-out teacher-forced tau, logged and kept in the run's history."""
+        ev = evaluate(self.drafter, self.adapter, self.held, self.picks, self.anchors)
+        self.st["history"].append({"step": self.st["step"], **ev})
+        self.log(f"eval step {self.st['step']}: " + json.dumps(ev))
+        return ev
+
+    def publish(self) -> None:
+        """Save the resumable state and the drafter in the released format."""
+        self.st["elapsed_s"] = time.time() - self.t0
+        save_checkpoint(self.out / "train_state", self.drafter, self.opt, self.st)
+        save_drafter(self.out, self.drafter, self.config)
+
+
 def train(
     target,
     data_dir: Path,
@@ -292,75 +298,61 @@ def train(
         eval_every_s, ckpt_every_s: seconds between evaluations / checkpoints.
         eval_seqs: held-out answers per evaluation. seed: data seed. log: line printer.
     """
-    out = Path(out)
-    target.freeze()
-    adapter, config, drafter, optimizer, st = setup(
-        target, data_dir, out, dict(DEMO_SHAPE, **(shape or {})), lr, resume, seed
+    run = Trainer(
+        target,
+        data_dir,
+        out,
+        shape,
+        seqs,
+        n_blocks,
+        lr,
+        gamma,
+        sel_weight,
+        vocab_cap,
+        eval_seqs,
+        resume,
+        seed,
+        log,
     )
-    train_set, held = ShardSet(Path(data_dir) / "train"), ShardSet(Path(data_dir) / "heldout")
-    vocab_ids = shortlist(train_set, drafter.args.vocab_size, vocab_cap)
-    head_w = adapter.lm_head(mx.eye(drafter.args.hidden_size)).T[mx.array(vocab_ids)]
-    mx.eval(head_w)
-    batches = Batches(train_set, drafter, seqs, n_blocks, gamma, vocab_ids, seed)
-    picks, anchors = eval_anchors(held, eval_seqs, 4)
-    log(
-        f"data: {len(train_set.seqs)} answers, {train_set.tokens} answer tokens, shortlist "
-        f"{len(vocab_ids)} tokens; held-out {len(held.seqs)} answers"
-    )
-    step_fn, state = make_step(
-        drafter, optimizer, lambda h: h @ head_w.T, mx.array(vocab_ids), n_blocks, sel_weight
-    )
-    t0, t_start, s_start = time.time() - st["elapsed_s"], time.time(), st["step"]
-    ckpt_due, eval_due, run = Every(ckpt_every_s), Every(eval_every_s), []
-
-    def publish():
-        st["elapsed_s"] = time.time() - t0
-        save_checkpoint(out / "train_state", drafter, optimizer, st)
-        save_drafter(out, drafter, config)
-
-    def do_eval():
-        ev = evaluate(drafter, adapter, held, picks, anchors)
-        st["history"].append({"step": st["step"], **ev})
-        log(f"eval step {st['step']}: " + json.dumps(ev))
-        return ev
-
-    while (
-        frac := max((time.time() - t0) / (minutes * 60), st["step"] / steps if steps else 0.0)
-    ) < 1.0:
-        optimizer.learning_rate = lr_at(st["step"], frac, lr, warmup)
-        blk = batches(st["step"])
-        dev = to_device(blk, adapter, drafter.args.input_embedding_scale, drafter.fc.weight.dtype)
-        res = step_fn(*dev, mx.array(blk["weights"]))
-        mx.eval(res, state)
-        run.append([r.item() for r in res])
-        st["step"] += 1
+    st, losses, t_start, s_start = run.st, [], time.time(), run.st["step"]
+    ckpt_due, eval_due = Every(ckpt_every_s), Every(eval_every_s)
+    while True:
+        frac = max((time.time() - run.t0) / (minutes * 60), st["step"] / steps if steps else 0)
+        if frac >= 1.0:
+            break
+        losses.append(run.step(frac, warmup))
         if st["step"] % 20 == 0:
-            m, rate = np.mean(run[-20:], axis=0), (st["step"] - s_start) / (time.time() - t_start)
+            m, rate = (
+                np.mean(losses[-20:], axis=0),
+                (st["step"] - s_start) / (time.time() - t_start),
+            )
             log(
                 f"step {st['step']} loss {m[0]:.3f} ce {m[1]:.3f} sel {m[2]:.3f} "
-                f"{rate * 60:.1f} steps/min, {(time.time() - t0) / 60:.1f} min"
+                f"{rate * 60:.1f} steps/min, {(time.time() - run.t0) / 60:.1f} min"
             )
         if eval_due():
-            do_eval()
+            run.evaluate()
         if ckpt_due():
-            publish()
-    final = do_eval()
-    publish()
-    summary = {
-        "step": st["step"],
-        "final": final,
-        "wall_s": st["elapsed_s"],
-        "params": sum(v.size for _, v in tree_flatten(drafter.parameters())),
-    }
-    (out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+            run.publish()
+    final = run.evaluate()
+    run.publish()
+    params = sum(v.size for _, v in tree_flatten(run.drafter.parameters()))
+    summary = {"step": st["step"], "final": final, "wall_s": st["elapsed_s"], "params": params}
+    (run.out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
 
 def main(argv=None) -> None:
     """Command-line entry point (see the module docstring)."""
-    from dflash_mlx.gguf import load_gguf, packaged_gguf
+    from dflash_mlx.loading import load_target
+    from dflash_mlx.train.common import default_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--target",
+        default=None,
+        help="alias, Hub id, directory or .gguf (default: the demo's SmolLM2-135M-Instruct GGUF)",
+    )
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--minutes", type=float, default=120.0)
@@ -375,7 +367,7 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=float, default=600.0, help="seconds")
     p.add_argument("--mask-token", default="<empty_output>", help="token used as the mask")
     a = p.parse_args(argv)
-    target, tok, _ = load_gguf(packaged_gguf())
+    target, tok = load_target(a.target or default_target())
     shape = {
         "num_hidden_layers": a.layers,
         "selector_rank": a.rank,

@@ -1,0 +1,77 @@
+"""Held-out evaluation of a drafter under training: teacher-forced tau for top-1 drafting
+(DFlash 1), the greedy selector walk (DFlash 2) and the top-K oracle."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from dflash_mlx.drafter import embed_block
+from dflash_mlx.selector import select_path, top_candidates
+from dflash_mlx.target import TargetAdapter
+from dflash_mlx.train.data import ShardSet, build_batch
+
+
+def to_device(blk: dict, adapter: TargetAdapter, drafter):
+    """Batch arrays on the device, with the block embeddings (the decoder's own function)."""
+    ids = mx.array(blk["ids"])
+    emb = embed_block(adapter.embed, ids, drafter.args, drafter.fc.weight.dtype)
+    return (
+        mx.array(blk["feats"]),
+        emb,
+        ids[:, 0],
+        mx.array(blk["offsets"]),
+        mx.array(blk["mask"]),
+        mx.array(blk["labels"]),
+    )
+
+
+def evaluate(drafter, adapter, data: ShardSet, picks, anchors, batch: int = 8) -> dict:
+    """Teacher-forced acceptance on held-out answers: tau for top-1 drafting (DFlash 1),
+    the greedy selector walk (DFlash 2) and the top-K oracle, and per-position accuracy.
+
+    A row counts as accepted while it and every row before it equal the target's token.
+    """
+    a = drafter.args
+    B, K, nb = a.block_size, a.selector_top_k, anchors.shape[1]
+    hits = {"argmax": [], "selector": [], "oracle": []}
+    for i in range(0, len(picks), batch):
+        blk = build_batch(
+            data,
+            picks[i : i + batch],
+            nb,
+            B,
+            a.mask_token_id,
+            None,
+            a.sliding_window,
+            anchors[i : i + batch],
+        )
+        feats, emb, anchor, offs, mask, labels = to_device(blk, adapter, drafter)
+        kv = drafter.context_kv(drafter.project_context(feats), 0)
+        kv = [(mx.repeat(k, nb, 0), mx.repeat(v, nb, 0)) for k, v in kv]
+        h = drafter(emb, kv, offs, B, mask)[:, 1:]
+        logits = drafter.logits(h, adapter.lm_head).astype(mx.float32)
+        U, cand = top_candidates(logits, K)
+        sel = drafter.candidate_selector
+        path, _ = select_path(
+            U,
+            cand,
+            anchor,
+            sel.hidden_projection(h),
+            sel.predecessor_codebook,
+            sel.successor_codebook,
+        )
+        chosen = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), -1)[..., 0]
+        valid = np.array(blk["valid"]) > 0
+        for name, ok in (
+            ("argmax", mx.argmax(logits, -1) == labels),
+            ("selector", chosen.astype(mx.int32) == labels),
+            ("oracle", (cand == labels[..., None].astype(cand.dtype)).any(-1)),
+        ):
+            hits[name].append(np.array(ok) & valid)
+    out = {}
+    for name, parts in hits.items():
+        ok = np.concatenate(parts)  # [N, B-1]
+        out[f"tau_{name}"] = round(float(1 + np.cumprod(ok, axis=1).sum(1).mean()), 4)
+        out[f"pos_{name}"] = [round(float(v), 3) for v in ok.mean(0)]
+    return out

@@ -1,0 +1,105 @@
+"""The drafter-training pipeline on a tiny target: prompts, self-distillation shards, batches,
+training, evaluation, checkpoints and resume."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from dflash_mlx.bench_prompts import CHAT, CODE
+from dflash_mlx.checkpoint import load_drafter
+from dflash_mlx.loading import load_target
+from dflash_mlx.train import distill
+from dflash_mlx.train.data import ShardSet, build_batch
+from dflash_mlx.train.drafter import train
+from dflash_mlx.train.prompts import build_prompts, chat_prompts, is_heldout
+from tiny_models import build_target
+
+PROMPTS = ["def parse_args(argv):", "Explain import os.", "class Foo:", "Hello world!"] * 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    build_target(root / "t", "qwen3")
+    target, tok = load_target(str(root / "t"))
+    data = root / "data"
+    for split in ("train", "heldout"):
+        distill.run(
+            target,
+            tok,
+            data,
+            [0, 2, 3],
+            split,
+            max_new=10,
+            batch=3,
+            shard_size=6,
+            prompts=PROMPTS,
+            log=lambda m: None,
+        )
+    return root, target, tok, data
+
+
+def test_training_prompts_are_split_deterministically_and_exclude_the_bench_prompts():
+    chat = chat_prompts()
+    assert len(chat) > 1000 and len(set(chat)) == len(chat)
+    assert all(is_heldout(p) == is_heldout(p) for p in chat[:50])
+    train_set = set(build_prompts("train"))
+    held = set(build_prompts("heldout"))
+    assert train_set and held and not train_set & held
+    assert not (set(CODE) | set(CHAT)) & (train_set | held)
+
+
+def test_distilled_shards_hold_the_targets_greedy_answers_and_their_features(tiny):
+    root, target, tok, data = tiny
+    shards = ShardSet(data / "train")
+    assert len(shards.seqs) == len(PROMPTS)
+    s = shards.seqs[0]
+    tokens, teacher, feats = shards.rows(s)
+    assert feats.shape == (s.n - 1, 3 * target.args.hidden_size)
+    ref = [t for t, _ in generate_step(mx.array(tokens[: s.prompt]), target, max_tokens=10)]
+    answer = tokens[s.prompt :].tolist()
+    assert answer == ref[: len(answer)]  # batched, left-padded generation = plain greedy
+    assert (teacher[s.prompt - 1 :] == tokens[s.prompt :]).all()  # labels: the next token
+
+
+def test_batches_label_each_row_with_the_next_answer_token_and_mask_the_end(tiny):
+    _, _, _, data = tiny
+    shards = ShardSet(data / "train")
+    anchors = np.array([[shards.seqs[0].n - 3, shards.seqs[0].prompt]])
+    blk = build_batch(shards, [0], 2, 4, 1, None, None, anchors)
+    tokens, teacher, _ = shards.rows(shards.seqs[0])
+    a = anchors[0]
+    assert (blk["ids"][:, 0] == tokens[a]).all() and (blk["ids"][:, 1:] == 1).all()
+    assert blk["labels"][0, :2].tolist() == teacher[a[0] : a[0] + 2].tolist()
+    assert blk["valid"][0].tolist() == [1, 1, 0]  # the third row would be past the answer
+    assert blk["labels"][1].tolist() == teacher[a[1] : a[1] + 3].tolist()
+    assert blk["mask"].shape == (2, 1, 4, blk["feats"].shape[1] + 4)
+
+
+def test_training_learns_saves_the_released_format_and_resumes(tiny):
+    root, target, tok, data = tiny
+    out = root / "drafter"
+    shape = {
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "block_size": 4,
+        "selector_rank": 8,
+        "mask_token_id": 1,
+    }
+    logs = []
+    kw = dict(seqs=4, n_blocks=4, eval_seqs=4, lr=3e-3, warmup=5, log=logs.append)
+    first = train(target, data, out, steps=40, shape=dict(shape), **kw)
+    losses = [float(line.split()[3]) for line in logs if line.startswith("step ")]
+    assert losses[-1] < 0.8 * losses[0]  # it learns (steps 20 and 40 are logged)
+    assert {"tau_argmax", "tau_selector", "tau_oracle"} <= set(first["final"])
+    d = load_drafter(out)
+    assert d.args.block_size == 4 and d.has_selector
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    again = train(target, data, out, steps=44, resume=True, shape=dict(shape), **kw)
+    assert again["step"] == 44  # continued from step 40
