@@ -167,7 +167,8 @@ def test_markdown_rendered_in_place_once_a_turn_ends(pair, monkeypatch):
     import types
 
     from dflash_mlx import generation, load
-    from dflash_mlx.cli.chat import ChatSession, looks_like_markdown, rows_used
+    from dflash_mlx.cli.chat import ChatSession
+    from dflash_mlx.cli.terminal import looks_like_markdown, rows_used
     from dflash_mlx.settings import GenerationConfig
 
     assert looks_like_markdown("# Title\ntext") and looks_like_markdown("use `x` here")

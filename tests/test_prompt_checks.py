@@ -64,7 +64,7 @@ def test_stream_generate_clamps_max_tokens_to_the_room_left(small):
 
 
 def test_megabytes_are_refused_before_tokenizing(small, monkeypatch):
-    model, tok = small
+    _, tok = small
     calls = []
     monkeypatch.setattr(type(tok), "encode", lambda *a, **k: calls.append(1) or [1], raising=False)
     with pytest.raises(ContextLengthError, match=r"the prompt is 1000000 characters, at least"):

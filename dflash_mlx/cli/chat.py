@@ -20,7 +20,7 @@ import typer
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
-from .terminal import StopFlag, looks_like_markdown, rerender_markdown, rows_used
+from .terminal import StopFlag, rerender_markdown
 from .stats import sparkline
 
 HELP = """commands:
