@@ -213,9 +213,8 @@ class ChatSession:
                 "dropped and the session continues[/dim]"
             )
             return
-        if not stopped:
-            if self.markdown:
-                rerender_markdown(self.out, self.con, "".join(pieces))
+        if self.markdown and not stopped:
+            rerender_markdown(self.out, self.con, "".join(pieces))
         reply = self.tok.decode(answer_ids) if answer_ids else "".join(pieces)
         self.history.append({"role": "assistant", "content": reply})
         if full is not None:
