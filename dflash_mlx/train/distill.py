@@ -171,14 +171,10 @@ def run(
 def main(argv=None) -> None:
     """Command-line entry point (see the module docstring)."""
     from dflash_mlx.loading import load_target
-    from dflash_mlx.train.common import default_layer_ids, default_target
+    from dflash_mlx.train.common import add_target_option, default_layer_ids, default_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--target",
-        default=None,
-        help="alias, Hub id, directory or .gguf (default: the demo's SmolLM2-135M-Instruct GGUF)",
-    )
+    add_target_option(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--split", choices=["train", "heldout"], default="train")
     p.add_argument("--max-new", type=int, default=192)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -191,49 +192,69 @@ class Batches:
         return blk
 
 
+@dataclass
+class TrainConfig:
+    """A run's hyper-parameters.
+
+    Attributes:
+        minutes: wall-clock budget, resumes included. steps: optional step budget.
+        seqs: answers per batch. n_blocks: anchors per answer. lr, warmup: peak learning
+        rate and warm-up steps (then a cosine to a tenth). gamma: position-weight decay.
+        sel_weight: factor of the selector loss. vocab_cap: most tokens the training head
+        scores (see :func:`shortlist`). eval_every_s, ckpt_every_s: seconds between held-out
+        evaluations / checkpoints. eval_seqs: held-out answers per evaluation. seed: data seed.
+    """
+
+    minutes: float = 120.0
+    steps: int | None = None
+    seqs: int = 8
+    n_blocks: int = 32
+    lr: float = 2e-3
+    warmup: int = 100
+    gamma: float = 4.0
+    sel_weight: float = 1.0
+    vocab_cap: int = 16384
+    eval_every_s: float = 600.0
+    ckpt_every_s: float = 300.0
+    eval_seqs: int = 96
+    seed: int = 0
+
+
 class Trainer:
     """One training run: data, drafter, optimizer, evaluation and checkpoints.
 
     Args: as for :func:`train`.
     """
 
-    def __init__(
-        self,
-        target,
-        data_dir,
-        out,
-        shape,
-        seqs,
-        n_blocks,
-        lr,
-        gamma,
-        sel_weight,
-        vocab_cap,
-        eval_seqs,
-        resume,
-        seed,
-        log,
-    ):
-        self.out, self.lr, self.log = Path(out), lr, log
+    def __init__(self, target, data_dir, out, cfg: TrainConfig, shape, resume, log):
+        self.out, self.cfg, self.log = Path(out), cfg, log
         target.freeze()
         self.adapter, self.config, self.drafter, self.opt, self.st = setup(
-            target, data_dir, self.out, dict(DEMO_SHAPE, **(shape or {})), lr, resume, seed
+            target,
+            data_dir,
+            self.out,
+            dict(DEMO_SHAPE, **(shape or {})),
+            cfg.lr,
+            resume,
+            cfg.seed,
         )
         data = ShardSet(Path(data_dir) / "train")
         self.held = ShardSet(Path(data_dir) / "heldout")
-        vocab_ids = shortlist(data, self.drafter.args.vocab_size, vocab_cap)
+        vocab_ids = shortlist(data, self.drafter.args.vocab_size, cfg.vocab_cap)
         H = self.drafter.args.hidden_size
         head_w = self.adapter.lm_head(mx.eye(H)).T[mx.array(vocab_ids)]  # [V', H]
         mx.eval(head_w)
-        self.batches = Batches(data, self.drafter, seqs, n_blocks, gamma, vocab_ids, seed)
-        self.picks, self.anchors = eval_anchors(self.held, eval_seqs, 4)
+        self.batches = Batches(
+            data, self.drafter, cfg.seqs, cfg.n_blocks, cfg.gamma, vocab_ids, cfg.seed
+        )
+        self.picks, self.anchors = eval_anchors(self.held, cfg.eval_seqs, 4)
         self.step_fn, self.state = make_step(
             self.drafter,
             self.opt,
             lambda h: h @ head_w.T,
             mx.array(vocab_ids),
-            n_blocks,
-            sel_weight,
+            cfg.n_blocks,
+            cfg.sel_weight,
         )
         self.t0 = time.time() - self.st["elapsed_s"]
         log(
@@ -241,14 +262,20 @@ class Trainer:
             f"{len(vocab_ids)} tokens; held-out {len(self.held.seqs)} answers"
         )
 
-    def step(self, frac: float, warmup: int) -> list:
+    def step(self, frac: float) -> list:
         """One optimizer step; returns [loss, block CE, selector CE]."""
-        self.opt.learning_rate = lr_at(self.st["step"], frac, self.lr, warmup)
+        self.opt.learning_rate = lr_at(self.st["step"], frac, self.cfg.lr, self.cfg.warmup)
         blk = self.batches(self.st["step"])
         res = self.step_fn(*to_device(blk, self.adapter, self.drafter), mx.array(blk["weights"]))
         mx.eval(res, self.state)
         self.st["step"] += 1
         return [r.item() for r in res]
+
+    def progress(self) -> float:
+        """How far the run is, in [0, 1]: wall time or steps, whichever is further."""
+        c = self.cfg
+        frac = (time.time() - self.t0) / (c.minutes * 60)
+        return max(frac, self.st["step"] / c.steps if c.steps else 0.0)
 
     def evaluate(self) -> dict:
         """Held-out teacher-forced tau, logged and kept in the run's history."""
@@ -268,59 +295,27 @@ def train(
     target,
     data_dir: Path,
     out: Path,
-    minutes: float = 120.0,
-    steps: int | None = None,
-    resume: bool = False,
+    cfg: TrainConfig | None = None,
     shape: dict | None = None,
-    seqs: int = 8,
-    n_blocks: int = 32,
-    lr: float = 2e-3,
-    warmup: int = 100,
-    gamma: float = 4.0,
-    sel_weight: float = 1.0,
-    vocab_cap: int = 16384,
-    eval_every_s: float = 600.0,
-    ckpt_every_s: float = 300.0,
-    eval_seqs: int = 96,
-    seed: int = 0,
+    resume: bool = False,
     log=print,
 ) -> dict:
     """Train (or resume) a drafter for ``target`` on the shards under ``data_dir``.
 
     Args:
         target: the mlx-lm target (frozen). data_dir: distill folder (train/, heldout/).
-        out: output folder: the drafter plus ``train_state/``. minutes: wall-clock budget,
-            resumes included. steps: optional step budget. resume: continue from out.
+        out: output folder: the drafter plus ``train_state/``. cfg: hyper-parameters.
         shape: drafter_config overrides; must hold ``mask_token_id``.
-        seqs: answers per batch. n_blocks: anchors per answer. lr, warmup: schedule.
-        gamma: position-weight decay. sel_weight: selector loss factor.
-        vocab_cap: most tokens the training head scores (see :func:`shortlist`).
-        eval_every_s, ckpt_every_s: seconds between evaluations / checkpoints.
-        eval_seqs: held-out answers per evaluation. seed: data seed. log: line printer.
+        resume: continue from out. log: line printer.
+
+    Returns:
+        {"step", "final" (the last evaluation), "wall_s", "params"}.
     """
-    run = Trainer(
-        target,
-        data_dir,
-        out,
-        shape,
-        seqs,
-        n_blocks,
-        lr,
-        gamma,
-        sel_weight,
-        vocab_cap,
-        eval_seqs,
-        resume,
-        seed,
-        log,
-    )
+    run = Trainer(target, data_dir, out, cfg or TrainConfig(), shape, resume, log)
     st, losses, t_start, s_start = run.st, [], time.time(), run.st["step"]
-    ckpt_due, eval_due = Every(ckpt_every_s), Every(eval_every_s)
-    while True:
-        frac = max((time.time() - run.t0) / (minutes * 60), st["step"] / steps if steps else 0)
-        if frac >= 1.0:
-            break
-        losses.append(run.step(frac, warmup))
+    ckpt_due, eval_due = Every(run.cfg.ckpt_every_s), Every(run.cfg.eval_every_s)
+    while (frac := run.progress()) < 1.0:
+        losses.append(run.step(frac))
         if st["step"] % 20 == 0:
             m, rate = (
                 np.mean(losses[-20:], axis=0),
@@ -345,26 +340,23 @@ def train(
 def main(argv=None) -> None:
     """Command-line entry point (see the module docstring)."""
     from dflash_mlx.loading import load_target
-    from dflash_mlx.train.common import default_target
+    from dflash_mlx.train.common import add_target_option, default_target
 
+    d = TrainConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--target",
-        default=None,
-        help="alias, Hub id, directory or .gguf (default: the demo's SmolLM2-135M-Instruct GGUF)",
-    )
+    add_target_option(p)
     p.add_argument("--data", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--minutes", type=float, default=120.0)
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--minutes", type=float, default=d.minutes)
+    p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--resume", action="store_true")
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seqs", type=int, default=8)
-    p.add_argument("--blocks", type=int, default=32, help="anchors per answer")
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--seqs", type=int, default=d.seqs)
+    p.add_argument("--blocks", type=int, default=d.n_blocks, help="anchors per answer")
     p.add_argument("--layers", type=int, default=DEMO_SHAPE["num_hidden_layers"])
     p.add_argument("--rank", type=int, default=DEMO_SHAPE["selector_rank"])
-    p.add_argument("--vocab-cap", type=int, default=16384)
-    p.add_argument("--eval-every", type=float, default=600.0, help="seconds")
+    p.add_argument("--vocab-cap", type=int, default=d.vocab_cap)
+    p.add_argument("--eval-every", type=float, default=d.eval_every_s, help="seconds")
     p.add_argument("--mask-token", default="<empty_output>", help="token used as the mask")
     a = p.parse_args(argv)
     target, tok = load_target(a.target or default_target())
@@ -374,20 +366,16 @@ def main(argv=None) -> None:
         "mask_token_id": tok.convert_tokens_to_ids(a.mask_token),
         "rope_theta": target.args.rope_theta,
     }
-    train(
-        target,
-        a.data,
-        a.out,
-        a.minutes,
-        a.steps,
-        a.resume,
-        shape,
-        a.seqs,
-        a.blocks,
-        a.lr,
+    cfg = TrainConfig(
+        minutes=a.minutes,
+        steps=a.steps,
+        lr=a.lr,
+        seqs=a.seqs,
+        n_blocks=a.blocks,
         vocab_cap=a.vocab_cap,
         eval_every_s=a.eval_every,
     )
+    train(target, a.data, a.out, cfg, shape, a.resume)
 
 
 if __name__ == "__main__":
