@@ -104,3 +104,29 @@ def test_training_learns_saves_the_released_format_and_resumes(tiny):
     cfg.steps = 44
     again = train(target, data, out, cfg, shape=dict(shape), resume=True, log=logs.append)
     assert again["step"] == 44  # continued from step 40
+
+
+def test_released_drafter_reads_raw_features_the_scale_is_folded_into_fc(tiny):
+    root, target, tok, data = tiny
+    out = root / "scaled"
+    shape = {
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 64,
+        "block_size": 4,
+        "selector_rank": 8,
+        "mask_token_id": 1,
+    }
+    cfg = TrainConfig(steps=3, seqs=2, n_blocks=2, eval_seqs=2, warmup=1)
+    train(target, data, out, cfg, shape=dict(shape), log=lambda m: None)
+    scale = np.load(out / "train_state" / "feature_scale.npy")
+    assert scale.shape == (3 * target.args.hidden_size,) and (scale > 0).all()
+    released = load_drafter(out, mx.float32)
+    trained = load_drafter(out, mx.float32)
+    trained.load_weights(str(out / "train_state" / "weights.safetensors"))
+    raw = mx.array(ShardSet(data / "train").rows(ShardSet(data / "train").seqs[0])[2])[None]
+    want = trained.project_context(raw / mx.array(scale))
+    got = released.project_context(raw)  # bf16 on disk: close, not equal
+    assert mx.allclose(got, want, atol=0.05, rtol=0.05)

@@ -43,7 +43,7 @@ from dflash_mlx.train.common import (
     save_checkpoint,
     selector_scores,
 )
-from dflash_mlx.train.data import ShardSet, build_batch, eval_anchors
+from dflash_mlx.train.data import ShardSet, build_batch, eval_anchors, feature_scale
 from dflash_mlx.train.evaluate import evaluate, to_device
 
 DEMO_SHAPE = {
@@ -164,6 +164,22 @@ def setup(target, data_dir: Path, out: Path, shape: dict, lr: float, resume: boo
     return adapter, config, drafter, optimizer, st
 
 
+def standardize(data: ShardSet, drafter, opt, state_dir: Path, resume: bool) -> np.ndarray:
+    """The feature scale of this run (see ``data.feature_scale``): kept in ``state_dir``; a
+    run resumed from before scaling gets ``fc`` rescaled to the same function and fresh
+    Adam moments for it."""
+    path = state_dir / "feature_scale.npy"
+    if resume and path.exists():
+        return np.load(path)
+    scale = feature_scale(data)
+    if resume and (state_dir / "state.json").exists():
+        drafter.fc.weight = drafter.fc.weight * mx.array(scale)[None, :]
+        m = opt.state["fc"]["weight"]
+        opt.state["fc"]["weight"] = {k: mx.zeros_like(v) for k, v in m.items()}
+        mx.eval(drafter.fc.weight, opt.state)
+    return scale
+
+
 class Batches:
     """Reproducible training batches (seeded by step), labels mapped onto the shortlist."""
 
@@ -239,7 +255,9 @@ class Trainer:
             cfg.seed,
         )
         data = ShardSet(Path(data_dir) / "train")
-        self.held = ShardSet(Path(data_dir) / "heldout")
+        self.scale = standardize(data, self.drafter, self.opt, self.out / "train_state", resume)
+        data.scale = self.scale
+        self.held = ShardSet(Path(data_dir) / "heldout", scale=self.scale)
         vocab_ids = shortlist(data, self.drafter.args.vocab_size, cfg.vocab_cap)
         H = self.drafter.args.hidden_size
         head_w = self.adapter.lm_head(mx.eye(H)).T[mx.array(vocab_ids)]  # [V', H]
@@ -285,10 +303,17 @@ class Trainer:
         return ev
 
     def publish(self) -> None:
-        """Save the resumable state and the drafter in the released format."""
+        """Save the resumable state and the drafter in the released format (with the
+        feature scale folded into ``fc``, so it reads raw target features)."""
         self.st["elapsed_s"] = time.time() - self.t0
         save_checkpoint(self.out / "train_state", self.drafter, self.opt, self.st)
-        save_drafter(self.out, self.drafter, self.config)
+        np.save(self.out / "train_state" / "feature_scale.npy", self.scale)
+        w = self.drafter.fc.weight
+        self.drafter.fc.weight = w / mx.array(self.scale)[None, :]  # [H, D] / [1, D]
+        try:
+            save_drafter(self.out, self.drafter, self.config)
+        finally:
+            self.drafter.fc.weight = w
 
 
 def train(
