@@ -31,7 +31,7 @@ def test_demo_is_smollm2_with_a_dflash2_drafter_in_float32(demo):
 def test_demo_pair_is_lossless_and_accepts_drafts(demo, prompt):
     model, tok = demo
     ids = encode_prompt(tok, prompt)
-    ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=48)]
+    ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=32)]
     for selector in (True, False):
         out, cycles = [], 0
         for c in decode(
@@ -39,14 +39,14 @@ def test_demo_pair_is_lossless_and_accepts_drafts(demo, prompt):
             ids,
             model.make_cache(),
             SamplingParams(),
-            max_tokens=48,
+            max_tokens=32,
             block_size=8,
             use_selector=selector,
         ):
             out += c.tokens
             cycles += bool(c.drafted)
         assert out == ref
-        assert 47 / cycles > 1.2  # tau above 1: the drafter really drafts
+        assert 31 / cycles > 1.2  # tau above 1: the drafter really drafts
 
 
 def test_demo_auto_schedule_is_lossless(demo):
