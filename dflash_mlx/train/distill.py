@@ -122,7 +122,7 @@ def run(
     batch: int = 48,
     shard_size: int = 192,
     limit: int | None = None,
-    log=partial(print, flush=True),
+    log=None,
     prompts: list | None = None,
 ) -> dict:
     """Generate every missing shard of a split.
@@ -133,13 +133,15 @@ def run(
         batch: prompts per generation batch. shard_size: prompts per shard.
         limit: use only the first ``limit`` prompts (smoke runs).
         prompts: the prompt texts (default: ``build_prompts(split)``).
+        log: line printer (default: print, flushed).
     """
+    log = log or partial(print, flush=True)
     out = Path(out) / split
     out.mkdir(parents=True, exist_ok=True)
     meta = {"layer_ids": list(layer_ids), "max_new": max_new}
     (out / "meta.json").write_text(json.dumps(meta))
     adapter = TargetAdapter(target, layer_ids)
-    encode = lambda p: tokenizer.apply_chat_template(  # noqa: E731
+    encode = lambda p: tokenizer.apply_chat_template(
         [{"role": "user", "content": p}], add_generation_prompt=True
     )
     texts = (build_prompts(split) if prompts is None else prompts)[:limit]

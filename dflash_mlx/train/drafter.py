@@ -24,13 +24,11 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
-from mlx import nn
 from mlx.utils import tree_flatten
 
 from dflash_mlx.checkpoint import drafter_config, save_drafter
@@ -41,10 +39,10 @@ from dflash_mlx.train.common import (
     load_checkpoint,
     lr_at,
     save_checkpoint,
-    selector_scores,
 )
 from dflash_mlx.train.data import ShardSet, build_batch, eval_anchors, feature_scale
 from dflash_mlx.train.evaluate import evaluate, to_device
+from dflash_mlx.train.objective import make_step
 
 DEMO_SHAPE = {
     "num_hidden_layers": 2,
@@ -58,75 +56,6 @@ DEMO_SHAPE = {
     "conv_group_size": 16,
     "sliding_window": 2048,
 }
-
-
-def losses(
-    drafter,
-    feats,
-    embeds,
-    anchor_ids,
-    offsets,
-    mask,
-    labels,
-    weights,
-    head,
-    vocab_ids,
-    n_blocks,
-    sel_weight,
-):
-    """Weighted block cross-entropy plus the selector cross-entropy.
-
-    Args:
-        drafter: the drafter being trained. feats: context features [S, T, D].
-        embeds: block embeddings [N, B, H]. anchor_ids: [N]. offsets: anchor positions [N].
-        mask: [N, 1, B, T + B]. labels: [N, B-1]. weights: [N, B-1] (position weight,
-        0 past the answer). head: the target's LM head over the shortlist, whose token ids
-        are ``vocab_ids`` (labels index the shortlist). n_blocks: blocks per sequence.
-        sel_weight: factor of the selector loss.
-
-    Returns:
-        (total, block CE, selector CE).
-    """
-    B = embeds.shape[1]
-    kv = drafter.context_kv(drafter.project_context(feats), 0)
-    kv = [(mx.repeat(k, n_blocks, axis=0), mx.repeat(v, n_blocks, axis=0)) for k, v in kv]
-    h = drafter(embeds, kv, offsets, B, mask)[:, 1:]  # [N, B-1, H]
-    logits = drafter.logits(h, head).astype(mx.float32)  # [N, B-1, V']
-    wsum = mx.maximum(weights.sum(), 1.0)
-    ce = (nn.losses.cross_entropy(logits, labels) * weights).sum() / wsum
-    scores, gold = selector_scores(
-        drafter, mx.stop_gradient(logits), h, anchor_ids, labels, vocab_ids
-    )
-    sel = (nn.losses.cross_entropy(scores, gold) * weights).sum() / wsum
-    return ce + sel_weight * sel, ce, sel
-
-
-def make_step(drafter, optimizer, head, vocab_ids, n_blocks, sel_weight):
-    """A compiled optimizer step over one batch; returns (loss, ce, selector ce)."""
-    state = [drafter.state, optimizer.state]
-    loss_and_grad = nn.value_and_grad(drafter, losses)
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step(feats, emb, anchor, offs, mask, labels, weights):
-        out, grads = loss_and_grad(
-            drafter,
-            feats,
-            emb,
-            anchor,
-            offs,
-            mask,
-            labels,
-            weights,
-            head,
-            vocab_ids,
-            n_blocks,
-            sel_weight,
-        )
-        grads, _ = optim.clip_grad_norm(grads, 1.0)
-        optimizer.update(drafter, grads)
-        return out
-
-    return step, state
 
 
 def shortlist(data: ShardSet, vocab: int, cap: int, floor: int = 256) -> np.ndarray:

@@ -13,8 +13,8 @@ import ast
 import hashlib
 import random
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List
 
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "turtledemo"}
 
@@ -90,7 +90,7 @@ washing hands; dental care; eyesight; hearing; memory; dreams; emotions; empathy
 """
 
 
-def topics() -> List[str]:
+def topics() -> list[str]:
     """The chat topics, one per entry."""
     return [t.strip() for t in TOPICS.replace("\n", " ").split(";") if t.strip()]
 
@@ -142,16 +142,15 @@ def _functions(path: Path, root: Path):
         yield f"{mod}.{node.name}", sig, doc, src, head, bare, mod
 
 
-def code_prompts(root: Path | None = None) -> List[str]:
+def code_prompts(root: Path | None = None) -> list[str]:
     """Code prompts from the standard library's documented top-level functions."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     out, mods = [], set()
     for i, path in enumerate(_stdlib_files(root)):
         for j, (qual, sig, doc, src, head, bare, mod) in enumerate(_functions(path, root)):
             mods.add(mod.split(".")[0])
-            fields = dict(
-                qual=qual, sig=sig, doc=_first_sentence(doc), src=src, head=head, bare=bare
-            )
+            fields = {"qual": qual, "sig": sig, "doc": _first_sentence(doc)}
+            fields.update(src=src, head=head, bare=bare)
             # Two templates per function, rotating, so every template is used evenly.
             for k in (0, 1):
                 tpl = CODE_TEMPLATES[(i + j * 3 + k * 5) % len(CODE_TEMPLATES)]
@@ -163,7 +162,7 @@ def code_prompts(root: Path | None = None) -> List[str]:
     return out
 
 
-def chat_prompts() -> List[str]:
+def chat_prompts() -> list[str]:
     """Chat prompts: every template with every topic (pairs for the two-topic ones)."""
     ts, out = topics(), []
     for i, t in enumerate(ts):
@@ -173,7 +172,7 @@ def chat_prompts() -> List[str]:
     return out
 
 
-def build_prompts(split: str = "train", seed: int = 0) -> List[str]:
+def build_prompts(split: str = "train", seed: int = 0) -> list[str]:
     """All prompts of a split, deduplicated and shuffled reproducibly.
 
     Args:
