@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import dflash_mlx  # noqa: F401  (first: it loads the system BLAS before MLX)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
 

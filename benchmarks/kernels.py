@@ -30,14 +30,14 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
-import mlx.core as mx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from dflash_mlx import conv, metal_kernel, selector  # noqa: E402
+from dflash_mlx import conv, metal_kernel, selector  # noqa: E402  (first: the system BLAS)
+import mlx.core as mx  # noqa: E402
 from dflash_mlx.conv import two_tap_conv_ops as conv_reference  # noqa: E402
 from dflash_mlx.selector import select_path_ops as select_reference  # noqa: E402
 

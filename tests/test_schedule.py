@@ -2,6 +2,7 @@
 the parity tests)."""
 
 from dflash_mlx.schedule import (
+    PLAIN_RUN_MAX,
     PROBE_START,
     Acceptance,
     CostTable,
@@ -43,6 +44,17 @@ def test_reference_blas_costs_mean_plain_decoding_and_no_probes():
         sched.record(c.block, 0, None)
     assert set(picks) == {1}
     assert "no block beats plain" in sched.last_reason
+
+
+def test_refused_probes_keep_plain_runs_long():
+    # Runs of one step would lose the pipelining (each run's first step waits for its graph).
+    sched = Scheduler(costs([1.0] + [b * 1.0 + 0.3 for b in range(2, 9)]), [0.95] * 7)
+    assert sched.plain_run() == PROBE_START  # up to the first probe point
+    for _ in range(3 * PLAIN_RUN_MAX):
+        c = sched.choose()
+        assert c.block == 1 and not c.probe
+        sched.record(1, 0, None)
+        assert sched.plain_run() == PLAIN_RUN_MAX or sched.since_spec < PROBE_START
 
 
 def test_flat_costs_and_high_acceptance_choose_the_largest_block():
