@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import REPO_ROOT, build_pair, cli_env
+from cli_helpers import REPO_ROOT, build_pair, cli_env, default_sigint
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -43,6 +43,7 @@ def spawn(pair, *extra):
         encoding="utf-8",
         timeout=60,
         dimensions=(50, 250),
+        preexec_fn=default_sigint,
     )
     child.expect("dflash chat")
     child.expect_exact(PROMPT)
