@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import sys
 from pathlib import Path
 
@@ -60,9 +59,3 @@ def cli_env(**extra) -> dict:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.update({k: str(v) for k, v in extra.items()})
     return env
-
-
-def default_sigint() -> None:
-    """Children take Ctrl-C as from a terminal even when the test run was started in the
-    background, where the shell sets SIGINT to ignored and every child inherits that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -1,11 +1,16 @@
 """Shared fixtures: tiny targets and drafters built once per test session."""
 
+import signal
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# A test run started in the background inherits SIGINT ignored, and so would every CLI it
+# spawns: the Ctrl-C tests would hang or run to the end. Children get the default back.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from tiny_models import build_drafter, build_target  # noqa: E402
 

@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import REPO_ROOT, build_pair, cli_env, default_sigint
+from cli_helpers import REPO_ROOT, build_pair, cli_env
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -43,7 +43,6 @@ def spawn(pair, *extra):
         encoding="utf-8",
         timeout=60,
         dimensions=(50, 250),
-        preexec_fn=default_sigint,
     )
     child.expect("dflash chat")
     child.expect_exact(PROMPT)

@@ -7,7 +7,7 @@ import io
 import sys
 
 import pytest
-from cli_helpers import REPO_ROOT, build_pair, cli_env, default_sigint
+from cli_helpers import REPO_ROOT, build_pair, cli_env
 
 from dflash_mlx import generate
 from dflash_mlx.generation import encode_prompt
@@ -85,13 +85,7 @@ def test_chat_without_a_template_in_a_terminal(small_root):
     args = ["-m", "dflash_mlx.cli", "chat", "--model", str(small_root / "target")]
     args += ["--drafter", str(small_root / "drafter"), "-m", "6"]
     c = pexpect.spawn(
-        sys.executable,
-        args,
-        env=cli_env(),
-        cwd=str(REPO_ROOT),
-        encoding="utf-8",
-        timeout=60,
-        preexec_fn=default_sigint,
+        sys.executable, args, env=cli_env(), cwd=str(REPO_ROOT), encoding="utf-8", timeout=60
     )
     try:
         c.expect("note: this model has no chat template; chat messages use a default format")

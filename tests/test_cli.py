@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from cli_helpers import REPO_ROOT, build_pair, cli_env, fake_cache_repo, default_sigint
+from cli_helpers import REPO_ROOT, build_pair, cli_env, fake_cache_repo
 from typer.testing import CliRunner
 
 from dflash_mlx.cli import app
@@ -472,7 +472,6 @@ def test_run_ctrl_c_and_closed_pipe_exit_quietly(pair):
         cwd=str(REPO_ROOT),
         encoding="utf-8",
         timeout=60,
-        preexec_fn=default_sigint,
     )
     time.sleep(2.0)
     c.sendintr()
