@@ -42,6 +42,19 @@ def tiny(tmp_path_factory):
     return root, target, tok, data
 
 
+# A one-layer drafter for the tiny target (block 4).
+TINY_SHAPE = {
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 64,
+    "block_size": 4,
+    "selector_rank": 8,
+    "mask_token_id": 1,
+}
+
+
 def test_training_prompts_are_split_deterministically_and_exclude_the_bench_prompts():
     chat = chat_prompts()
     assert len(chat) > 1000 and len(set(chat)) == len(chat)
@@ -82,19 +95,9 @@ def test_batches_label_each_row_with_the_next_answer_token_and_mask_the_end(tiny
 def test_training_learns_saves_the_released_format_and_resumes(tiny):
     root, target, tok, data = tiny
     out = root / "drafter"
-    shape = {
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 64,
-        "block_size": 4,
-        "selector_rank": 8,
-        "mask_token_id": 1,
-    }
     logs = []
     cfg = TrainConfig(steps=40, seqs=4, n_blocks=4, eval_seqs=4, lr=3e-3, warmup=5)
-    first = train(target, data, out, cfg, shape=dict(shape), log=logs.append)
+    first = train(target, data, out, cfg, shape=dict(TINY_SHAPE), log=logs.append)
     losses = [float(line.split()[3]) for line in logs if line.startswith("step ")]
     assert losses[-1] < 0.8 * losses[0]  # it learns (steps 20 and 40 are logged)
     assert {"tau_argmax", "tau_selector", "tau_oracle"} <= set(first["final"])
@@ -102,25 +105,15 @@ def test_training_learns_saves_the_released_format_and_resumes(tiny):
     assert d.args.block_size == 4 and d.has_selector
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     cfg.steps = 44
-    again = train(target, data, out, cfg, shape=dict(shape), resume=True, log=logs.append)
+    again = train(target, data, out, cfg, shape=dict(TINY_SHAPE), resume=True, log=logs.append)
     assert again["step"] == 44  # continued from step 40
 
 
 def test_released_drafter_reads_raw_features_the_scale_is_folded_into_fc(tiny):
     root, target, tok, data = tiny
     out = root / "scaled"
-    shape = {
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "intermediate_size": 64,
-        "block_size": 4,
-        "selector_rank": 8,
-        "mask_token_id": 1,
-    }
     cfg = TrainConfig(steps=3, seqs=2, n_blocks=2, eval_seqs=2, warmup=1)
-    train(target, data, out, cfg, shape=dict(shape), log=lambda m: None)
+    train(target, data, out, cfg, shape=dict(TINY_SHAPE), log=lambda m: None)
     scale = np.load(out / "train_state" / "feature_scale.npy")
     assert scale.shape == (3 * target.args.hidden_size,) and (scale > 0).all()
     released = load_drafter(out, mx.float32)

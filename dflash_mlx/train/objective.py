@@ -59,21 +59,8 @@ def make_step(drafter, optimizer, head, vocab_ids, n_blocks, sel_weight):
     loss_and_grad = nn.value_and_grad(drafter, losses)
 
     @partial(mx.compile, inputs=state, outputs=state)
-    def step(feats, emb, anchor, offs, mask, labels, weights):
-        out, grads = loss_and_grad(
-            drafter,
-            feats,
-            emb,
-            anchor,
-            offs,
-            mask,
-            labels,
-            weights,
-            head,
-            vocab_ids,
-            n_blocks,
-            sel_weight,
-        )
+    def step(*batch):  # feats, embeds, anchor_ids, offsets, mask, labels, weights
+        out, grads = loss_and_grad(drafter, *batch, head, vocab_ids, n_blocks, sel_weight)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         optimizer.update(drafter, grads)
         return out
