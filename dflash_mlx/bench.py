@@ -190,8 +190,8 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
             block,
             mask,
         )[:, 1:]
-        logits = drafter.logits(h, adapter.lm_head)
-        _, cand = top_candidates(logits, top_k)  # [N, L, K]
+        _, cand = top_candidates(model.draft_logits(h), top_k)
+        cand = model.to_target(cand)  # [N, L, K] target ids
         labels = mx.array(np.array(seq)[a[:, None] + 1 + np.arange(L)[None]].astype(np.uint32))
         ok1 = np.array(cand[..., 0] == labels)
         okk = np.array((cand == labels[..., None]).any(-1))

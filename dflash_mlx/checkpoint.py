@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 
 from .config import DFLASH1, DFLASH2, DrafterArgs
+from .draft_vocab import TENSOR as DRAFT_VOCAB
+from .draft_vocab import check_ids
 from .drafter import DFlashDrafter
 from .errors import DFlashError
 
@@ -110,15 +113,25 @@ def random_drafter(config: Dict[str, Any], seed: int = 0, scale: float = 1.0) ->
     return model
 
 
-def save_drafter(path, model: DFlashDrafter, config: Dict[str, Any]) -> Path:
+def save_drafter(path, model: DFlashDrafter, config: Dict[str, Any], draft_vocab=None) -> Path:
     """Write config.json and model.safetensors (bf16, released tensor names) to path.
 
     Args:
         path: output directory (created). model: the drafter. config: its config.json dict.
+        draft_vocab: sorted target ids the drafter scores (docs/format.md §2.4), written as
+            the int32 tensor ``draft_vocab`` with its size in ``dflash_config``; default:
+            the drafter's own (``model.draft_vocab``), if any.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    ids = getattr(model, "draft_vocab", None) if draft_vocab is None else draft_vocab
+    config = json.loads(json.dumps(config))
+    config.setdefault("dflash_config", {}).pop("draft_vocab_size", None)
+    if ids is not None:
+        ids = check_ids(np.asarray(ids), config["vocab_size"], f"drafter {path}")
+        weights[DRAFT_VOCAB] = mx.array(ids)
+        config["dflash_config"]["draft_vocab_size"] = int(ids.size)
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
@@ -158,6 +171,7 @@ def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
         except (RuntimeError, ValueError) as e:  # what mx.load raises on a corrupt header
             raise DFlashError(f"cannot read {f.name} ({str(e).splitlines()[0]}); re-download it")
     model = DFlashDrafter(args)
+    model.draft_vocab = _draft_vocab(weights.pop(DRAFT_VOCAB, None), args, path)
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -178,3 +192,22 @@ def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def _draft_vocab(tensor, args: DrafterArgs, path: Path):
+    """The checkpoint's draft vocabulary as numpy int32 ids, checked against its config."""
+    size = args.draft_vocab_size
+    if tensor is None:
+        if size is not None:
+            raise DFlashError(
+                f"drafter {path} config has dflash_config.draft_vocab_size {size} but no "
+                f"{DRAFT_VOCAB} tensor; re-download it or drop that key"
+            )
+        return None
+    ids = check_ids(np.array(tensor), args.vocab_size, f"drafter {path}")
+    if size is not None and size != ids.size:
+        raise DFlashError(
+            f"drafter {path}: {DRAFT_VOCAB} has {ids.size} ids but dflash_config."
+            f"draft_vocab_size is {size}; the checkpoint and config.json disagree"
+        )
+    return ids

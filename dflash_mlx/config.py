@@ -49,6 +49,7 @@ class DrafterArgs:
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
     input_embedding_scale: float = 1.0
+    draft_vocab_size: Optional[int] = None  # rows of the optional draft_vocab tensor
 
     @classmethod
     def from_dict(cls, params: Dict[str, Any]) -> "DrafterArgs":

@@ -68,20 +68,25 @@ class _Clock:
 
 
 def _propose(model, logits, hidden, anchor, params, use_selector, key):
-    """Draft tokens [L] and their proposal rows [L, V] (None when greedy)."""
-    drafter = model.drafter
+    """Draft tokens [L] (target ids) and their proposal rows [L, V] over the target's
+    vocabulary (None when greedy); ``logits`` [1, L, V'] cover the draft vocabulary."""
+    drafter, head = model.drafter, model.draft_head
+    vocab = logits.shape[-1] if head is None else head.vocab
     if use_selector and drafter.has_selector:
         T = params.temperature
         u = None if params.greedy else mx.random.uniform(shape=hidden.shape[:2], key=key)
         toks, cand, q, _ = drafter.candidate_selector(
-            logits, hidden, anchor.reshape(1), drafter.args.selector_top_k, T, u
+            logits, hidden, anchor.reshape(1), drafter.args.selector_top_k, T, u, model.to_target
         )
-        q_full = None if q is None else proposal_full(q[0], cand[0], logits.shape[-1])
+        q_full = None if q is None else proposal_full(q[0], cand[0], vocab)
         return toks[0].astype(mx.uint32), q_full
     if params.greedy:
-        return mx.argmax(logits[0], axis=-1).astype(mx.uint32), None
-    q_full = mx.softmax(logits[0].astype(mx.float32) / params.temperature, axis=-1, precise=True)
-    return sample_rows(q_full, key), q_full
+        return model.to_target(mx.argmax(logits[0], axis=-1)), None
+    q = mx.softmax(logits[0].astype(mx.float32) / params.temperature, axis=-1, precise=True)
+    if head is None:
+        return sample_rows(q, key), q
+    ids = mx.broadcast_to(head.ids, q.shape)  # [L, V']
+    return head.to_target(sample_rows(q, key)), proposal_full(q, ids, vocab)
 
 
 def prefill_chunk(step_size: int) -> int:
@@ -153,7 +158,7 @@ def _draft(model, cache, anchor, b, params, use_selector, key, clock):
         return mx.array([], dtype=mx.uint32), None
     drafter = model.drafter
     hidden = drafter.step(model.embed_block(anchor, b), cache.drafter)
-    d_logits = drafter.logits(hidden[:, 1:], model.adapter.lm_head)  # [1, b-1, V]
+    d_logits = model.draft_logits(hidden[:, 1:])  # [1, b-1, V'] (V' = V without a draft vocab)
     clock.lap("drafter", d_logits)
     drafts, q_full = _propose(model, d_logits, hidden[:, 1:], anchor, params, use_selector, key)
     clock.lap("selector", drafts)
@@ -204,7 +209,7 @@ def cycle(
     committed = drafts.tolist()[:a] + [bonus.item()]
     clock.lap("acceptance")
     adapter.rollback(cache.target, block_size, a + 1, snap)
-    drafter.append_context(feats[:, : a + 1], cache.drafter)
+    drafter.append_context(feats[:, : a + 1], cache.drafter, lazy=False)
     cache.tokens += [anchor] + committed[:-1]
     # Roll back / append on the device while the host builds the next cycle.
     mx.async_eval(cache.state)

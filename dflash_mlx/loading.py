@@ -290,6 +290,7 @@ def load(
     log: Optional[Callable[[str], None]] = None,
     tokenizer_config: Optional[dict] = None,
     warmup: bool = True,
+    draft_vocab: Optional[int] = None,
 ) -> Tuple["DFlashModel", object]:
     """Load a target model and its DFlash drafter, and time a few decode steps for the
     ``block_size="auto"`` scheduler.
@@ -305,6 +306,10 @@ def load(
             (default: print to stderr).
         tokenizer_config: extra options for mlx-lm's tokenizer loader.
         warmup: measure step costs now (else at the first ``block_size="auto"`` request).
+        draft_vocab: the drafter's vocabulary (docs/algorithm.md §2.4): None uses the
+            checkpoint's own ``draft_vocab`` tensor if it has one (else the full
+            vocabulary); 0 the full vocabulary; N the N most frequent ids by the tokenizer's
+            merge ranks (plus its special tokens).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -328,6 +333,25 @@ def load(
     check_compatible(adapter, draft, f"drafter {dname}")
     adapter.tap(draft.args.target_layer_ids)
     pair = DFlashModel(target, draft, adapter, str(tpath), str(dpath), res.display_name)
+    set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:
         warm_up(pair)
     return pair, tokenizer
+
+
+def set_draft_vocab(pair, tokenizer, n: Optional[int]) -> None:
+    """Give the pair the draft vocabulary ``load(draft_vocab=n)`` asks for.
+
+    Args:
+        pair: the loaded DFlashModel. tokenizer: its tokenizer (for the merge ranks).
+        n: None (the checkpoint's own), 0 (the full vocabulary) or a size.
+    """
+    from .draft_vocab import DraftHead, ranked_vocab
+
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise DFlashError(f"draft_vocab must be None, 0 or a positive integer (got {n!r})")
+    ids = pair.drafter.draft_vocab if n is None else None
+    vocab = pair.adapter.vocab_size
+    if n and n < vocab:
+        ids = ranked_vocab(tokenizer, n, vocab)
+    pair.draft_head = None if ids is None else DraftHead(pair.adapter, ids)

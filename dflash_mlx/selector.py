@@ -199,17 +199,22 @@ class PathSelector(nn.Module):
         top_k: int,
         temperature: float = 0.0,
         uniforms: Optional[mx.array] = None,
+        to_target=None,
     ):
         """Choose draft tokens for rows 1..B-1.
 
         Args:
-            logits: drafter logits [B, L, V]; hidden: final normed hidden [B, L, H];
-            anchor: [B]; top_k: K; temperature: T; uniforms: [B, L] when T > 0.
+            logits: drafter logits [B, L, V] (V may be a draft vocabulary); hidden: final
+                normed hidden [B, L, H]; anchor: [B]; top_k: K; temperature: T;
+                uniforms: [B, L] when T > 0; to_target: maps indices of ``logits``' last
+                axis to target ids (a draft vocabulary), since the codebooks are indexed
+                by target ids.
 
         Returns:
             (tokens [B, L], cand [B, L, K], q [B, L, K] or None, path [B, L]).
         """
         U, cand = top_candidates(logits, top_k)
+        cand = cand if to_target is None else to_target(cand)
         g = self.hidden_projection(hidden)
         path, q = select_path(
             U,

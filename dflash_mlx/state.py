@@ -31,6 +31,8 @@ class DFlashModel:
     name: str = ""
     # Costs measured here and acceptance priors for block_size="auto" (schedule.Tuning).
     tuning: Optional[object] = None
+    # The LM head over the drafter's draft vocabulary (draft_vocab.DraftHead), or None.
+    draft_head: Optional[object] = None
 
     @property
     def block_size(self) -> int:
@@ -43,6 +45,17 @@ class DFlashModel:
         masks = mx.full((length - 1,), args.mask_token_id, mx.uint32)
         ids = mx.concatenate([anchor.reshape(1), masks]).astype(mx.uint32)
         return embed_block(self.adapter.embed, ids[None], args, self.drafter.fc.weight.dtype)
+
+    def draft_logits(self, hidden: mx.array) -> mx.array:
+        """Drafter logits [.., V'] over the draft vocabulary ([.., V] without one)."""
+        head = self.draft_head if self.draft_head is not None else self.adapter.lm_head
+        return self.drafter.logits(hidden, head)
+
+    def to_target(self, idx: mx.array) -> mx.array:
+        """Map indices into ``draft_logits``' last axis to target ids (uint32)."""
+        if self.draft_head is None:
+            return idx.astype(mx.uint32)
+        return self.draft_head.to_target(idx)
 
     def make_cache(self) -> "PromptCache":
         """An empty cache for one conversation."""

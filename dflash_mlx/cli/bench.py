@@ -21,6 +21,7 @@ from .stats import blocks_text
 def bench(
     model: str = c.MODEL,
     drafter: Optional[str] = c.DRAFTER,
+    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
     quant: Optional[str] = c.QUANT,
     dataset: Optional[str] = typer.Option(
         None,
@@ -64,7 +65,7 @@ def bench(
             import matplotlib  # noqa: F401
         except ImportError:
             raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'") from None
-    m, tok = c.load_pair(model, drafter, quant, offline, False, False, cfg)
+    m, tok = c.load_pair(model, drafter, quant, offline, False, False, cfg, draft_vocab)
     rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
     from rich.console import Console
 

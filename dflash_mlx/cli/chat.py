@@ -336,6 +336,7 @@ class ChatSession:
 def chat(
     model: str = c.MODEL,
     drafter: Optional[str] = c.DRAFTER,
+    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
     quant: Optional[str] = c.QUANT,
     max_tokens: int = c.max_tokens_option("chat", "Tokens per answer."),
     temp: float = c.TEMP,
@@ -358,7 +359,7 @@ def chat(
     cfg = c.settings(
         max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
     )
-    m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg)
+    m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg, draft_vocab)
     from ..prompt import notice_default_format
 
     notice_default_format(tok)  # no chat template: say once which format stands in

@@ -53,6 +53,12 @@ NO_SELECTOR = typer.Option(
     "--no-selector",
     help="Draft each position's top token (DFlash 1 behaviour).",
 )
+DRAFT_VOCAB = typer.Option(
+    None,
+    "--draft-vocab",
+    help="Tokens the drafter scores: 0 = the full vocabulary, N = the N most frequent "
+    "(merge ranks); default: the drafter's own draft vocabulary, if it ships one.",
+)
 SYSTEM = typer.Option(None, "--system", help="System prompt.")
 OFFLINE = typer.Option(False, "--offline", help=OFFLINE_HELP)
 
@@ -101,17 +107,36 @@ def settings(
     return cfg.validate(flags=True)
 
 
-def load_pair(model: str, drafter, quant, offline: bool, quiet: bool, verbose: bool, cfg=None):
+def load_pair(
+    model: str,
+    drafter,
+    quant,
+    offline: bool,
+    quiet: bool,
+    verbose: bool,
+    cfg=None,
+    draft_vocab: Optional[int] = None,
+):
     """(model, tokenizer) through ``dflash_mlx.load``.
 
     Args:
         model, drafter, quant, offline: ``--model``, ``--drafter``, ``--quant``, ``--offline``.
         quiet: no download notices. verbose: print the loaded paths to stderr.
         cfg: the command's settings; its block size is checked against the drafter's.
+        draft_vocab: ``--draft-vocab`` (None: the drafter's own).
     """
     from ..loading import load
 
-    m, tok = load(model, drafter=drafter, quant=quant, offline=offline or None, quiet=quiet)
+    if draft_vocab is not None and draft_vocab < 0:
+        raise DFlashError(f"--draft-vocab must be 0 (off) or a positive size (got {draft_vocab})")
+    m, tok = load(
+        model,
+        drafter=drafter,
+        quant=quant,
+        offline=offline or None,
+        quiet=quiet,
+        draft_vocab=draft_vocab,
+    )
     if verbose:
         print(f"target  {m.target_path}\ndrafter {m.drafter_path}", file=sys.stderr, flush=True)
     if cfg is not None:

@@ -19,6 +19,7 @@ def run(
     ),
     model: str = c.MODEL,
     drafter: Optional[str] = c.DRAFTER,
+    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
     quant: Optional[str] = c.QUANT,
     prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt."),
     max_tokens: int = c.max_tokens_option("run"),
@@ -48,7 +49,7 @@ def run(
     if system is not None and ignore_chat_template:
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")
     text = c.read_prompt(prompt, prompt_opt)
-    m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg)
+    m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg, draft_vocab)
     ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet)
     last, pieces = _generate(m, tok, ids, cfg, dict(profile=verbose), as_json)
     has_selector = bool(getattr(m.drafter, "has_selector", True))

@@ -14,6 +14,7 @@ from . import common as c
 def serve(
     model: str = c.MODEL,
     drafter: Optional[str] = c.DRAFTER,
+    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
     quant: Optional[str] = c.QUANT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: a free one)."),
@@ -55,7 +56,7 @@ def serve(
     if warning:
         print(warning, file=sys.stderr, flush=True)
     try:
-        m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg)
+        m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg, draft_vocab)
     except BaseException:
         sock.close()
         raise
