@@ -20,6 +20,7 @@ from .conv import TwoTapConv
 from .selector import PathSelector
 
 Offset = Union[int, mx.array]
+PENDING_MAX = 2048  # feature rows a context cache holds unprojected at most
 
 
 def embed_block(
@@ -81,7 +82,19 @@ class ContextCache:
         self.window = window
         self.keys: Optional[mx.array] = None  # [1, n_kv, n, head_dim]
         self.values: Optional[mx.array] = None
-        self.offset = 0  # rows appended so far == absolute position of the next row
+        self.offset = 0  # rows projected so far == absolute position of the next row
+        # Target features [1, n, nT*H] not projected yet (``DFlashDrafter.append_context``)
+        self.pending: List[mx.array] = []
+
+    @property
+    def pending_rows(self) -> int:
+        """Feature rows waiting to be projected."""
+        return sum(f.shape[1] for f in self.pending)
+
+    @property
+    def position(self) -> int:
+        """Absolute position of the next row, pending rows included."""
+        return self.offset + self.pending_rows
 
     @property
     def size(self) -> int:
@@ -99,9 +112,17 @@ class ContextCache:
         self.keys, self.values = keys, values
 
     def trim(self, n: int) -> None:
-        """Drop the last n rows (positions offset-n ..). Rows the window already dropped
-        are not brought back: the drafter then sees less context, which costs acceptance,
-        never correctness."""
+        """Drop the last n rows (pending ones first, then positions offset-n ..). Rows the
+        window already dropped are not brought back: the drafter then sees less context,
+        which costs acceptance, never correctness."""
+        while n and self.pending:
+            k = self.pending[-1].shape[1]
+            if k <= n:
+                self.pending.pop()
+                n -= k
+            else:
+                self.pending[-1] = self.pending[-1][:, : k - n]
+                n = 0
         n = min(n, self.offset)
         self.offset -= n
         if n >= self.size:
@@ -112,7 +133,7 @@ class ContextCache:
     @property
     def state(self):
         """Arrays to evaluate."""
-        return [a for a in (self.keys, self.values) if a is not None]
+        return [a for a in (self.keys, self.values) if a is not None] + self.pending
 
 
 class Attention(nn.Module):
@@ -227,6 +248,8 @@ class DFlashDrafter(nn.Module):
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         if args.is_dflash2:
             self.candidate_selector = PathSelector(H, args.selector_rank, args.vocab_size)
+        # Sorted target ids the drafter was trained to score (numpy int32), or None.
+        self.draft_vocab: Optional[np.ndarray] = None
 
     @property
     def has_selector(self) -> bool:
@@ -245,10 +268,28 @@ class DFlashDrafter(nn.Module):
         """Per-layer context (keys, values) of x_ctx rows starting at offset (training use)."""
         return [layer.self_attn.kv(x_ctx, offset) for layer in self.layers]
 
-    def append_context(self, features: mx.array, cache: List[ContextCache]) -> None:
-        """Add the features [1, n, nT*H] of newly committed tokens to the context caches."""
-        x_ctx = self.project_context(features)
+    def append_context(
+        self, features: mx.array, cache: List[ContextCache], lazy: bool = True
+    ) -> None:
+        """Add the features [1, n, nT*H] of newly committed tokens to the context caches.
+
+        Lazily by default: they are projected when the drafter next runs (``step``), so a
+        request that never speculates (``block_size="auto"`` on a slow BLAS) never pays
+        for it; at most ``PENDING_MAX`` rows wait, which bounds the memory held.
+        """
+        for c in cache:
+            c.pending.append(features)
+        if not lazy or cache[0].pending_rows > PENDING_MAX:
+            self.flush_context(cache)
+
+    def flush_context(self, cache: List[ContextCache]) -> None:
+        """Project the pending feature rows into every layer's context K/V."""
+        if not cache[0].pending:
+            return
+        feats = mx.concatenate(cache[0].pending, axis=1)
+        x_ctx = self.project_context(feats)
         for layer, c in zip(self.layers, cache):
+            c.pending = []
             c.append(*layer.self_attn.kv(x_ctx, c.offset))
 
     def __call__(
@@ -280,6 +321,7 @@ class DFlashDrafter(nn.Module):
 
     def step(self, block_embeds: mx.array, cache: List[ContextCache]) -> mx.array:
         """Inference: one block after the cached context; returns hidden [1, L, H]."""
+        self.flush_context(cache)
         kv = [(c.keys, c.values) for c in cache]
         return self(block_embeds, kv, cache[0].offset)
 

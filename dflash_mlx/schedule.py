@@ -247,6 +247,10 @@ class Tuning:
         self.measured = measured
         self.costs: dict[str, CostTable] = {}
         self.priors: dict[tuple, list[float]] = {}
+        # (probe_after, plain steps since the last speculative cycle) per (mode, selector):
+        # the probe backoff carries across requests, so short requests on a pair that
+        # cannot win do not each pay for fresh probes.
+        self.backoff: dict[tuple, tuple[int, int]] = {}
 
     def _copy(self) -> CostTable:
         table = CostTable(self.max_block)
@@ -269,6 +273,9 @@ class Tuning:
         else:
             table = self.costs.setdefault(mode, self._copy())
             sched = Scheduler(table, self.priors.get((mode, selector), default))
+            sched.probe_after, sched.since_spec = self.backoff.get(
+                (mode, selector), (PROBE_START, 0)
+            )
         sched.key = (mode, selector, seeded and not greedy)
         return sched
 
@@ -276,3 +283,4 @@ class Tuning:
         """Carry a finished request's acceptance into the prior of its mode."""
         if not sched.key[2]:
             self.priors[sched.key[:2]] = sched.posterior()
+            self.backoff[sched.key[:2]] = (sched.probe_after, sched.since_spec)

@@ -1,6 +1,7 @@
 """A drafter wrapper that proposes a known continuation, to force chosen acceptance patterns."""
 
 import mlx.core as mx
+import numpy as np
 
 
 class OracleDrafter:
@@ -21,18 +22,29 @@ class OracleDrafter:
         return getattr(self.real, name)
 
     def step(self, block_embeds, cache):
-        self.pos = cache[0].offset  # absolute position of the anchor
+        self.pos = cache[0].position  # absolute position of the anchor
         return self.real.step(block_embeds, cache)
 
     def logits(self, hidden, lm_head):
         L = hidden.shape[1]
         real = self.real.logits(hidden, lm_head)
-        rows = []
+        # With a draft vocabulary (a DraftHead) columns are its ids; a token outside it
+        # cannot be proposed, so that row keeps the real drafter's choice.
+        ids = getattr(lm_head, "ids", None)
+        ids = None if ids is None else np.array(ids).tolist()
+        rows, cols = [], []
         for t in range(1, L + 1):
             i = self.pos + t
             tok = self.sequence[i] if i < len(self.sequence) else 0
             if t in self.wrong_at:
-                tok = (tok + 1) % real.shape[-1]
-            rows.append(tok)
-        onehot = mx.zeros(real.shape).at[0, mx.arange(L), mx.array(rows)].add(200.0)
+                tok = (tok + 1) % real.shape[-1] if ids is None else ids[0] + (tok == ids[0])
+            if ids is not None:
+                if tok not in ids:
+                    continue
+                tok = ids.index(tok)
+            rows.append(t - 1)
+            cols.append(tok)
+        if not rows:
+            return real
+        onehot = mx.zeros(real.shape).at[0, mx.array(rows), mx.array(cols)].add(200.0)
         return real + onehot

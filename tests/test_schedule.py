@@ -115,3 +115,25 @@ def test_summary_reports_histogram_and_plain_share():
     s = sched.summary()
     assert s["blocks"] == {1: 2, 4: 1, 8: 1}
     assert s["plain_share"] == 0.5
+
+
+def test_probe_backoff_carries_across_requests_on_the_same_model():
+    from dflash_mlx.schedule import Tuning
+
+    tuning = Tuning(costs([1.0] + [1.2 + 0.1 * b for b in range(2, 9)]))
+    tuning.priors[("greedy", True)] = [0.3] * 7
+    probes = []
+    for request in range(6):  # six short requests of 20 steps each
+        sched = tuning.scheduler(greedy=True, selector=True)
+        for step in range(20):
+            c = sched.choose()
+            probes += [request * 20 + step] if c.probe else []
+            sched.record(c.block, 0, None)
+        tuning.finish(sched)
+    # with a fresh backoff per request each one would probe at step 8 (six probes)
+    assert 1 <= len(probes) <= 3
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert all(g >= 2 * PROBE_START for g in gaps)
+    # a seeded request keeps the frozen, default schedule
+    seeded = tuning.scheduler(greedy=False, selector=True, seeded=True)
+    assert seeded.probe_after == PROBE_START and seeded.since_spec == 0
