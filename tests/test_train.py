@@ -92,17 +92,55 @@ def test_batches_label_each_row_with_the_next_answer_token_and_mask_the_end(tiny
     assert blk["mask"].shape == (2, 1, 4, blk["feats"].shape[1] + 4)
 
 
+def test_soft_labels_are_the_targets_top_k_at_each_label_position(tiny):
+    root, target, tok, data = tiny
+    shards = ShardSet(data / "train")
+    assert shards.has_soft
+    blk = build_batch(shards, [0, 1], 3, 4, 1, np.random.default_rng(0), None, soft_k=8)
+    ok = blk["valid"] > 0
+    assert blk["soft_ids"].shape == blk["labels"].shape + (8,)
+    assert (blk["soft_ids"][..., 0][ok] == blk["labels"][ok]).all()  # greedy = top-1
+    lp = blk["soft_logp"]
+    assert np.all(np.diff(lp[ok], axis=-1) <= 1e-3)  # best first
+    assert np.isinf(lp[~ok]).all() and np.exp(lp[ok]).sum(-1).max() <= 1.001
+
+
+def test_warm_start_reproduces_a_released_drafter_on_standardized_features(tiny):
+    from dflash_mlx.train.common import init_drafter, warm_start
+
+    root, target, tok, data = tiny
+    out = root / "warm"
+    train(
+        target,
+        data,
+        out,
+        TrainConfig(steps=2, seqs=2, n_blocks=2, eval_seqs=2, warmup=1),
+        shape=dict(TINY_SHAPE),
+        log=lambda m: None,
+    )
+    released = load_drafter(out, mx.float32)
+    scale = np.linspace(0.5, 3.0, 3 * target.args.hidden_size).astype(np.float32)
+    fresh = init_drafter(json.loads((out / "config.json").read_text()), seed=9)
+    warm_start(fresh, out, scale)
+    raw = mx.array(ShardSet(data / "train").rows(ShardSet(data / "train").seqs[0])[2])[None]
+    got = fresh.project_context(raw / mx.array(scale))
+    assert mx.allclose(got, released.project_context(raw), atol=1e-3, rtol=1e-3)
+
+
 def test_training_learns_saves_the_released_format_and_resumes(tiny):
     root, target, tok, data = tiny
     out = root / "drafter"
     logs = []
     cfg = TrainConfig(steps=40, seqs=4, n_blocks=4, eval_seqs=4, lr=3e-3, warmup=5)
     first = train(target, data, out, cfg, shape=dict(TINY_SHAPE), log=logs.append)
-    losses = [float(line.split()[3]) for line in logs if line.startswith("step ")]
-    assert losses[-1] < 0.8 * losses[0]  # it learns (steps 20 and 40 are logged)
+    rows = [line.split() for line in logs if line.startswith("step ")]
+    loss, ce, kd = ([float(r[i]) for r in rows] for i in (3, 5, 9))
+    assert ce[-1] < 0.8 * ce[0]  # it learns (steps 20 and 40 are logged)
+    assert loss[-1] < loss[0] and kd[-1] < kd[0] and kd[0] > 0  # distillation is on, and falls
     assert {"tau_argmax", "tau_selector", "tau_oracle"} <= set(first["final"])
     d = load_drafter(out)
     assert d.args.block_size == 4 and d.has_selector
+    assert d.draft_vocab is not None and d.draft_vocab.size >= 256  # its training shortlist
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
     cfg.steps = 44
     again = train(target, data, out, cfg, shape=dict(TINY_SHAPE), resume=True, log=logs.append)

@@ -128,3 +128,20 @@ def selector_scores(drafter, logits, h, anchor_ids, labels, vocab_ids=None):
     a = sel.predecessor_codebook[pred] * sel.hidden_projection(h)  # [N, L, R]
     pair = (sel.successor_codebook[tok(cand)] @ a[..., None])[..., 0]  # [N, L, K]
     return U + pair, gold
+
+
+def warm_start(drafter, path, scale=None) -> None:
+    """Start training from a released drafter's weights (float32), with ``fc`` rescaled to
+    read standardized features (``data.feature_scale``) as the released one reads raw ones.
+
+    Args:
+        drafter: the drafter being trained (same shape). path: the released checkpoint.
+        scale: the per-channel feature scale of this run, or None.
+    """
+    from dflash_mlx.checkpoint import load_drafter
+
+    src = load_drafter(path, mx.float32)
+    drafter.load_weights(list(tree_flatten(src.parameters())))
+    if scale is not None:
+        drafter.fc.weight = drafter.fc.weight * mx.array(scale)[None, :]  # [H, D] * [1, D]
+    mx.eval(drafter.parameters())

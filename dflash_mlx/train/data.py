@@ -29,20 +29,29 @@ class Seq:
 
 
 class ShardSet:
-    """Every finished shard of a split, features memory-mapped.
+    """Every finished shard of one or more split folders, features memory-mapped.
 
     Args:
-        root: the split folder (e.g. ``.work/distill/train``).
+        root: a split folder (e.g. ``.work/distill/train``) or a list of them.
         min_answer: skip sequences whose answer is shorter than this.
         scale: per-channel divisor of the features (see ``feature_scale``), or None.
     """
 
-    def __init__(self, root: Path, min_answer: int = 2, scale: np.ndarray | None = None):
-        self.root, self.scale = Path(root), scale
-        self.shards, self.seqs = [], []
-        for i, d in enumerate(sorted(p for p in self.root.glob("shard_*") if p.is_dir())):
+    def __init__(self, root, min_answer: int = 2, scale: np.ndarray | None = None):
+        roots = [Path(r) for r in root] if isinstance(root, (list, tuple)) else [Path(root)]
+        self.root, self.scale = roots[0], scale
+        self.shards, self.seqs, self.soft = [], [], []
+        dirs = [d for r in roots for d in sorted(r.glob("shard_*")) if d.is_dir()]
+        for d in dirs:
             if d.name.endswith(".tmp"):
                 continue
+            soft = None
+            if (d / "topk_ids.npy").exists():
+                soft = (
+                    np.load(d / "topk_ids.npy", mmap_mode="r"),
+                    np.load(d / "topk_logp.npy", mmap_mode="r"),
+                )
+            self.soft.append(soft)
             tokens = np.load(d / "tokens.npy")
             teacher = np.load(d / "teacher.npy")
             feats = np.load(d / "feats.npy", mmap_mode="r")
@@ -58,7 +67,7 @@ class ShardSet:
                 f0 += n - 1
             self.shards.append((tokens, teacher, feats))
         if not self.seqs:
-            raise FileNotFoundError(f"no finished shards under {self.root}")
+            raise FileNotFoundError(f"no finished shards under {', '.join(map(str, roots))}")
 
     @property
     def tokens(self) -> int:
@@ -73,6 +82,17 @@ class ShardSet:
             lab = teacher[s.feat0 + s.prompt - 1 : s.feat0 + s.n - 1]
             counts += np.bincount(lab, minlength=vocab)[:vocab]
         return counts
+
+    @property
+    def has_soft(self) -> bool:
+        """Whether every shard holds the target's top-k log-probabilities."""
+        return all(x is not None for x in self.soft)
+
+    def soft_rows(self, s: Seq):
+        """(top-k ids [n-1, k], log-probs [n-1, k] float32) of one sequence."""
+        ids, logp = self.soft[s.shard]
+        rows = slice(s.feat0, s.feat0 + s.n - 1)
+        return np.asarray(ids[rows]), np.asarray(logp[rows], dtype=np.float32)
 
     def rows(self, s: Seq):
         """(tokens [n], teacher [n-1], feats [n-1, D] float32) of one sequence."""
@@ -112,6 +132,7 @@ def build_batch(
     rng: np.random.Generator,
     window: int | None = None,
     anchors=None,
+    soft_k: int = 0,
 ):
     """Batch arrays for the sequences ``picks`` (indices into ``data.seqs``).
 
@@ -119,6 +140,9 @@ def build_batch(
         data: the shards. picks: sequence indices [S]. n_blocks: anchors per sequence.
         B: block size. mask_id: the mask token. rng: anchor generator.
         window: the drafter's sliding window. anchors: fixed anchors [S, n_blocks] (eval).
+        soft_k: the target's top-k log-probabilities to add per label (0: none; only when
+            every shard has them): ``soft_ids`` / ``soft_logp`` [N, B-1, soft_k], -inf
+            past the answer.
 
     Returns:
         dict of numpy arrays: feats [S, T, D], ids [N, B], labels [N, B-1],
@@ -133,6 +157,10 @@ def build_batch(
     labels = np.zeros((len(seqs) * n_blocks, B - 1), np.int32)
     valid = np.zeros((len(seqs) * n_blocks, B - 1), np.float32)
     offs = np.zeros(len(seqs) * n_blocks, np.int32)
+    soft = data.has_soft and soft_k > 0
+    if soft:
+        soft_ids = np.zeros((len(seqs) * n_blocks, B - 1, soft_k), np.int32)
+        soft_lp = np.full((len(seqs) * n_blocks, B - 1, soft_k), -np.inf, np.float32)
     for j, (s, (tok, teach, f)) in enumerate(zip(seqs, parts)):
         feats[j, : s.n - 1] = f
         if anchors is None:
@@ -147,8 +175,13 @@ def build_batch(
         labels[rows] = np.where(ok, teach[np.minimum(pos, s.n - 2)], 0)
         valid[rows] = ok
         offs[rows] = a
+        if soft:
+            k_ids, k_lp = data.soft_rows(s)
+            at = np.minimum(pos, s.n - 2)
+            soft_ids[rows] = k_ids[at][..., :soft_k]
+            soft_lp[rows] = np.where(ok[..., None], k_lp[at][..., :soft_k], -np.inf)
     mask = block_mask(offs, T, B, window)
-    return {
+    out = {
         "feats": feats,
         "ids": ids,
         "labels": labels,
@@ -156,6 +189,9 @@ def build_batch(
         "offsets": offs,
         "mask": mask,
     }
+    if soft:
+        out["soft_ids"], out["soft_logp"] = soft_ids, soft_lp
+    return out
 
 
 def eval_anchors(data: ShardSet, n_seqs: int, n_blocks: int, seed: int = 1234):

@@ -8,7 +8,9 @@ Usage::
 Each shard directory holds, for its sequences concatenated: ``tokens`` (prompt + answer,
 int32), ``teacher`` (the target's argmax after each fed token, i.e. the label of the next
 position; int32), ``feats`` (float16 outputs of ``target_layer_ids`` for each fed token,
-``[n, len(layer_ids) * H]``), and ``starts`` / ``prompt_lens`` per sequence. Every sequence
+``[n, len(layer_ids) * H]``), ``topk_ids`` / ``topk_logp`` (the target's ``TOPK`` most likely
+next tokens after each fed token and their log-probabilities, int32 / float16, for logit
+distillation), and ``starts`` / ``prompt_lens`` per sequence. Every sequence
 has one more token than it has features (its last token was never fed). A shard is written to
 a temporary name and renamed, so an interrupted run resumes at the next missing shard.
 """
@@ -32,6 +34,25 @@ from dflash_mlx.train.prompts import build_prompts
 FP16_MAX = 65000.0
 PREFILL_CHUNK = 128
 MAX_PROMPT = 320  # tokens; a longer prompt (a huge docstring) would pad its whole batch
+TOPK = 32  # target log-probabilities kept per position (~200 bytes next to ~5.8 kB of features)
+
+
+def top_logprobs(logits: mx.array, k: int = TOPK):
+    """The k most likely next tokens per row and their log-probabilities.
+
+    Args:
+        logits: [B, L, V].
+
+    Returns:
+        (ids [B, L, k] int32, log-probs [B, L, k] float16), best first.
+    """
+    logits = logits.astype(mx.float32)
+    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    part = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [B, L, k] unordered
+    vals = mx.take_along_axis(logits, part, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    ids = mx.take_along_axis(part, order, axis=-1).astype(mx.int32)
+    return ids, (mx.take_along_axis(vals, order, axis=-1) - lse).astype(mx.float16)
 
 
 def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
@@ -42,19 +63,27 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
         eos: ids that end an answer. max_new: answer budget.
 
     Returns:
-        list of (tokens, teacher, feats float16) per prompt, trimmed after its EOS.
+        list of (tokens, teacher, feats float16, topk ids, topk log-probs) per prompt,
+        trimmed after its EOS.
     """
     B, L = len(prompts), max(len(p) for p in prompts)
     pad = [L - len(p) for p in prompts]
     x = mx.array([[0] * n + p for n, p in zip(pad, prompts)])
     cache = [BatchKVCache(pad) for _ in adapter.inner.layers]
     # Prefill in chunks: logits of a whole batch of long prompts would pass 2**31 elements.
-    teach, feat_parts = [], []
+    teach, feat_parts, tk_ids, tk_lp = [], [], [], []
+
+    def record(logits, feats):
+        feat_parts.append(mx.clip(feats, -FP16_MAX, FP16_MAX).astype(mx.float16))
+        i, lp = top_logprobs(logits)
+        tk_ids.append(i)
+        tk_lp.append(lp)
+        return feat_parts[-1], i, lp
+
     for c in range(0, L, PREFILL_CHUNK):
         logits, feats = adapter(x[:, c : c + PREFILL_CHUNK], cache)
         teach.append(mx.argmax(logits, axis=-1))
-        feat_parts.append(mx.clip(feats, -FP16_MAX, FP16_MAX).astype(mx.float16))
-        mx.eval(teach[-1], feat_parts[-1])
+        mx.eval(teach[-1], *record(logits, feats))
     teach = mx.concatenate(teach, axis=1)  # [B, L]
     tok = teach[:, -1:]
     toks, done = [np.array(tok)], np.zeros(B, bool)
@@ -64,11 +93,12 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
             break
         logits, feats = adapter(tok, cache)
         tok = mx.argmax(logits[:, -1:], axis=-1)
-        feat_parts.append(mx.clip(feats, -FP16_MAX, FP16_MAX).astype(mx.float16))
-        mx.async_eval(tok, feat_parts[-1])
+        mx.async_eval(tok, *record(logits, feats))
         toks.append(np.array(tok))
     gen = np.concatenate(toks, axis=1)  # [B, steps]
     F = np.array(mx.concatenate(feat_parts, axis=1))  # [B, L + steps - 1, D]
+    KI = np.array(mx.concatenate(tk_ids, axis=1))  # [B, L + steps - 1, k]
+    KL = np.array(mx.concatenate(tk_lp, axis=1))
     T = np.concatenate([np.array(teach), gen[:, 1:]], axis=1)
     out = []
     for b, p in enumerate(prompts):
@@ -76,7 +106,38 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
         n = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
         fed = len(p) + n - 1
         tokens = np.array(p + g[:n], np.int32)
-        out.append((tokens, T[b, pad[b] : pad[b] + fed], F[b, pad[b] : pad[b] + fed]))
+        rows = slice(pad[b], pad[b] + fed)
+        out.append((tokens, T[b, rows], F[b, rows], KI[b, rows], KL[b, rows]))
+    return out
+
+
+def featurize(adapter: TargetAdapter, seqs, batch: int = 4):
+    """Rebuild shard rows from token ids alone (committed answers) by a teacher-forced
+    prefill: what ``generate_batch`` records, at prefill speed instead of decoding speed.
+
+    Args:
+        adapter: a TargetAdapter tapping the recorded layers. seqs: (prompt + answer) id lists.
+        batch: sequences per forward (right-padded: padding never reaches earlier rows).
+
+    Returns:
+        list of (tokens, teacher, feats float16, topk ids, topk log-probs) per sequence.
+    """
+    out = []
+    for b0 in range(0, len(seqs), batch):
+        part = [np.asarray(s, np.int32) for s in seqs[b0 : b0 + batch]]
+        L = max(len(s) for s in part) - 1
+        x = np.zeros((len(part), L), np.int32)
+        for i, s in enumerate(part):
+            x[i, : len(s) - 1] = s[:-1]  # the last token is never fed
+        logits, feats = adapter(mx.array(x), None)
+        ids, lp = top_logprobs(logits)
+        feats = mx.clip(feats, -FP16_MAX, FP16_MAX).astype(mx.float16)
+        teach = mx.argmax(logits, axis=-1).astype(mx.int32)
+        mx.eval(feats, ids, lp, teach)
+        F, I, P, T = (np.array(a) for a in (feats, ids, lp, teach))
+        for i, s in enumerate(part):
+            n = len(s) - 1
+            out.append((s, T[i, :n], F[i, :n], I[i, :n], P[i, :n]))
     return out
 
 
@@ -107,6 +168,9 @@ def write_shard(path: Path, seqs, prompt_lens) -> None:
     np.save(tmp / "tokens.npy", np.concatenate([s[0] for s in seqs]))
     np.save(tmp / "teacher.npy", np.concatenate([s[1] for s in seqs]).astype(np.int32))
     np.save(tmp / "feats.npy", np.concatenate([s[2] for s in seqs]))
+    if len(seqs[0]) > 3:
+        np.save(tmp / "topk_ids.npy", np.concatenate([s[3] for s in seqs]).astype(np.int32))
+        np.save(tmp / "topk_logp.npy", np.concatenate([s[4] for s in seqs]).astype(np.float16))
     np.save(tmp / "starts.npy", np.cumsum([0] + lens[:-1]).astype(np.int64))
     np.save(tmp / "prompt_lens.npy", np.array(prompt_lens, np.int32))
     tmp.rename(path)
@@ -124,6 +188,7 @@ def run(
     limit: int | None = None,
     log=None,
     prompts: list | None = None,
+    deadline: float | None = None,
 ) -> dict:
     """Generate every missing shard of a split.
 
@@ -133,6 +198,7 @@ def run(
         batch: prompts per generation batch. shard_size: prompts per shard.
         limit: use only the first ``limit`` prompts (smoke runs).
         prompts: the prompt texts (default: ``build_prompts(split)``).
+        deadline: ``time.time()`` after which no new shard is started.
         log: line printer (default: print, flushed).
     """
     log = log or partial(print, flush=True)
@@ -150,6 +216,8 @@ def run(
     total = {"tokens": 0, "seconds": 0.0}
     for s0 in range(0, len(prompts), shard_size):
         path = out / f"shard_{s0 // shard_size:04d}"
+        if deadline is not None and time.time() > deadline:
+            break
         if not claim(path):
             continue
         t0 = time.time()

@@ -39,6 +39,7 @@ from dflash_mlx.train.common import (
     load_checkpoint,
     lr_at,
     save_checkpoint,
+    warm_start,
 )
 from dflash_mlx.train.data import ShardSet, build_batch, eval_anchors, feature_scale
 from dflash_mlx.train.evaluate import evaluate, to_device
@@ -69,9 +70,17 @@ def shortlist(data: ShardSet, vocab: int, cap: int, floor: int = 256) -> np.ndar
     return np.sort(order[:n]).astype(np.int32)
 
 
-def setup(target, data_dir: Path, out: Path, shape: dict, lr: float, resume: bool, seed: int):
+def data_roots(data_dir) -> tuple:
+    """(train split folders, held-out split folder) of a distill folder (``train/``,
+    ``heldout/``) or of an explicit ``(train folders, held-out folder)`` pair."""
+    if isinstance(data_dir, tuple):
+        return [Path(r) for r in data_dir[0]], Path(data_dir[1])
+    return [Path(data_dir) / "train"], Path(data_dir) / "heldout"
+
+
+def setup(target, data_dir, out: Path, shape: dict, lr: float, resume: bool, seed: int):
     """Adapter, drafter config, drafter, optimizer and counters (restored with ``resume``)."""
-    meta = json.loads((Path(data_dir) / "train" / "meta.json").read_text())
+    meta = json.loads((data_roots(data_dir)[0][0] / "meta.json").read_text())
     adapter = TargetAdapter(target, meta["layer_ids"])
     args = target.args
     config = drafter_config(
@@ -112,7 +121,7 @@ def standardize(data: ShardSet, drafter, opt, state_dir: Path, resume: bool) -> 
 class Batches:
     """Reproducible training batches (seeded by step), labels mapped onto the shortlist."""
 
-    def __init__(self, data: ShardSet, drafter, seqs, n_blocks, gamma, vocab_ids, seed):
+    def __init__(self, data: ShardSet, drafter, seqs, n_blocks, gamma, vocab_ids, seed, soft_k=0):
         self.data, self.args, self.seqs, self.n_blocks, self.seed = (
             data,
             drafter.args,
@@ -120,6 +129,7 @@ class Batches:
             n_blocks,
             seed,
         )
+        self.soft_k = soft_k if data.has_soft else 0
         B = self.args.block_size
         self.pos_w = np.exp(-np.arange(B - 1) / gamma).astype(np.float32)
         self.index = np.full(self.args.vocab_size, -1, np.int64)
@@ -129,11 +139,27 @@ class Batches:
         a, rng = self.args, np.random.default_rng([self.seed, step])
         picks = rng.integers(0, len(self.data.seqs), self.seqs)
         blk = build_batch(
-            self.data, picks, self.n_blocks, a.block_size, a.mask_token_id, rng, a.sliding_window
+            self.data,
+            picks,
+            self.n_blocks,
+            a.block_size,
+            a.mask_token_id,
+            rng,
+            a.sliding_window,
+            soft_k=self.soft_k,
         )
         idx = self.index[blk["labels"]]
         blk["labels"] = np.maximum(idx, 0).astype(np.int32)
         blk["weights"] = (blk["valid"] * (idx >= 0) * self.pos_w).astype(np.float32)
+        if "soft_ids" in blk:  # teacher top-k over the shortlist, renormalised
+            sidx = self.index[blk.pop("soft_ids")]
+            p = np.where(sidx >= 0, np.exp(blk.pop("soft_logp")), 0.0)
+            blk["soft_idx"] = np.maximum(sidx, 0).astype(np.int32)
+            blk["soft_p"] = (p / np.maximum(p.sum(-1, keepdims=True), 1e-9)).astype(np.float32)
+        else:
+            shape = blk["labels"].shape + (1,)
+            blk["soft_idx"] = np.zeros(shape, np.int32)
+            blk["soft_p"] = np.zeros(shape, np.float32)
         return blk
 
 
@@ -148,6 +174,8 @@ class TrainConfig:
         sel_weight: factor of the selector loss. vocab_cap: most tokens the training head
         scores (see :func:`shortlist`). eval_every_s, ckpt_every_s: seconds between held-out
         evaluations / checkpoints. eval_seqs: held-out answers per evaluation. seed: data seed.
+        soft_k, kd_weight: the target's top-k log-probabilities each row is distilled
+        against (when the shards have them) and the factor of that loss (0: hard labels).
     """
 
     minutes: float = 120.0
@@ -163,6 +191,8 @@ class TrainConfig:
     ckpt_every_s: float = 300.0
     eval_seqs: int = 96
     seed: int = 0
+    soft_k: int = 32
+    kd_weight: float = 1.0
 
 
 class Trainer:
@@ -171,7 +201,9 @@ class Trainer:
     Args: as for :func:`train`.
     """
 
-    def __init__(self, target, data_dir, out, cfg: TrainConfig, shape, resume, log):
+    def __init__(
+        self, target, data_dir, out, cfg: TrainConfig, shape, resume, log, init=None, vocab=None
+    ):
         self.out, self.cfg, self.log = Path(out), cfg, log
         target.freeze()
         self.adapter, self.config, self.drafter, self.opt, self.st = setup(
@@ -183,16 +215,21 @@ class Trainer:
             resume,
             cfg.seed,
         )
-        data = ShardSet(Path(data_dir) / "train")
+        train_roots, held_root = data_roots(data_dir)
+        data = ShardSet(train_roots)
         self.scale = standardize(data, self.drafter, self.opt, self.out / "train_state", resume)
         data.scale = self.scale
-        self.held = ShardSet(Path(data_dir) / "heldout", scale=self.scale)
+        if init is not None and not resume:  # warm start: a released drafter's weights
+            warm_start(self.drafter, init, self.scale)
+        self.held = ShardSet(held_root, scale=self.scale)
         vocab_ids = shortlist(data, self.drafter.args.vocab_size, cfg.vocab_cap)
+        vocab_ids = vocab_ids if vocab is None else np.asarray(vocab, np.int32)
+        self.vocab_ids = vocab_ids
         H = self.drafter.args.hidden_size
         head_w = self.adapter.lm_head(mx.eye(H)).T[mx.array(vocab_ids)]  # [V', H]
         mx.eval(head_w)
         self.batches = Batches(
-            data, self.drafter, cfg.seqs, cfg.n_blocks, cfg.gamma, vocab_ids, cfg.seed
+            data, self.drafter, cfg.seqs, cfg.n_blocks, cfg.gamma, vocab_ids, cfg.seed, cfg.soft_k
         )
         self.picks, self.anchors = eval_anchors(self.held, cfg.eval_seqs, 4)
         self.step_fn, self.state = make_step(
@@ -202,6 +239,7 @@ class Trainer:
             mx.array(vocab_ids),
             cfg.n_blocks,
             cfg.sel_weight,
+            cfg.kd_weight if self.batches.soft_k else 0.0,
         )
         self.t0 = time.time() - self.st["elapsed_s"]
         log(
@@ -213,7 +251,12 @@ class Trainer:
         """One optimizer step; returns [loss, block CE, selector CE]."""
         self.opt.learning_rate = lr_at(self.st["step"], frac, self.cfg.lr, self.cfg.warmup)
         blk = self.batches(self.st["step"])
-        res = self.step_fn(*to_device(blk, self.adapter, self.drafter), mx.array(blk["weights"]))
+        res = self.step_fn(
+            *to_device(blk, self.adapter, self.drafter),
+            mx.array(blk["weights"]),
+            mx.array(blk["soft_idx"]),
+            mx.array(blk["soft_p"]),
+        )
         mx.eval(res, self.state)
         self.st["step"] += 1
         return [r.item() for r in res]
@@ -226,7 +269,9 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Held-out teacher-forced tau, logged and kept in the run's history."""
-        ev = evaluate(self.drafter, self.adapter, self.held, self.picks, self.anchors)
+        ev = evaluate(
+            self.drafter, self.adapter, self.held, self.picks, self.anchors, self.vocab_ids
+        )
         self.st["history"].append({"step": self.st["step"], **ev})
         self.log(f"eval step {self.st['step']}: " + json.dumps(ev))
         return ev
@@ -240,7 +285,7 @@ class Trainer:
         w = self.drafter.fc.weight
         self.drafter.fc.weight = w / mx.array(self.scale)[None, :]  # [H, D] / [1, D]
         try:
-            save_drafter(self.out, self.drafter, self.config)
+            save_drafter(self.out, self.drafter, self.config, draft_vocab=self.vocab_ids)
         finally:
             self.drafter.fc.weight = w
 
@@ -253,20 +298,28 @@ def train(
     shape: dict | None = None,
     resume: bool = False,
     log=print,
+    init=None,
+    vocab=None,
 ) -> dict:
     """Train (or resume) a drafter for ``target`` on the shards under ``data_dir``.
 
     Args:
-        target: the mlx-lm target (frozen). data_dir: distill folder (train/, heldout/).
+        target: the mlx-lm target (frozen). data_dir: distill folder (train/, heldout/) or
+            a (train split folders, held-out split folder) pair.
         out: output folder: the drafter plus ``train_state/``. cfg: hyper-parameters.
         shape: drafter_config overrides; must hold ``mask_token_id``.
         resume: continue from out. log: line printer.
+        init: a released drafter to start from (a fresh run only). vocab: the draft
+            vocabulary to train and ship (default: the data's shortlist).
 
     Returns:
-        {"step", "final" (the last evaluation), "wall_s", "params"}.
+        {"step", "final" (the last evaluation), "first" (the one at step 0, before any
+        update, when this run started there), "wall_s", "params", "vocab"}.
     """
-    run = Trainer(target, data_dir, out, cfg or TrainConfig(), shape, resume, log)
+    run = Trainer(target, data_dir, out, cfg or TrainConfig(), shape, resume, log, init, vocab)
     st, losses, t_start, s_start = run.st, [], time.time(), run.st["step"]
+    if st["step"] == 0:
+        run.evaluate()  # the starting point (a warm start's baseline)
     ckpt_due, eval_due = Every(run.cfg.ckpt_every_s), Every(run.cfg.eval_every_s)
     while (frac := run.progress()) < 1.0:
         losses.append(run.step(frac))
@@ -276,7 +329,7 @@ def train(
                 (st["step"] - s_start) / (time.time() - t_start),
             )
             log(
-                f"step {st['step']} loss {m[0]:.3f} ce {m[1]:.3f} sel {m[2]:.3f} "
+                f"step {st['step']} loss {m[0]:.3f} ce {m[1]:.3f} sel {m[2]:.3f} kd {m[3]:.3f} "
                 f"{rate * 60:.1f} steps/min, {(time.time() - run.t0) / 60:.1f} min"
             )
         if eval_due():
@@ -286,9 +339,19 @@ def train(
     final = run.evaluate()
     run.publish()
     params = sum(v.size for _, v in tree_flatten(run.drafter.parameters()))
-    summary = {"step": st["step"], "final": final, "wall_s": st["elapsed_s"], "params": params}
+    first = next((h for h in st["history"] if h["step"] == 0), None)
+    summary = {"step": st["step"], "final": final, "first": first, "wall_s": st["elapsed_s"]}
+    summary.update(
+        params=params, vocab=len(run.vocab_ids), blocks_per_s=blocks_per_s(run, s_start, t_start)
+    )
     (run.out / "train_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def blocks_per_s(run: Trainer, s_start: int, t_start: float) -> float:
+    """Training throughput of this invocation: blocks (anchors) per second."""
+    steps = run.st["step"] - s_start
+    return round(steps * run.cfg.seqs * run.cfg.n_blocks / max(time.time() - t_start, 1e-9), 2)
 
 
 def main(argv=None) -> None:

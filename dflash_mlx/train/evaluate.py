@@ -26,12 +26,22 @@ def to_device(blk: dict, adapter: TargetAdapter, drafter):
     )
 
 
-def evaluate(drafter, adapter, data: ShardSet, picks, anchors, batch: int = 8) -> dict:
+def evaluate(
+    drafter, adapter, data: ShardSet, picks, anchors, vocab_ids=None, batch: int = 8
+) -> dict:
     """Teacher-forced acceptance on held-out answers: tau for top-1 drafting (DFlash 1),
     the greedy selector walk (DFlash 2) and the top-K oracle, and per-position accuracy.
 
     A row counts as accepted while it and every row before it equal the target's token.
+
+    Args:
+        drafter, adapter: the drafter and its target. data, picks, anchors: the held-out
+            answers and fixed anchors (``data.eval_anchors``). vocab_ids: the draft
+            vocabulary to score over, as decoding would (None: the full vocabulary).
     """
+    from dflash_mlx.draft_vocab import DraftHead
+
+    head = None if vocab_ids is None else DraftHead(adapter, np.asarray(vocab_ids, np.int32))
     a = drafter.args
     B, K, nb = a.block_size, a.selector_top_k, anchors.shape[1]
     hits = {"argmax": [], "selector": [], "oracle": []}
@@ -50,8 +60,11 @@ def evaluate(drafter, adapter, data: ShardSet, picks, anchors, batch: int = 8) -
         kv = drafter.context_kv(drafter.project_context(feats), 0)
         kv = [(mx.repeat(k, nb, 0), mx.repeat(v, nb, 0)) for k, v in kv]
         h = drafter(emb, kv, offs, B, mask)[:, 1:]
-        logits = drafter.logits(h, adapter.lm_head).astype(mx.float32)
+        logits = drafter.logits(h, head or adapter.lm_head).astype(mx.float32)
         U, cand = top_candidates(logits, K)
+        top1 = mx.argmax(logits, -1)
+        if head is not None:  # indices into the draft vocabulary -> target ids
+            cand, top1 = head.to_target(cand), head.to_target(top1)
         sel = drafter.candidate_selector
         path, _ = select_path(
             U,
@@ -64,7 +77,7 @@ def evaluate(drafter, adapter, data: ShardSet, picks, anchors, batch: int = 8) -
         chosen = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), -1)[..., 0]
         valid = np.array(blk["valid"]) > 0
         for name, ok in (
-            ("argmax", mx.argmax(logits, -1) == labels),
+            ("argmax", top1.astype(mx.int32) == labels),
             ("selector", chosen.astype(mx.int32) == labels),
             ("oracle", (cand == labels[..., None].astype(cand.dtype)).any(-1)),
         ):

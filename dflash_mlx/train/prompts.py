@@ -186,3 +186,9 @@ def build_prompts(split: str = "train", seed: int = 0) -> list[str]:
             out.append(p)
     random.Random(seed).shuffle(out)
     return out
+
+
+def pool(split: str = "train") -> list[str]:
+    """Every prompt of a split in a fixed order that only ever grows at its end, so the
+    slices that training rounds reserve (``rounds.round_prompts``) never move."""
+    return build_prompts(split)

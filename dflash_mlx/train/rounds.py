@@ -1,0 +1,257 @@
+"""Training rounds that compound: each round self-distils answers to prompts no earlier round
+used, trains the shipped drafter further on everything at hand, evaluates it on a fixed
+held-out set and replaces the shipped drafter only when held-out tau improved.
+
+Usage::
+
+    python -m dflash_mlx.train.rounds run --round 1 --minutes 120 [--work .work/rounds]
+    python -m dflash_mlx.train.rounds distill --round 1 --minutes 50 --workers 2
+
+What must survive a fresh machine is in git: the drafter (``dflash_mlx/demo/drafter``), its
+ledger (``train_data/ledger.json``, also the model card's table) and the answers' token ids
+(``train_data/rNN.npz``, ``train_data/heldout.npz``). Features and top-k log-probabilities
+live in ``--work`` and are rebuilt from the token ids by a teacher-forced prefill
+(``rebuild``) when that folder is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "train_data"
+LEDGER = DATA / "ledger.json"
+ROUND0_PROMPTS = 3000  # the first run (round 0) used the first ~2,700 training prompts
+ROUND_PROMPTS = 1200  # prompts reserved per round after it
+MAX_NEW = 512  # answer budget of rounds >= 1 (round 0 capped answers at 192)
+HELDOUT_MAX_NEW = 192  # the fixed held-out set keeps round 0's budget, so tau stays comparable
+VOCAB_CAP = 8192  # draft vocabulary of a drafter that has none yet (docs/algorithm.md §2.6)
+DEMO = REPO / "dflash_mlx" / "demo" / "drafter"
+HELDOUT_PROMPTS = 96  # held-out answers per evaluation (train.drafter.TrainConfig.eval_seqs)
+
+
+def round_prompts(r: int) -> list:
+    """The prompt texts reserved for round r (r >= 1); no two rounds share a prompt.
+
+    The training pool is ``prompts.build_prompts("train")`` (a fixed shuffle) followed by
+    ``prompts.extra_prompts("train")``; round r takes its own slice of it.
+    """
+    from dflash_mlx.train.prompts import pool
+
+    start = ROUND0_PROMPTS + (r - 1) * ROUND_PROMPTS
+    return pool("train")[start : start + ROUND_PROMPTS]
+
+
+def round_dir(work: Path, r: int) -> Path:
+    """The working folder of round r (its ``train/`` shards)."""
+    return Path(work) / f"r{r:02d}"
+
+
+def distill_worker(work: Path, r: int, deadline: float) -> None:
+    """One distillation process: helps finish the fixed held-out set, then claims shards of
+    round r until the deadline or until every shard is done."""
+    from dflash_mlx.loading import load_target
+    from dflash_mlx.train.common import default_layer_ids, default_target
+    from dflash_mlx.train.distill import run
+    from dflash_mlx.train.prompts import build_prompts
+
+    target, tok = load_target(default_target())
+    ids = default_layer_ids(len(target.layers))
+    common = dict(batch=24, shard_size=48, deadline=deadline)
+    run(
+        target,
+        tok,
+        Path(work) / "heldout",
+        ids,
+        "heldout",
+        HELDOUT_MAX_NEW,
+        prompts=build_prompts("heldout"),
+        **common,
+    )
+    run(target, tok, round_dir(work, r), ids, "train", MAX_NEW, prompts=round_prompts(r), **common)
+
+
+def distill(work: Path, r: int, minutes: float, workers: int = 2) -> None:
+    """Run ``workers`` single-threaded, niced distillation processes for ``minutes`` and
+    wait for them (shards are claimed, so the processes share the work)."""
+    deadline = time.time() + minutes * 60
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_mlx.train.rounds",
+        "_worker",
+        "--round",
+        str(r),
+        "--work",
+        str(work),
+        "--deadline",
+        str(deadline),
+    ]
+    procs = [subprocess.Popen(["nice", "-n", "19"] + cmd, env=env) for _ in range(workers)]
+    for p in procs:
+        p.wait()
+
+
+def shard_dirs(split_dir: Path) -> list:
+    """The finished shards of a split folder."""
+    split_dir = Path(split_dir)
+    return sorted(d for d in split_dir.glob("shard_*") if d.is_dir() and "." not in d.name)
+
+
+def export(split_dir: Path, dest: Path) -> int:
+    """Write the token ids of every finished shard (prompt + answer per sequence) to one
+    compressed file for git; returns the answer tokens it holds."""
+    toks, lens, plens = [], [], []
+    for d in shard_dirs(split_dir):
+        t, st = np.load(d / "tokens.npy"), np.load(d / "starts.npy")
+        ends = np.append(st[1:], len(t))
+        toks += [t[a:b] for a, b in zip(st, ends)]
+        lens += (ends - st).tolist()
+        plens += np.load(d / "prompt_lens.npy").tolist()
+    if not toks:
+        return 0
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(
+        dest,
+        tokens=np.concatenate(toks).astype(np.int32),
+        lengths=np.array(lens, np.int32),
+        prompt_lens=np.array(plens, np.int32),
+    )
+    return int(sum(lens) - sum(plens))
+
+
+def rebuild(src: Path, split_dir: Path, log=print) -> None:
+    """Rebuild a split's shards (features, teacher, top-k) from committed token ids when
+    the working folder is gone, by a teacher-forced prefill (``distill.featurize``)."""
+    from dflash_mlx.loading import load_target
+    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.train.common import default_layer_ids, default_target
+    from dflash_mlx.train.distill import claim, featurize, write_shard
+
+    if shard_dirs(split_dir) or not Path(src).exists():
+        return
+    z = np.load(src)
+    cuts = np.cumsum(z["lengths"])[:-1]
+    seqs = np.split(z["tokens"], cuts)
+    target, _ = load_target(default_target())
+    ids = default_layer_ids(len(target.layers))
+    adapter = TargetAdapter(target, ids)
+    split_dir.mkdir(parents=True, exist_ok=True)
+    (split_dir / "meta.json").write_text(json.dumps({"layer_ids": ids, "rebuilt_from": src.name}))
+    t0 = time.time()
+    for k in range(0, len(seqs), 48):
+        path = split_dir / f"shard_{k // 48:04d}"
+        if claim(path):
+            write_shard(path, featurize(adapter, seqs[k : k + 48]), z["prompt_lens"][k : k + 48])
+    log(f"rebuilt {split_dir} from {src.name}: {len(seqs)} answers, {time.time() - t0:.0f} s")
+
+
+def train_round(work: Path, r: int, minutes: float, log=print) -> dict:
+    """Train the shipped drafter further on every round's data at hand (resumable), with
+    its draft vocabulary (the shipped one, else the data's most frequent labels).
+
+    Returns:
+        the training summary (``train.drafter.train``), ``first`` being the shipped
+        drafter's own held-out figures.
+    """
+    from dflash_mlx.checkpoint import load_drafter
+    from dflash_mlx.loading import load_target
+    from dflash_mlx.train.common import default_target
+    from dflash_mlx.train.drafter import TrainConfig, train
+
+    target, _ = load_target(default_target())
+    roots = [round_dir(work, i) / "train" for i in range(1, r + 1)]
+    roots = [d for d in roots if shard_dirs(d)]
+    shipped = load_drafter(DEMO)
+    out = round_dir(work, r) / "drafter"
+    cfg = TrainConfig(minutes=minutes, lr=1e-3, warmup=30, vocab_cap=VOCAB_CAP, eval_every_s=1e9)
+    shape = {"mask_token_id": shipped.args.mask_token_id, "rope_theta": target.args.rope_theta}
+    resume = (out / "train_state" / "state.json").exists()
+    held = Path(work) / "heldout" / "heldout"
+    return train(target, (roots, held), out, cfg, shape, resume, log, DEMO, shipped.draft_vocab)
+
+
+def publish_if_better(work: Path, r: int, summary: dict) -> bool:
+    """Replace the shipped drafter with round r's when held-out selector tau improved."""
+    first, final = summary.get("first"), summary["final"]
+    if first is None or final["tau_selector"] <= first["tau_selector"]:
+        return False
+    src = round_dir(work, r) / "drafter"
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(src / name, DEMO / name)
+    return True
+
+
+def run_round(work: Path, r: int, minutes: float, workers: int, log=print) -> dict:
+    """A whole round: distil (45% of the time), commit token ids, train, evaluate, publish,
+    record the ledger row and the model card."""
+    from dflash_mlx.train import ledger
+
+    work = Path(work)
+    t0 = time.time()
+    rebuild(DATA / "heldout.npz", work / "heldout" / "heldout", log)
+    for i in range(1, r):  # earlier rounds' data, rebuilt from their token ids if gone
+        rebuild(DATA / f"r{i:02d}.npz", round_dir(work, i) / "train", log)
+    distill(work, r, 0.45 * minutes, workers)
+    t1 = time.time()
+    new = export(round_dir(work, r) / "train", DATA / f"r{r:02d}.npz")
+    export(work / "heldout" / "heldout", DATA / "heldout.npz")
+    left = max(minutes - (t1 - t0) / 60, 1.0)
+    summary = train_round(work, r, left, log)
+    shipped = publish_if_better(work, r, summary)
+    total = sum(int(x.get("new_tokens", 0)) for x in ledger.load() if x["round"] != r) + new
+    row = {
+        "round": r,
+        "new_tokens": new,
+        "total_tokens": total,
+        "steps": summary["step"],
+        "cpu_minutes": round(2 * (time.time() - t0) / 60, 1),
+        "heldout": summary["final"],
+        "baseline": summary["first"],
+        "shipped": shipped,
+        "distill_tok_s": round(new / max(t1 - t0, 1e-9), 1),
+        "train_blocks_s": summary["blocks_per_s"],
+        "vocab": summary["vocab"],
+    }
+    ledger.append(row)
+    ledger.write_card(summary["vocab"])
+    log(json.dumps(row))
+    return row
+
+
+def main(argv=None) -> None:
+    """Command-line entry point (see the module docstring)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("command", choices=["run", "distill", "train", "export", "_worker"])
+    p.add_argument("--round", type=int, required=True)
+    p.add_argument("--minutes", type=float, default=120.0)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--work", type=Path, default=REPO / ".work" / "rounds")
+    p.add_argument("--deadline", type=float, default=None)
+    a = p.parse_args(argv)
+    if a.command == "_worker":
+        distill_worker(a.work, a.round, a.deadline)
+    elif a.command == "distill":
+        distill(a.work, a.round, a.minutes, a.workers)
+    elif a.command == "export":
+        print(export(round_dir(a.work, a.round) / "train", DATA / f"r{a.round:02d}.npz"))
+        export(Path(a.work) / "heldout" / "heldout", DATA / "heldout.npz")
+    elif a.command == "train":
+        print(json.dumps(train_round(a.work, a.round, a.minutes)))
+    else:
+        run_round(a.work, a.round, a.minutes, a.workers)
+
+
+if __name__ == "__main__":
+    main()
