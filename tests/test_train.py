@@ -161,3 +161,42 @@ def test_released_drafter_reads_raw_features_the_scale_is_folded_into_fc(tiny):
     want = trained.project_context(raw / mx.array(scale))
     got = released.project_context(raw)  # bf16 on disk: close, not equal
     assert mx.allclose(got, want, atol=0.05, rtol=0.05)
+
+
+def test_committed_token_ids_rebuild_the_same_shards_by_prefill(tiny, tmp_path):
+    """A later round on a fresh machine rebuilds features, teacher and top-k from the
+    committed token ids alone; they must match what generation recorded."""
+    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.train import rounds
+
+    root, target, tok, data = tiny
+    n = rounds.export(data / "train", tmp_path / "r01.npz")
+    shards = ShardSet(data / "train")
+    assert n == shards.tokens  # answer tokens
+    z = np.load(tmp_path / "r01.npz")
+    seqs = np.split(z["tokens"], np.cumsum(z["lengths"])[:-1])
+    adapter = TargetAdapter(target, [0, 2, 3])
+    rebuilt = distill.featurize(adapter, seqs, batch=3)
+    for s, (tokens, teacher, feats, k_ids, k_lp) in zip(shards.seqs, rebuilt):
+        t0, teach0, f0 = shards.rows(s)
+        i0, lp0 = shards.soft_rows(s)
+        assert np.array_equal(tokens, t0)
+        ans = slice(s.prompt - 1, s.n - 1)  # answer labels: the greedy answer itself
+        assert np.array_equal(teacher[ans], teach0[ans])
+        assert np.allclose(feats.astype(np.float32), f0, atol=2e-2, rtol=2e-2)
+        assert np.array_equal(k_ids[ans, :4], i0[ans, :4])
+        assert np.allclose(k_lp.astype(np.float32), lp0, atol=2e-2)
+
+
+def test_ledger_rows_render_into_the_model_card_table(tmp_path, monkeypatch):
+    from dflash_mlx.train import ledger
+
+    monkeypatch.setattr(ledger, "LEDGER", tmp_path / "ledger.json")
+    ev = {"tau_argmax": 1.5, "tau_selector": 1.6, "tau_oracle": 2.9}
+    ledger.append({"round": 1, "new_tokens": 1200, "total_tokens": 5000, "heldout": ev})
+    rows = ledger.append({"round": 0, "new_tokens": 3800, "total_tokens": 3800, "shipped": True})
+    assert [r["round"] for r in rows] == [0, 1]
+    card = ledger.render(rows, 8192)
+    table = [line for line in card.splitlines() if line.startswith("| ")]
+    assert table[-1].startswith("| 1 | 1,200 | 5,000 |") and "1.50 / 1.60 / 2.90" in table[-1]
+    assert "8,192 target ids" in card and card.index("| round |") < card.index("| 0 | 3,800")

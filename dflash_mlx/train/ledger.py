@@ -84,7 +84,7 @@ def _tau(ev) -> str:
 
 def render(rows: list, vocab) -> str:
     """The model card's text for these ledger rows."""
-    lines = [CARD_HEAD.replace("{vocab}", f"{vocab:,}" if vocab else "no")]
+    lines = [CARD_HEAD.rstrip("\n").replace("{vocab}", f"{vocab:,}" if vocab else "no")]
     for r in rows:
         bench = r.get("bench_tau")
         lines.append(
