@@ -344,9 +344,10 @@ def _timed(scheduler, block: int, accepted: int, since: float) -> float:
 
 
 def warm_up(model: DFlashModel, context: int = 48) -> Tuning:
-    """Measure what a step costs on this machine at blocks 1 (plain), 2 and the checkpoint's
-    (the scheduler interpolates between them and refines them from live timings), on a
-    throwaway cache; sets and returns ``model.tuning``.
+    """Measure what a step costs on this machine: plain (block 1) and every speculative
+    block the scheduler may choose (``warm_up_blocks``; verify cost by width is not
+    monotone on a CPU BLAS, so interpolating would misjudge some), on a throwaway cache;
+    sets and returns ``model.tuning``.
 
     Args:
         model: the loaded pair. context: tokens of dummy context before the timed steps.
@@ -358,7 +359,7 @@ def warm_up(model: DFlashModel, context: int = 48) -> Tuning:
     with mx.stream(generation_stream()):
         first, key = prefill(model, ids, cache, params, mx.random.key(0))
         history = ids + first.tokens
-        for b in [B] + sorted({2, B}):  # the first block-B cycle warms the kernels up
+        for b in [B] + warm_up_blocks(B):  # the first block-B cycle warms the kernels up
             t = time.perf_counter()
             step = cycle(model, cache, params, history, b, True, (key, key))
             mx.eval(cache.state)
@@ -371,3 +372,9 @@ def warm_up(model: DFlashModel, context: int = 48) -> Tuning:
         table.seconds[1] = (time.perf_counter() - t) / 4
     model.tuning = Tuning(table)
     return model.tuning
+
+
+def warm_up_blocks(B: int) -> List[int]:
+    """The speculative blocks ``warm_up`` times: every one up to 8, then every other one
+    (the live timings refine the rest), and always the checkpoint's block B."""
+    return sorted({b for b in range(2, B + 1) if b <= 8 or b % 2 == 0} | {B})

@@ -143,3 +143,14 @@ def test_greedy_matches_mlx_lm_under_any_schedule_of_plain_and_speculative_steps
         model.drafter = real
     assert out == ref[:64]
     assert set(script) <= set(sched.used)  # every scripted block size really ran
+
+
+def test_warm_up_times_every_block_the_scheduler_may_choose(pairs):
+    from dflash_mlx.decode import warm_up, warm_up_blocks
+
+    assert warm_up_blocks(8) == [2, 3, 4, 5, 6, 7, 8]
+    assert warm_up_blocks(16) == [2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    model, _ = pairs("qwen3", "d2")
+    tuning = warm_up(model)
+    assert sorted(tuning.measured.seconds) == [1] + warm_up_blocks(model.block_size)
+    assert all(s > 0 for s in tuning.measured.seconds.values())
