@@ -55,9 +55,7 @@ def ranked_vocab(tokenizer, n: int, vocab: int) -> np.ndarray:
     """
     if n < 16:
         raise DFlashError(f"--draft-vocab {n} is too small; use 16 or more, or 0 for off")
-    special = set(getattr(tokenizer, "all_special_ids", None) or [])
-    special |= set(getattr(tokenizer, "eos_token_ids", None) or [])
-    special = {int(i) for i in special if 0 <= int(i) < vocab}
+    special = _specials(tokenizer, vocab)
     n_plain = max(0, min(n, vocab) - len(special))
     ids = set(range(n_plain)) | special
     k = n_plain
@@ -65,6 +63,36 @@ def ranked_vocab(tokenizer, n: int, vocab: int) -> np.ndarray:
         ids.add(k)
         k += 1
     return np.array(sorted(ids), np.int32)
+
+
+def calibrated_vocab(counts: np.ndarray, n: int, tokenizer, vocab: int) -> np.ndarray:
+    """The ``n`` ids a calibration pass ranks first: the special tokens, then every token
+    the target answered with (most frequent first), then the merge ranks' order.
+
+    Measured on the demo's held-out answers, the target's own answer tokens cover them far
+    better than merge ranks do (docs/algorithm.md §2.6); the merge ranks only fill the rest.
+
+    Args:
+        counts: how often each id was the target's answer token [V] (a calibration pass,
+            e.g. self-distilled answers). n: size wanted. tokenizer, vocab: as for
+            ``ranked_vocab``.
+
+    Returns:
+        sorted int32 ids.
+    """
+    counts = np.asarray(counts)[:vocab]
+    seen = np.flatnonzero(counts)
+    by_count = seen[np.argsort(-counts[seen], kind="stable")]
+    specials = sorted(_specials(tokenizer, vocab))
+    order = list(dict.fromkeys(specials + by_count.tolist() + list(range(vocab))))
+    return np.array(sorted(order[: min(n, vocab)]), np.int32)
+
+
+def _specials(tokenizer, vocab: int) -> set:
+    """The tokenizer's special and end-of-sequence ids inside the vocabulary."""
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    special |= set(getattr(tokenizer, "eos_token_ids", None) or [])
+    return {int(i) for i in special if 0 <= int(i) < vocab}
 
 
 class DraftHead:

@@ -256,3 +256,17 @@ def test_quantized_head_rows_equal_the_full_head_columns(tmp_path):
     h = mx.random.normal((2, 3, adapter.hidden_size))
     want = adapter.lm_head(h)[..., mx.array(ids)]
     assert mx.allclose(head(h), want, atol=1e-4).item()
+
+
+def test_calibrated_vocab_ranks_answer_tokens_before_merge_ranks(pairs):
+    from dflash_mlx.draft_vocab import calibrated_vocab
+
+    model, tok = pairs("qwen3", "d2")
+    V = model.adapter.vocab_size
+    counts = np.zeros(V, np.int64)
+    counts[[300, 250, 200]] = [5, 9, 1]  # high ids the merge ranks would leave out
+    ids = calibrated_vocab(counts, 40, tok, V)
+    assert len(ids) == 40 and np.all(np.diff(ids) > 0)
+    assert {200, 250, 300} <= set(ids.tolist())
+    assert set(tok.eos_token_ids) <= set(ids.tolist())
+    assert set(calibrated_vocab(counts, 2, tok, V).tolist()) <= set(tok.all_special_ids) | {250}

@@ -164,20 +164,26 @@ def train_round(work: Path, r: int, minutes: float, log=print) -> dict:
         drafter's own held-out figures.
     """
     from dflash_mlx.checkpoint import load_drafter
+    from dflash_mlx.draft_vocab import calibrated_vocab
     from dflash_mlx.loading import load_target
     from dflash_mlx.train.common import default_target
+    from dflash_mlx.train.data import ShardSet
     from dflash_mlx.train.drafter import TrainConfig, train
 
-    target, _ = load_target(default_target())
+    target, tok = load_target(default_target())
     roots = [round_dir(work, i) / "train" for i in range(1, r + 1)]
     roots = [d for d in roots if shard_dirs(d)]
     shipped = load_drafter(DEMO)
+    vocab = shipped.draft_vocab
+    if vocab is None:  # the first round with one: calibrated on this data's answers
+        V = target.args.vocab_size
+        vocab = calibrated_vocab(ShardSet(roots).label_counts(V), VOCAB_CAP, tok, V)
     out = round_dir(work, r) / "drafter"
     cfg = TrainConfig(minutes=minutes, lr=1e-3, warmup=30, vocab_cap=VOCAB_CAP, eval_every_s=1e9)
     shape = {"mask_token_id": shipped.args.mask_token_id, "rope_theta": target.args.rope_theta}
     resume = (out / "train_state" / "state.json").exists()
     held = Path(work) / "heldout" / "heldout"
-    return train(target, (roots, held), out, cfg, shape, resume, log, DEMO, shipped.draft_vocab)
+    return train(target, (roots, held), out, cfg, shape, resume, log, DEMO, vocab)
 
 
 def publish_if_better(work: Path, r: int, summary: dict) -> bool:
