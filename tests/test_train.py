@@ -200,3 +200,29 @@ def test_ledger_rows_render_into_the_model_card_table(tmp_path, monkeypatch):
     table = [line for line in card.splitlines() if line.startswith("| ")]
     assert table[-1].startswith("| 1 | 1,200 | 5,000 |") and "1.50 / 1.60 / 2.90" in table[-1]
     assert "8,192 target ids" in card and card.index("| round |") < card.index("| 0 | 3,800")
+
+
+def test_a_round_warm_starts_trains_its_draft_vocab_and_reports_its_baseline(tiny):
+    root, target, tok, data = tiny
+    base = root / "base"
+    cfg = TrainConfig(steps=4, seqs=2, n_blocks=2, eval_seqs=4, warmup=1)
+    train(target, data, base, cfg, shape=dict(TINY_SHAPE), log=lambda m: None)
+    vocab = np.arange(0, 200, dtype=np.int32)
+    out = root / "round"
+    cfg = TrainConfig(steps=6, seqs=2, n_blocks=2, eval_seqs=4, warmup=1, lr=1e-3)
+    summary = train(
+        target, data, out, cfg, shape=dict(TINY_SHAPE), log=lambda m: None, init=base, vocab=vocab
+    )
+    first = summary["first"]
+    assert first["step"] == 0 and summary["vocab"] == 200 and summary["blocks_per_s"] > 0
+    assert np.array_equal(load_drafter(out).draft_vocab, vocab)
+    # the baseline is the released drafter itself, scored over the same vocabulary
+    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.train.data import eval_anchors
+    from dflash_mlx.train.evaluate import evaluate
+
+    held = ShardSet(data / "heldout")
+    picks, anchors = eval_anchors(held, 4, 4)
+    adapter = TargetAdapter(target, load_drafter(base).args.target_layer_ids)
+    ev = evaluate(load_drafter(base, mx.float32), adapter, held, picks, anchors, vocab)
+    assert ev["tau_selector"] == pytest.approx(first["tau_selector"], abs=0.05)
