@@ -287,6 +287,7 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     profile: bool = False,
     prefill_step_size: int = 2048,
+    logits_processors: Optional[Sequence] = None,
     **settings,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion with DFlash speculative decoding; lossless w.r.t. the target.
@@ -299,6 +300,8 @@ def stream_generate(
         prompt_cache: reuse across calls (``model.make_cache()``).
         profile: time each stage of the cycle into ``timings``.
         prefill_step_size: prompt tokens per target forward.
+        logits_processors: more mlx-lm style processors ``(tokens, logits) -> logits``, run
+            after the config's on every row (e.g. a ``grammar.GrammarProcessor``).
         settings: ``GenerationConfig`` fields that override config: max_tokens,
             temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
             repetition_penalty, logit_bias, block_size, use_selector, seed, stop.
@@ -314,6 +317,7 @@ def stream_generate(
     cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
     ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
     params = sampling_params(cfg)
+    params.processors += list(logits_processors or [])
     sched = None
     if cfg.block_size == AUTO:
         tuning = model.tuning or warm_up(model)
