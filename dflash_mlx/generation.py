@@ -155,11 +155,11 @@ def template_errors() -> tuple:
     return (ValueError, TemplateError)
 
 
-def sampling_params(cfg: GenerationConfig) -> SamplingParams:
+def sampling_params(cfg: GenerationConfig, extra: Sequence = ()) -> SamplingParams:
     """The target's sampling law: mlx-lm's filters and logits processors.
 
     Args:
-        cfg: validated decoding settings.
+        cfg: validated decoding settings. extra: processors applied after the config's.
     """
     procs = make_logits_processors(
         cfg.logit_bias,
@@ -167,7 +167,7 @@ def sampling_params(cfg: GenerationConfig) -> SamplingParams:
         presence_penalty=cfg.presence_penalty or None,
         frequency_penalty=cfg.frequency_penalty or None,
     )
-    return SamplingParams(cfg.temperature, cfg.top_p, cfg.min_p, cfg.top_k, procs)
+    return SamplingParams(cfg.temperature, cfg.top_p, cfg.min_p, cfg.top_k, procs + list(extra))
 
 
 def _held_back(text: str, stops: List[str]) -> int:
@@ -299,9 +299,8 @@ def stream_generate(
         raw: skip the chat template for a str. system: system message for a str prompt.
         prompt_cache: reuse across calls (``model.make_cache()``).
         profile: time each stage of the cycle into ``timings``.
-        prefill_step_size: prompt tokens per target forward.
-        logits_processors: more mlx-lm style processors ``(tokens, logits) -> logits``, run
-            after the config's on every row (e.g. a ``grammar.GrammarProcessor``).
+        prefill_step_size: prompt tokens per target forward. logits_processors: more
+            ``(tokens, logits) -> logits`` processors, e.g. a ``grammar.GrammarProcessor``.
         settings: ``GenerationConfig`` fields that override config: max_tokens,
             temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
             repetition_penalty, logit_bias, block_size, use_selector, seed, stop.
@@ -316,8 +315,7 @@ def stream_generate(
     """
     cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
     ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
-    params = sampling_params(cfg)
-    params.processors += list(logits_processors or [])
+    params = sampling_params(cfg, logits_processors or ())
     sched = None
     if cfg.block_size == AUTO:
         tuning = model.tuning or warm_up(model)
