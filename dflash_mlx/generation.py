@@ -76,6 +76,7 @@ def encode_prompt(
     raw: bool = False,
     system: Optional[str] = None,
     context: Optional[int] = None,
+    tools: Optional[list] = None,
 ):
     """Turn a prompt into ids: a str gets the chat template unless raw, messages always
     do, token ids are used as-is. A tokenizer without a template gets the default chat
@@ -86,7 +87,7 @@ def encode_prompt(
         tokenizer: mlx-lm TokenizerWrapper. prompt: str, list of ids or list of messages.
         raw: skip the chat template for a str. system: optional system message.
         context: the model's context length; a prompt that does not fit is refused (text
-            far too long before it is tokenized).
+            far too long before it is tokenized). tools: the chat template's ``tools``.
 
     Raises:
         DFlashError: an empty prompt, text that is not valid UTF-8.
@@ -104,7 +105,7 @@ def encode_prompt(
             ]
             ids = chat_ids(tokenizer, msgs)
     elif len(prompt) and isinstance(prompt[0], dict):
-        ids = chat_ids(tokenizer, list(prompt))
+        ids = chat_ids(tokenizer, list(prompt), tools)
     else:
         try:
             ids = [int(t) for t in prompt]
