@@ -69,7 +69,8 @@ def test_llama3_json_calls_with_python_tag_and_semicolons():
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3])
 def test_a_stream_cut_anywhere_gives_the_same_text_and_calls(fmt):
     if fmt == HERMES:
-        text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        text = 'Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+        text += "\n</tool_call>"
     else:
         text = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
     for cut in range(1, 12):
