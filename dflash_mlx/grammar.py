@@ -57,12 +57,41 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos: Optional[List[int]] = None):
     return cached[key]
 
 
-def json_schema_grammar(schema: Any) -> str:
-    """An llguidance grammar for JSON matching ``schema`` (a dict, or True for any object)."""
+MAPPINGS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of a JSON schema whose objects that list ``properties`` take no other keys unless
+    they say so (``additionalProperties`` false), as OpenAI's strict mode and xgrammar's
+    default read schemas: a small model otherwise invents keys until its budget runs out."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in MAPPINGS and isinstance(v, dict):  # name -> schema: only the values are schemas
+            out[k] = {name: closed(s) for name, s in v.items()}
+        elif k in ("enum", "const", "default", "examples"):
+            out[k] = v
+        else:
+            out[k] = closed(v)
+    if isinstance(out.get("properties"), dict):
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def json_schema_grammar(schema: Any, strict: bool = True) -> str:
+    """An llguidance grammar for JSON matching ``schema`` (a dict, or True for any object).
+
+    Args:
+        strict: read the schema as ``closed`` does (objects take only the keys they list).
+    """
     import llguidance
 
     if schema is True or schema is None:
         schema = {"type": "object"}
+    schema = closed(schema) if strict else schema
     return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
 
 

@@ -214,3 +214,26 @@ def test_sampling_under_a_grammar_follows_the_masked_target_law(small_vocab_pair
             exact[seq[pos]] += pr
         emp = np.bincount([s[pos] for s in samples], minlength=8) / trials
         assert 0.5 * np.abs(emp - exact).sum() < 0.08, (pos, emp, exact)
+
+
+def test_schemas_are_read_closed_unless_they_allow_more_keys():
+    from dflash_mlx.grammar import closed
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {}}},
+            "free": {"type": "object", "additionalProperties": True, "properties": {}},
+        },
+        "enum": [{"properties": 1}],
+    }
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    inner = out["properties"]
+    assert "additionalProperties" not in inner  # the name -> schema mapping is not a schema
+    assert inner["properties"]["additionalProperties"] is False
+    assert inner["tags"]["items"]["additionalProperties"] is False
+    assert inner["free"]["additionalProperties"] is True
+    assert out["enum"] == [{"properties": 1}]
+    assert "additionalProperties" not in schema  # the caller's schema is left as it was

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from ..grammar import JSON_STYLE, GrammarError, check_grammar, json_schema_grammar
+from ..grammar import JSON_STYLE, GrammarError, check_grammar, closed, json_schema_grammar
 from .schema import bad
 from .tools import HERMES, LLAMA3, template_text, tool_format
 
@@ -221,7 +221,7 @@ def call_grammar(spec: ToolSpec) -> Optional[str]:
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": f["name"]}, key: f["parameters"]},
+            "properties": {"name": {"const": f["name"]}, key: closed(f["parameters"])},
             "required": ["name", key],
             "additionalProperties": False,
         }
