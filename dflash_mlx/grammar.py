@@ -114,8 +114,8 @@ def check_grammar(grammar: str, lltok=None) -> None:
         err = llguidance.LLMatcher.validate_grammar(grammar, lltok)
     except (ValueError, RuntimeError, TypeError) as e:
         err = str(e) or type(e).__name__
-    if err:
-        raise GrammarError(str(err).strip().splitlines()[0])
+    if err:  # the compiler's message, on one line (a regex error spans several)
+        raise GrammarError(" ".join(str(err).split())[:300])
 
 
 def unpack_mask(bitmask: bytes, vocab: int) -> np.ndarray:

@@ -188,3 +188,39 @@ def test_forced_call_grammar_takes_exactly_the_named_call():
     llama = call_grammar(ToolSpec([WEATHER], "required", False, LLAMA3))
     assert _accepts(llama, '{"name": "get_weather", "parameters": {"city": "Rome"}}')
     assert call_grammar(ToolSpec([WEATHER], "auto")) is None
+
+
+NATIVE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}TOOL {{ t.function.name }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+
+
+def test_a_template_with_tool_support_renders_the_tools_and_the_calls(tiny_dir):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from dflash_mlx.generation import encode_prompt
+    from dflash_mlx.server.schema import parse_request
+    from dflash_mlx.server.structured import prepare
+
+    tok = load_tokenizer(tiny_dir / "qwen3")
+    tok._tokenizer.chat_template = NATIVE
+    call = {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+        "tools": [WEATHER],
+    }
+    req = parse_request(json.dumps(body).encode(), "chat")
+    prepare(req, req.body, tok)
+    assert req.tools.native and req.template_tools == req.tools.tools
+    text = tok.decode(encode_prompt(tok, req.prompt, tools=req.template_tools))
+    assert "TOOL get_weather" in text
+    assert '<tool_call>get_weather {"city": "Rome"}</tool_call>' in text
+    assert "<|im_start|>tool\nsunny" in text
