@@ -78,11 +78,6 @@ def processors(req, tokenizer, vocab_size: int) -> List:
         raise bad(f"cannot compile the grammar for this request: {e}", "response_format")
 
 
-def finish_reason(spec: Optional[ToolSpec], calls: list, finish: Optional[str]) -> Optional[str]:
-    """OpenAI's reason: "tool_calls" when the answer ended with calls."""
-    return "tool_calls" if calls and finish == "stop" else finish
-
-
 def message(text: str, spec: Optional[ToolSpec], finish: Optional[str]):
     """(the assistant message, the finish reason) of a whole answer."""
     if spec is None or not spec.active:
@@ -91,7 +86,7 @@ def message(text: str, spec: Optional[ToolSpec], finish: Optional[str]):
     msg = {"role": "assistant", "content": content}
     if calls:
         msg["tool_calls"] = [c.openai() for c in calls]
-    return msg, finish_reason(spec, calls, finish)
+    return msg, "tool_calls" if calls and finish == "stop" else finish
 
 
 class DeltaStream:
@@ -117,4 +112,5 @@ class DeltaStream:
         return out
 
     def finish(self, finish: Optional[str]) -> Optional[str]:
+        """OpenAI's reason: "tool_calls" when the answer ended with calls."""
         return "tool_calls" if self.calls and finish == "stop" else finish
