@@ -224,3 +224,11 @@ def test_a_template_with_tool_support_renders_the_tools_and_the_calls(tiny_dir):
     assert "TOOL get_weather" in text
     assert '<tool_call>get_weather {"city": "Rome"}</tool_call>' in text
     assert "<|im_start|>tool\nsunny" in text
+
+
+def test_parallel_calls_default_to_one_with_the_fallback_prompt_only():
+    body = {"tools": [WEATHER], "tool_choice": "required"}
+    assert not parse_tools(body, Tok("{{ messages }}")).parallel
+    assert parse_tools(body, Tok("{{ tools }}<tool_call>")).parallel
+    assert parse_tools({**body, "parallel_tool_calls": True}, Tok("{{ messages }}")).parallel
+    assert not parse_tools({**body, "parallel_tool_calls": False}, Tok("{{ tools }}")).parallel

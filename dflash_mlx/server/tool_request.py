@@ -5,7 +5,8 @@ Templates with their own tool support (they use the ``tools`` variable) get the 
 history as they are (OpenAI's shape, arguments as objects). Templates without it (the demo's
 SmolLM2 ChatML) get the documented fallback: a system message listing the tools and asking
 for Hermes-style ``<tool_call>`` lines (``FALLBACK_PROMPT``), earlier calls written back as
-those lines, and tool results as user turns in ``<tool_response>`` tags.
+those lines, and tool results as user turns in ``<tool_response>`` tags; a forced
+``"required"`` choice then allows one call unless ``parallel_tool_calls`` is true.
 """
 
 from __future__ import annotations
@@ -123,12 +124,16 @@ def parse_tools(body: dict, tokenizer) -> ToolSpec:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) < len(names):
         raise bad("'tools' has two functions of the same name", "tools")
-    par = body.get("parallel_tool_calls", True)
+    par = body.get("parallel_tool_calls")
     if par is not None and not isinstance(par, bool):
         raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
     text = template_text(tokenizer)
     native = "tools" in text
-    return ToolSpec(tools, _choice(body.get("tool_choice"), names), par is not False,
+    # Unset: OpenAI's default (several calls) where the template knows tools; with the
+    # fallback prompt one call, since a model untrained for tools repeats its call until the
+    # budget runs out when more are allowed.
+    parallel = par if par is not None else native
+    return ToolSpec(tools, _choice(body.get("tool_choice"), names), parallel,
                     tool_format(text), native)  # fmt: skip
 
 
