@@ -76,6 +76,7 @@ def encode_prompt(
     raw: bool = False,
     system: Optional[str] = None,
     context: Optional[int] = None,
+    tools: Optional[list] = None,
 ):
     """Turn a prompt into ids: a str gets the chat template unless raw, messages always
     do, token ids are used as-is. A tokenizer without a template gets the default chat
@@ -86,7 +87,7 @@ def encode_prompt(
         tokenizer: mlx-lm TokenizerWrapper. prompt: str, list of ids or list of messages.
         raw: skip the chat template for a str. system: optional system message.
         context: the model's context length; a prompt that does not fit is refused (text
-            far too long before it is tokenized).
+            far too long before it is tokenized). tools: the chat template's ``tools``.
 
     Raises:
         DFlashError: an empty prompt, text that is not valid UTF-8.
@@ -104,7 +105,7 @@ def encode_prompt(
             ]
             ids = chat_ids(tokenizer, msgs)
     elif len(prompt) and isinstance(prompt[0], dict):
-        ids = chat_ids(tokenizer, list(prompt))
+        ids = chat_ids(tokenizer, list(prompt), tools)
     else:
         try:
             ids = [int(t) for t in prompt]
@@ -155,11 +156,11 @@ def template_errors() -> tuple:
     return (ValueError, TemplateError)
 
 
-def sampling_params(cfg: GenerationConfig) -> SamplingParams:
+def sampling_params(cfg: GenerationConfig, extra: Sequence = ()) -> SamplingParams:
     """The target's sampling law: mlx-lm's filters and logits processors.
 
     Args:
-        cfg: validated decoding settings.
+        cfg: validated decoding settings. extra: processors applied after the config's.
     """
     procs = make_logits_processors(
         cfg.logit_bias,
@@ -167,7 +168,7 @@ def sampling_params(cfg: GenerationConfig) -> SamplingParams:
         presence_penalty=cfg.presence_penalty or None,
         frequency_penalty=cfg.frequency_penalty or None,
     )
-    return SamplingParams(cfg.temperature, cfg.top_p, cfg.min_p, cfg.top_k, procs)
+    return SamplingParams(cfg.temperature, cfg.top_p, cfg.min_p, cfg.top_k, procs + list(extra))
 
 
 def _held_back(text: str, stops: List[str]) -> int:
@@ -287,6 +288,7 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     profile: bool = False,
     prefill_step_size: int = 2048,
+    logits_processors: Optional[Sequence] = None,
     **settings,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion with DFlash speculative decoding; lossless w.r.t. the target.
@@ -298,7 +300,8 @@ def stream_generate(
         raw: skip the chat template for a str. system: system message for a str prompt.
         prompt_cache: reuse across calls (``model.make_cache()``).
         profile: time each stage of the cycle into ``timings``.
-        prefill_step_size: prompt tokens per target forward.
+        prefill_step_size: prompt tokens per target forward. logits_processors: more
+            ``(tokens, logits) -> logits`` processors, e.g. a ``grammar.GrammarProcessor``.
         settings: ``GenerationConfig`` fields that override config: max_tokens,
             temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
             repetition_penalty, logit_bias, block_size, use_selector, seed, stop.
@@ -313,7 +316,7 @@ def stream_generate(
     """
     cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
     ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
-    params = sampling_params(cfg)
+    params = sampling_params(cfg, logits_processors or ())
     sched = None
     if cfg.block_size == AUTO:
         tuning = model.tuning or warm_up(model)

@@ -232,15 +232,17 @@ def _seen(tokenizer) -> bool:
     return False
 
 
-def chat_ids(tokenizer, messages: Sequence[Dict[str, str]]) -> List[int]:
+def chat_ids(tokenizer, messages: Sequence[Dict[str, str]], tools=None) -> List[int]:
     """Ids of a conversation ready for the assistant's answer: the tokenizer's chat
     template, or the default format (with a one-time notice) when it has none.
 
     Args:
         tokenizer: mlx-lm TokenizerWrapper. messages: {role, content} dicts.
+        tools: the template's ``tools`` variable (OpenAI tool objects), if any.
     """
     if has_chat_template(tokenizer):
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+        kw = {"tools": tools} if tools else {}
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kw)
         return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
     notice_default_format(tokenizer)
     enc = lambda s: list(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731

@@ -84,7 +84,11 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         try:
             with self._tok_lock:
                 ids = generation.encode_prompt(
-                    tok, req.prompt, raw=req.kind == "completion", context=self.context
+                    tok,
+                    req.prompt,
+                    raw=req.kind == "completion",
+                    context=self.context,
+                    tools=req.template_tools,
                 )
         except ContextLengthError as e:
             raise bad(str(e), field, "context_length_exceeded") from None

@@ -20,6 +20,7 @@ from dataclasses import replace
 from http.server import BaseHTTPRequestHandler
 
 from ..prompt import room, with_default_stops
+from . import anthropic, structured
 from .schema import (
     APIError,
     bad,
@@ -123,11 +124,13 @@ class Handler(BaseHTTPRequestHandler):
             return True
 
     def _authorized(self) -> bool:
+        """The key as 'Authorization: Bearer <key>' or (Anthropic's clients) 'x-api-key'."""
         key = self.server.api_key
         if not key:
             return True
         got = self.headers.get("Authorization", "")
         token = got[7:].strip() if got[:7].lower() == "bearer " else ""
+        token = token or self.headers.get("x-api-key", "").strip()
         return hmac.compare_digest(token.encode(), key.encode())
 
     def _guard(self, fn) -> None:
@@ -221,42 +224,66 @@ class Handler(BaseHTTPRequestHandler):
 
     def _post(self):
         path = self._path()
+        if path in anthropic.ROUTES:
+            return anthropic.handle(self, path)
         kind = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}.get(path)
         if kind is None:
             raise APIError(404, f"no route {path}", code="not_found")
         if not self._authorized():
             raise self._unauthorized()
+        srv = self.server
+        req = parse_request(self.body(), kind, srv.defaults, srv.engine.model.block_size)
+        job = self.submit(req)
+        try:
+            self._answer(req, job)
+        finally:
+            job.cancel.set()  # no-op when finished; stops the generation otherwise
+
+    def body(self) -> bytes:
+        """The request body (a Content-Length is required)."""
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
             raise bad("a Content-Length header is required") from None
         if length > MAX_BODY:
             raise APIError(413, f"request body over {MAX_BODY} bytes")
-        raw = self.rfile.read(length) if length > 0 else b""
+        return self.rfile.read(length) if length > 0 else b""
+
+    def submit(self, req) -> Job:
+        """Check a parsed request against the model, tokenize it and queue its job.
+
+        Raises:
+            APIError: 400 for what the model cannot take, 503 when the queue is full.
+        """
         srv = self.server
-        req = parse_request(raw, kind, srv.defaults, srv.engine.model.block_size)
         if req.model is not None and not srv.knows(req.model):
             raise self._unknown_model(req.model)
+        tok = srv.engine.tokenizer
+        if req.kind == "chat":
+            structured.prepare(req, req.body, tok)
         ids = srv.tokenize(req)
         vocab = srv.engine.model.adapter.vocab_size
         if any(not 0 <= t < vocab for t in req.gen.logit_bias or {}):
             raise bad(f"'logit_bias' token ids must be in [0, {vocab})", "logit_bias")
         # the prompt fits (srv.tokenize checked it); the answer gets the room that is left
         req.gen = replace(req.gen, max_tokens=room(len(ids), req.gen.max_tokens, srv.context))
-        if kind == "chat":
-            tok = srv.engine.tokenizer
+        if req.kind == "chat":
             req.gen = replace(req.gen, stop=with_default_stops(req.gen.stop, tok))
-        job = Job(ids, req.gen)
+        job = Job(ids, req.gen, structured.processors(req, tok, vocab))
         if not srv.engine.submit(job):
             raise APIError(
                 503, "the server is busy (request queue full); retry later", code="server_busy"
             )
-        try:
-            self._answer(req, job)
-        finally:
-            job.cancel.set()  # no-op when finished; stops the generation otherwise
+        return job
 
     # ------------------------------------------------------------------ answering
+    def start_events(self) -> None:
+        """Begin a 200 answer of server-sent events."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.end_headers()
+
     def _next(self, job: Job):
         """Next item from the worker; None when the client went away meanwhile."""
         while True:
@@ -276,6 +303,7 @@ class Handler(BaseHTTPRequestHandler):
         name = self.server.model_name
         block = req.gen.block_size or self.server.engine.model.block_size
         texts, accepted, last, started = [], 0, None, False
+        calls = structured.DeltaStream(req.tools)  # content and tool-call deltas (chat)
 
         def send(obj) -> None:
             self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -301,10 +329,7 @@ class Handler(BaseHTTPRequestHandler):
                 continue
             if not started:
                 started = True
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.send_header("Cache-Control", "no-cache")
-                self.end_headers()
+                self.start_events()
                 if kind == "chat":
                     send(
                         chunk(
@@ -312,18 +337,21 @@ class Handler(BaseHTTPRequestHandler):
                         )
                     )
             try:
-                if r.text:
-                    send(chunk(kind, rid, name, created, r.text, include_usage=req.include_usage))
+                pieces = [{"content": r.text}] if r.text else []
+                if kind == "chat":
+                    pieces = calls.deltas(r.text, bool(r.finish_reason))
+                for delta in pieces:
+                    text = None if kind == "chat" else delta["content"]
+                    piece = chunk(kind, rid, name, created, text, include_usage=req.include_usage)
+                    if kind == "chat":
+                        piece["choices"][0]["delta"] = delta
+                    send(piece)
                 if r.finish_reason:
+                    end = None if kind == "chat" else ""
+                    finish = calls.finish(r.finish_reason)
                     send(
                         chunk(
-                            kind,
-                            rid,
-                            name,
-                            created,
-                            None if kind == "chat" else "",
-                            r.finish_reason,
-                            include_usage=req.include_usage,
+                            kind, rid, name, created, end, finish, include_usage=req.include_usage
                         )
                     )
             except OSError:
@@ -334,12 +362,15 @@ class Handler(BaseHTTPRequestHandler):
         use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
         stats = dflash_stats(last, accepted, block)
         if not req.stream:
-            return self._send_json(
-                200,
-                completion(
-                    kind, rid, name, created, "".join(texts), last.finish_reason, use, stats
-                ),
+            out = completion(
+                kind, rid, name, created, "".join(texts), last.finish_reason, use, stats
             )
+            if kind == "chat":
+                choice = out["choices"][0]
+                choice["message"], choice["finish_reason"] = structured.message(
+                    "".join(texts), req.tools, last.finish_reason
+                )
+            return self._send_json(200, out)
         if req.include_usage:
             send(usage_chunk(kind, rid, name, created, use, stats))
         self.wfile.write(b"data: [DONE]\n\n")

@@ -41,6 +41,7 @@ SETTINGS = {
 }
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")  # checked by tool_request.history_fields
 
 
 class APIError(Exception):
@@ -76,6 +77,8 @@ class CompletionRequest:
         kind: "chat" or "completion". model: the name asked for (None: the served one).
         prompt: messages (chat), a str or a list of token ids (completion).
         stream, include_usage: SSE options. gen: the decoding settings.
+        body: the request object. tools, grammar, template_tools: set by
+            ``structured.prepare`` (chat only).
     """
 
     kind: str
@@ -84,6 +87,10 @@ class CompletionRequest:
     stream: bool = False
     include_usage: bool = False
     gen: GenerationConfig = DEFAULTS
+    body: Optional[dict] = None
+    tools: Any = None
+    grammar: Optional[str] = None
+    template_tools: Optional[list] = None
 
 
 def _n(body: dict) -> None:
@@ -154,7 +161,8 @@ def _messages(body: dict) -> List[Dict[str, str]]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise bad(f"messages[{i}] needs a 'role' among {sorted(ROLES)}", "messages")
         role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _content(m, i)})
+        extra = {k: m[k] for k in TOOL_FIELDS if m.get(k) is not None}
+        out.append({"role": role, "content": _content(m, i), **extra})
     return out
 
 
@@ -217,7 +225,7 @@ def _parse(raw: bytes, kind: str, defaults, max_block_size) -> CompletionRequest
         raise bad("'stream_options' must be an object", "stream_options")
     gen = _settings(body, defaults or DEFAULTS, max_block_size)
     include_usage = bool(opts.get("include_usage", False))
-    return CompletionRequest(kind, model, prompt, bool(stream), include_usage, gen)
+    return CompletionRequest(kind, model, prompt, bool(stream), include_usage, gen, body)
 
 
 # ----------------------------------------------------------------------------- responses

@@ -27,6 +27,7 @@ class Job:
 
     ids: List[int]
     gen: GenerationConfig
+    processors: list = field(default_factory=list)  # e.g. a grammar (structured output)
     out: "queue.Queue" = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
 
@@ -93,7 +94,12 @@ class Engine:
         self.running, self.current = True, job
         self.cache.interrupt = job.cancel  # a client gone mid-prefill stops it at a chunk
         gen = generation.stream_generate(
-            self.model, self.tokenizer, job.ids, config=job.gen, prompt_cache=self.cache
+            self.model,
+            self.tokenizer,
+            job.ids,
+            config=job.gen,
+            prompt_cache=self.cache,
+            logits_processors=job.processors,
         )
         try:
             for r in gen:

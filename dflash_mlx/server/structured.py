@@ -1,0 +1,116 @@
+"""Agent features of a chat request shared by the OpenAI and Anthropic routes: tools and
+``response_format`` become a grammar (``dflash_mlx.grammar``) that constrains the target at
+every verify row, and the answer's tool calls become OpenAI ``tool_calls``.
+
+``prepare`` runs in the HTTP thread before the job is queued, so a bad schema is a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+from ..grammar import GrammarError, check_grammar, json_schema_grammar, make_processor
+from ..prompt import end_of_turn_ids
+from .schema import bad
+from .tool_request import ToolSpec, call_grammar, history_fields, parse_tools, render
+from .tools import CallStream, parse_calls
+
+
+def response_format_grammar(rf: Any) -> Optional[str]:
+    """The grammar of OpenAI's ``response_format`` (None for text).
+
+    Raises:
+        APIError: 400 naming ``response_format``.
+    """
+    if rf is None:
+        return None
+    kind = rf.get("type") if isinstance(rf, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar(True)
+    if kind != "json_schema":
+        raise bad(
+            "'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+            "response_format",
+        )
+    js = rf.get("json_schema")
+    schema = js.get("schema", True) if isinstance(js, dict) else None
+    if not isinstance(schema, dict) and schema is not True:
+        raise bad(
+            "'response_format.json_schema' must be {'name': ..., 'schema': {...}}",
+            "response_format",
+        )
+    grammar = json_schema_grammar(schema)
+    try:
+        check_grammar(grammar)
+    except GrammarError as e:
+        raise bad(f"'response_format.json_schema.schema' is not usable: {e}", "response_format")
+    return grammar
+
+
+def prepare(req, body: dict, tokenizer) -> None:
+    """Set ``req.tools`` and ``req.grammar`` from the body, and turn the messages (with
+    their tool calls and results) into what the chat template takes (``req.prompt``,
+    ``req.template_tools``).
+
+    Raises:
+        APIError: 400 naming the field at fault.
+    """
+    spec = parse_tools(body, tokenizer)
+    msgs = []
+    for i, m in enumerate(req.prompt):
+        m = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id", "name")}
+        msgs.append({**m, **history_fields(body["messages"][i], i)})
+    req.prompt, req.template_tools = render(msgs, spec)
+    req.tools = spec
+    req.grammar = call_grammar(spec) or response_format_grammar(body.get("response_format"))
+
+
+def processors(req, tokenizer, vocab_size: int) -> List:
+    """The logits processors that enforce ``req.grammar`` (none without one)."""
+    if not getattr(req, "grammar", None):
+        return []
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
+    try:
+        return [make_processor(tokenizer, vocab_size, req.grammar, sorted(eos) or None)]
+    except GrammarError as e:
+        raise bad(f"cannot compile the grammar for this request: {e}", "response_format")
+
+
+def message(text: str, spec: Optional[ToolSpec], finish: Optional[str]):
+    """(the assistant message, the finish reason) of a whole answer."""
+    if spec is None or not spec.active:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parse_calls(text, spec.fmt)
+    msg = {"role": "assistant", "content": content}
+    if calls:
+        msg["tool_calls"] = [c.openai() for c in calls]
+    return msg, "tool_calls" if calls and finish == "stop" else finish
+
+
+class DeltaStream:
+    """Streamed text as OpenAI chat deltas: content, or ``tool_calls`` entries once a call
+    is whole (its id, name and arguments in one delta)."""
+
+    def __init__(self, spec: Optional[ToolSpec]):
+        self.calls = 0
+        self.split = CallStream(spec.fmt) if spec is not None and spec.active else None
+
+    def deltas(self, text: str, final: bool) -> List[dict]:
+        """Deltas for a piece of text (``final``: the answer ends with it)."""
+        if self.split is None:
+            return [{"content": text}] if text else []
+        events = self.split.feed(text) + (self.split.close() if final else [])
+        out = []
+        for kind, val in events:
+            if kind == "text":
+                out.append({"content": val})
+            else:
+                out.append({"tool_calls": [val.openai(self.calls)]})
+                self.calls += 1
+        return out
+
+    def finish(self, finish: Optional[str]) -> Optional[str]:
+        """OpenAI's reason: "tool_calls" when the answer ended with calls."""
+        return "tool_calls" if self.calls and finish == "stop" else finish
