@@ -101,7 +101,7 @@ def test_unsupported_architecture_is_a_one_line_error(tmp_path):
 def test_unreadable_or_missing_files_are_one_line_errors(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF not really")
-    with pytest.raises(DFlashError, match="cannot read GGUF file"):
+    with pytest.raises(DFlashError, match="is corrupt"):
         load_gguf(bad)
     with pytest.raises(DFlashError, match="does not exist"):
         load_gguf(tmp_path / "nope.gguf")
@@ -142,3 +142,36 @@ def test_smollm2_cpu_weights_are_float32(smollm):
     model, _, _ = smollm
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
     assert model.model.embed_tokens.weight.dtype == mx.float32
+
+
+def _corrupt(src, dst, offset: int, data: bytes):
+    raw = bytearray(src.read_bytes())
+    raw[offset : offset + len(data)] = data
+    dst.write_bytes(bytes(raw))
+    return dst
+
+
+def test_a_corrupt_gguf_header_is_a_one_line_error_before_mlx_reads_it(tmp_path):
+    good = tmp_path / "tiny.gguf"
+    write_tiny_gguf(good, tmp_path)
+    size = good.stat().st_size
+    cases = {
+        "counts": (8, b"\xff" * 16, "cannot fit in"),  # tensor and metadata counts
+        "tensors": (8, b"\xff" * 8, "cannot fit in"),
+        "version": (4, b"\x07\x00\x00\x00", "has version 7"),
+        "magic": (0, b"GGML", "not a GGUF file"),
+        "key length": (24, b"\xff" * 8, "runs past the end"),  # the first key's length
+    }
+    for name, (offset, data, needle) in cases.items():
+        bad = _corrupt(good, tmp_path / f"{name}.gguf", offset, data)
+        with pytest.raises(DFlashError, match=needle) as e:
+            load_gguf(bad)
+        assert "\n" not in str(e.value), name
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[: size - 100])  # the last tensor's data is cut off
+    with pytest.raises(DFlashError, match="lies past the end of the file"):
+        load_gguf(cut)
+    for n in (30, 2000):  # cut inside the header: inside the key, inside the vocabulary
+        cut.write_bytes(good.read_bytes()[:n])
+        with pytest.raises(DFlashError, match="corrupt"):
+            load_gguf(cut)
