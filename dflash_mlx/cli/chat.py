@@ -20,8 +20,9 @@ import typer
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
-from .terminal import StopFlag, rerender_markdown
+from . import streams
 from .stats import sparkline
+from .terminal import StopFlag, rerender_markdown
 
 HELP = """commands:
   /help            this list
@@ -358,6 +359,9 @@ def chat(
     cfg = c.settings(
         max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
     )
+    streams.require_stdout("chat")
+    if streams.stdin_closed():
+        raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")
     m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg)
     from ..prompt import notice_default_format
 
