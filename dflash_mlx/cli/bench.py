@@ -16,6 +16,7 @@ from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
 from .stats import blocks_text
+from .streams import require_stdout
 
 
 def bench(
@@ -47,6 +48,7 @@ def bench(
     offline: bool = c.OFFLINE,
 ):
     """Benchmark autoregressive vs DFlash 1 vs DFlash 2: tau, speedup, Recall@k, latency."""
+    require_stdout("bench")
     if max_samples < 1 or max_tokens < 2:
         raise DFlashError("--max-samples must be >= 1 and --max-tokens >= 2")
     cfg = GenerationConfig(
@@ -59,12 +61,20 @@ def bench(
     from ..bench import load_prompts
 
     prompts = load_prompts(dataset, max_samples, prompt, field)
+    json_path = json_path and check_output(json_path, "--json", (".json",))
+    plot_path = plot_path and check_output(plot_path, "--plot", PLOT_SUFFIXES)
     if plot_path:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'") from None
     m, tok = c.load_pair(model, drafter, quant, offline, False, False, cfg)
+    block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
+    if max_tokens < block:  # Recall@k needs a continuation of at least one block
+        raise DFlashError(
+            f"--max-tokens {max_tokens} is shorter than the block ({block} tokens), so no "
+            f"per-position Recall can be measured; pass -m {block} or more"
+        )
     rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
     from rich.console import Console
 
@@ -77,6 +87,33 @@ def bench(
         print(f"wrote {plot_path}", file=sys.stderr)
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_output(path: str, flag: str, suffixes) -> str:
+    """The file a report goes to, checked before the run: its folder exists and is
+    writable, it is not a folder; a name without a suffix gets the first of ``suffixes``.
+
+    Raises:
+        DFlashError: naming the flag and the problem.
+    """
+    import os
+
+    p = Path(os.path.expanduser(path))
+    if p.is_dir():
+        raise DFlashError(f"{flag} {path} is a directory; give a file name")
+    if not p.suffix:
+        p = p.with_name(p.name + suffixes[0])
+    elif p.suffix.lower() not in suffixes:
+        raise DFlashError(f"{flag} {path}: the file must end in {' / '.join(suffixes)}")
+    parent = p.parent
+    if not parent.is_dir():
+        raise DFlashError(f"{flag} {path}: folder {parent} does not exist; create it first")
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise DFlashError(f"{flag} {path} is not writable; pick another path")
+    return str(p)
+
+
 def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     """Run the benchmark with a progress bar; the report with the latency split added."""
     from rich.console import Console
@@ -86,7 +123,8 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     from ..generation import encode_prompt
 
     block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
-    with Progress(console=Console(stderr=True, highlight=False), transient=True) as bar:
+    con = Console(stderr=True, highlight=False)
+    with Progress(console=con, transient=True, disable=not con.is_terminal) as bar:
         task = bar.add_task("prompts", total=len(prompts))
         rep = run_bench(
             m,
@@ -149,8 +187,15 @@ def print_report(rep: dict, console) -> None:
 
 
 def write_json(rep: dict, path: str) -> None:
-    """Write the report as JSON."""
-    Path(path).write_text(json.dumps(rep, indent=2) + "\n")
+    """Write the report as JSON.
+
+    Raises:
+        DFlashError: the file cannot be written (a full disk, a folder gone meanwhile).
+    """
+    try:
+        Path(path).write_text(json.dumps(rep, indent=2) + "\n")
+    except OSError as e:
+        raise DFlashError(f"cannot write {path} ({e.strerror}); pick another path") from None
 
 
 def write_plot(rep: dict, path: str) -> None:
@@ -177,5 +222,9 @@ def write_plot(rep: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise DFlashError(f"cannot write {path} ({e.strerror}); pick another path") from None
+    finally:
+        plt.close(fig)
