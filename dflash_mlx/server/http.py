@@ -64,6 +64,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "dflash-mlx"
     protocol_version = "HTTP/1.0"
     timeout = 600  # seconds a stalled client may block its own handler thread
+    body_timeout = 10.0  # seconds between two pieces of a request body before a 408
     _checked = 0.0  # when the connection was last checked for a disconnect
 
     # ------------------------------------------------------------------ plumbing
@@ -115,6 +116,28 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def _read_body(self, length: int) -> bytes:
+        """The request body, or a 408 when the client stops sending before Content-Length
+        bytes came (else a short body holds the connection for ``timeout`` seconds)."""
+        if length <= 0:
+            return b""
+        self.connection.settimeout(self.body_timeout)
+        try:
+            data = self.rfile.read(length)
+        except (TimeoutError, socket.timeout):
+            self.close_connection = True
+            raise APIError(
+                408,
+                f"the request body stopped before its Content-Length ({length} bytes) for "
+                f"{self.body_timeout:g} s; send the whole body or fix the header",
+                code="request_timeout",
+            ) from None
+        finally:
+            self.connection.settimeout(self.timeout)
+        if len(data) < length:
+            raise bad(f"the body has {len(data)} bytes but Content-Length says {length}")
+        return data
+
     def _client_gone(self) -> bool:
         try:
             r, _, _ = select.select([self.connection], [], [], 0)
@@ -128,7 +151,9 @@ class Handler(BaseHTTPRequestHandler):
             return True
         got = self.headers.get("Authorization", "")
         token = got[7:].strip() if got[:7].lower() == "bearer " else ""
-        return hmac.compare_digest(token.encode(), key.encode())
+        # http.server decodes header bytes as latin-1: re-encode them to compare raw bytes
+        got_bytes = token.encode("latin-1", "replace")
+        return hmac.compare_digest(got_bytes, key.encode("utf-8", "surrogateescape"))
 
     def _guard(self, fn) -> None:
         try:
@@ -232,7 +257,7 @@ class Handler(BaseHTTPRequestHandler):
             raise bad("a Content-Length header is required") from None
         if length > MAX_BODY:
             raise APIError(413, f"request body over {MAX_BODY} bytes")
-        raw = self.rfile.read(length) if length > 0 else b""
+        raw = self._read_body(length)
         srv = self.server
         req = parse_request(raw, kind, srv.defaults, srv.engine.model.block_size)
         if req.model is not None and not srv.knows(req.model):
