@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
@@ -234,12 +235,19 @@ def check_compatible(adapter, drafter, drafter_name: str = "drafter") -> None:
         )
 
 
-def _load_target(path: Path, name: str, tokenizer_config: Optional[dict]):
+def _notices(quiet: bool, log: Optional[Callable[[str], None]]):
+    """Where one-time notices go: log, else stderr; nowhere when quiet."""
+    if quiet:
+        return None
+    return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def _load_target(path: Path, name: str, tokenizer_config: Optional[dict], log=None):
     """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
     if _is_gguf(path):
         from .gguf import load_gguf
 
-        model, tokenizer, _ = load_gguf(path)
+        model, tokenizer, _ = load_gguf(path, log=log)
         return model, tokenizer
     from mlx_lm.utils import load as mlx_load
 
@@ -269,7 +277,7 @@ def load_target(model: str, offline: Optional[bool] = None, quiet: bool = False)
     entry = registry.find(str(model).strip())
     target, name = (entry.target(), entry.alias) if entry else _resolve_target(str(model))
     path = locate(target, "model", hub.offline_mode(offline), quiet, None)
-    return _load_target(path, name, None)
+    return _load_target(path, name, None, _notices(quiet, None))
 
 
 def _target_dtype(model):
@@ -304,7 +312,8 @@ def load(
         quiet: no download notices or progress bars. log: callable(str) for notices
             (default: print to stderr).
         tokenizer_config: extra options for mlx-lm's tokenizer loader.
-        warmup: measure step costs now (else at the first ``block_size="auto"`` request).
+        warmup: set the step costs now, measured or as stored for this pair on this
+            machine (``diskcache``; else measured at the first ``block_size="auto"`` request).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -314,7 +323,7 @@ def load(
         DFlashError: one line naming the problem and the fix.
     """
     from .checkpoint import load_drafter
-    from .decode import warm_up
+    from .diskcache import warm_up
     from .state import DFlashModel
     from .target import TargetAdapter
 
@@ -322,7 +331,9 @@ def load(
     offline = hub.offline_mode(offline)
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
-    target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config)
+    target, tokenizer = _load_target(
+        tpath, res.display_name, tokenizer_config, _notices(quiet, log)
+    )
     draft = load_drafter(dpath, dtype=_target_dtype(target))
     adapter = TargetAdapter(target, [])
     check_compatible(adapter, draft, f"drafter {dname}")
