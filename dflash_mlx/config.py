@@ -202,9 +202,9 @@ def _json_kind(v) -> str:
     return names.get(type(v), "a number" if isinstance(v, (int, float)) else type(v).__name__)
 
 
-def _bad(name: str, rule: str, v) -> None:
+def _bad(name: str, rule: str, v, what: str = "drafter config.json") -> None:
     got = f"{v!r}" if isinstance(v, (int, float, str)) else _json_kind(v)
-    raise DFlashError(f"drafter config.json field '{name}' {rule} (got {got}); fix config.json")
+    raise DFlashError(f"{what} field '{name}' {rule} (got {got}); fix config.json")
 
 
 def _is_int(v) -> bool:
@@ -241,3 +241,46 @@ def _check_field(name: str, v) -> None:
             _bad(name, "must be a list of layer indices >= 0", v)
     if name == "rope_parameters" and "rope_theta" in v:
         _check_field("rope_theta", v["rope_theta"])
+
+
+# The target's config.json fields every architecture reads (checked where present).
+_TARGET_INT = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def check_target_config(params, path) -> None:
+    """Refuse a target config.json that mlx-lm would fail on with a traceback: not an
+    object, no string ``model_type``, or a common size field of the wrong type or range.
+
+    Args:
+        params: the parsed config.json. path: the file, for the message.
+
+    Raises:
+        DFlashError: naming the file and the field.
+    """
+    what = f"model config {path}"
+    if not isinstance(params, dict):
+        raise DFlashError(f"{what} must be a JSON object, not {_json_kind(params)}; fix it")
+    if not isinstance(params.get("model_type"), str):
+        _bad("model_type", "must name the architecture (a string)", params.get("model_type"), what)
+    for cfg in (params, params.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        for name in _TARGET_INT:
+            v = cfg.get(name)
+            if v is not None and (not _is_int(v) or v < 1):
+                _bad(name, "must be an integer >= 1", v, what)
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = cfg.get(name)
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+            ):
+                _bad(name, "must be a positive number", v, what)

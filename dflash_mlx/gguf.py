@@ -42,7 +42,10 @@ def _scalar(meta: dict, key: str, default=None):
     v = meta.get(key, default)
     if v is None:
         return None
-    return v.item() if hasattr(v, "item") else v
+    try:
+        return v.item() if hasattr(v, "item") else v
+    except (ValueError, RuntimeError):  # an array where a number belongs: the caller refuses it
+        return v
 
 
 def model_config(meta: dict) -> dict:
@@ -65,6 +68,23 @@ def model_config(meta: dict) -> dict:
     if missing:
         raise DFlashError(f"GGUF metadata lacks {arch}.{missing[0]}; the file is incomplete")
     g = lambda k, d=None: _scalar(meta, f"{arch}.{k}", d)  # noqa: E731
+    for key in need + ["attention.head_count_kv", "rope.dimension_count", "context_length"]:
+        v = g(key)
+        if v is not None and (isinstance(v, (bool, str)) or not isinstance(v, int) or v < 1):
+            raise DFlashError(
+                f"GGUF metadata {arch}.{key} is {v!r}, not a positive integer; the file is "
+                "corrupt, re-download it"
+            )
+    for key in ("attention.layer_norm_rms_epsilon", "rope.freq_base"):
+        v = g(key)
+        if v is not None and (isinstance(v, (bool, str)) or not isinstance(v, (int, float))):
+            raise DFlashError(
+                f"GGUF metadata {arch}.{key} is {v!r}, not a number; the file is corrupt, "
+                "re-download it"
+            )
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if not isinstance(meta.get(key), list) or not meta[key]:
+            raise DFlashError(f"GGUF metadata lacks {key}; the file is incomplete, re-download it")
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     vocab = g("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from . import hub, registry
+from .config import check_target_config
 from .errors import DFlashError, IncompatibleDrafterError
 
 if TYPE_CHECKING:
@@ -254,8 +255,16 @@ def _load_target(path: Path, name: str, tokenizer_config: Optional[dict], log=No
     if not (path / "config.json").is_file():
         raise DFlashError(f"model directory {path} has no config.json; point to an mlx-lm model")
     try:
+        params = json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DFlashError(
+            f"model config {path / 'config.json'} is not valid JSON ({e}); "
+            "fix it or re-download the model"
+        ) from None
+    check_target_config(params, path / "config.json")
+    try:
         return mlx_load(str(path), tokenizer_config=tokenizer_config or {})
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:
         # what mlx / mlx-lm raise on a corrupt, incomplete or unsupported checkpoint
         reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
         raise DFlashError(

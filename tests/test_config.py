@@ -76,3 +76,28 @@ def test_the_released_configs_pass_unchanged():
     args = DrafterArgs.from_dict(json.loads(demo.read_text()))
     assert args.selector_top_k == 16 and args.head_dim == 64
     assert DrafterArgs.from_dict(good()).block_size == 8
+
+
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda c: [c], "must be a JSON object, not an array"),
+        (lambda c: {k: v for k, v in c.items() if k != "model_type"}, "'model_type' must name"),
+        (lambda c: c | {"hidden_size": "64"}, "'hidden_size' must be an integer >= 1 (got '64')"),
+        (lambda c: c | {"num_attention_heads": 0}, "'num_attention_heads' must be an integer"),
+        (lambda c: c | {"rms_norm_eps": -1}, "'rms_norm_eps' must be a positive number"),
+    ],
+    ids=["array", "no-model-type", "hidden-str", "heads-0", "eps-negative"],
+)
+def test_a_bad_target_config_is_one_line_naming_the_field(tiny_dir, tmp_path, change, needle):
+    import shutil
+
+    from dflash_mlx import load
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_dir / "qwen3", target)
+    cfg = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps(change(cfg)))
+    with pytest.raises(DFlashError) as e:
+        load(str(target), drafter=str(tiny_dir / "d2_qwen3"))
+    assert needle in str(e.value) and "config.json" in str(e.value) and "\n" not in str(e.value)

@@ -175,3 +175,21 @@ def test_a_corrupt_gguf_header_is_a_one_line_error_before_mlx_reads_it(tmp_path)
         cut.write_bytes(good.read_bytes()[:n])
         with pytest.raises(DFlashError, match="corrupt"):
             load_gguf(cut)
+
+
+def test_gguf_metadata_of_the_wrong_type_is_a_one_line_error(tmp_path):
+    arrays, meta = write_tiny_gguf(tmp_path / "tiny.gguf", tmp_path)
+    bad = tmp_path / "bad.gguf"
+    for key, value, needle in (
+        ("llama.attention.head_count", mx.array(0, dtype=mx.uint32), "head_count is 0"),
+        ("llama.embedding_length", "32", "embedding_length is '32', not a positive integer"),
+        ("llama.block_count", mx.array([2, 2], dtype=mx.uint32), "block_count is array"),
+        ("llama.rope.freq_base", "big", "freq_base is 'big', not a number"),
+        ("tokenizer.ggml.tokens", None, "lacks tokenizer.ggml.tokens"),
+    ):
+        m = {k: v for k, v in meta.items() if k != key}
+        if value is not None:
+            m[key] = value
+        mx.save_gguf(str(bad), arrays, m)
+        with pytest.raises(DFlashError, match=needle):
+            load_gguf(bad, dtype="float32")
