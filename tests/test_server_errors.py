@@ -141,6 +141,9 @@ def test_an_empty_stop_string_is_ignored_alone_or_in_a_list(served):
         assert st == 200, body
         texts.append((body["choices"][0]["text"], body["usage"]["completion_tokens"]))
     assert texts[0][1] == 6 and all(t == texts[0] for t in texts), texts
+    bad_usage = {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}
+    st, _, body = _post(url, "/v1/completions", json.dumps(bad_usage).encode())
+    assert st == 400 and _openai_error(body)["param"] == "stream_options"
 
 
 @pytest.fixture
