@@ -189,6 +189,10 @@ def test_unwritable_report_paths_are_refused_before_loading(tiny_dir, tmp_path):
     _one_error(res, "folder")
     _one_error(_bench(tiny_dir, "-p", "x", "--json", tmp_path), "is a directory")
     _one_error(_bench(tiny_dir, "-p", "x", "--plot", tmp_path / "r.txt"), "must end in .png")
+    _one_error(_bench(tiny_dir, "-p", "x", "--json", ""), "--json needs a file name")
+    _one_error(_bench(tiny_dir, "-p", "x", "--plot", " "), "--plot needs a file name")
+    _one_error(_bench(tiny_dir, "--dataset", ""), "--dataset is empty")
+    _one_error(_bench(tiny_dir, "-n", 0), "--max-samples must be at least 1 (got 0)")
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
@@ -203,7 +207,10 @@ def test_unwritable_report_paths_are_refused_before_loading(tiny_dir, tmp_path):
 
 def test_plot_without_a_suffix_reports_the_file_it_wrote(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    res = _bench(tiny_dir, "-p", "def f(", "-m", 8, "--block-size", 4, "--plot", "curves")
+    res = _bench(
+        tiny_dir, "-p", "def f(", "-m", 8, "--block-size", 4, "--plot", "curves", "--json", "rep"
+    )
     assert res.exit_code == 0, res.output
     assert "wrote curves.png" in res.stderr and (tmp_path / "curves.png").is_file()
+    assert "wrote rep\n" in res.stderr and json.loads((tmp_path / "rep").read_text())
     assert not (tmp_path / "curves").exists()

@@ -49,8 +49,12 @@ def bench(
 ):
     """Benchmark autoregressive vs DFlash 1 vs DFlash 2: tau, speedup, Recall@k, latency."""
     require_stdout("bench")
-    if max_samples < 1 or max_tokens < 2:
-        raise DFlashError("--max-samples must be >= 1 and --max-tokens >= 2")
+    if max_samples < 1:
+        raise DFlashError(f"--max-samples must be at least 1 (got {max_samples})")
+    if max_tokens < 2:
+        raise DFlashError(f"--max-tokens must be at least 2 (got {max_tokens})")
+    if dataset is not None and not dataset.strip():
+        raise DFlashError("--dataset is empty; name a built-in set or a JSONL file")
     cfg = GenerationConfig(
         max_tokens=max_tokens,
         temperature=temp,
@@ -61,8 +65,8 @@ def bench(
     from ..bench import load_prompts
 
     prompts = load_prompts(dataset, max_samples, prompt, field)
-    json_path = json_path and check_output(json_path, "--json", (".json",))
-    plot_path = plot_path and check_output(plot_path, "--plot", PLOT_SUFFIXES)
+    json_path = json_path if json_path is None else check_output(json_path, "--json")
+    plot_path = plot_path if plot_path is None else check_output(plot_path, "--plot", PLOT_SUFFIXES)
     if plot_path:
         try:
             import matplotlib  # noqa: F401
@@ -90,19 +94,24 @@ def bench(
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
 
-def check_output(path: str, flag: str, suffixes) -> str:
-    """The file a report goes to, checked before the run: its folder exists and is
-    writable, it is not a folder; a name without a suffix gets the first of ``suffixes``.
+def check_output(path: str, flag: str, suffixes=None) -> str:
+    """The file a report goes to, checked before the run: named, not a folder, in a folder
+    that exists and is writable. With ``suffixes`` (a figure: matplotlib picks the format by
+    suffix) a name without one gets the first, as matplotlib would, and others are refused.
 
     Raises:
         DFlashError: naming the flag and the problem.
     """
     import os
 
+    if not path.strip():
+        raise DFlashError(f"{flag} needs a file name")
     p = Path(os.path.expanduser(path))
     if p.is_dir():
         raise DFlashError(f"{flag} {path} is a directory; give a file name")
-    if not p.suffix:
+    if suffixes is None:
+        pass
+    elif not p.suffix:
         p = p.with_name(p.name + suffixes[0])
     elif p.suffix.lower() not in suffixes:
         raise DFlashError(f"{flag} {path}: the file must end in {' / '.join(suffixes)}")
