@@ -269,6 +269,12 @@ def check_target_config(params, path) -> None:
     what = f"model config {path}"
     if not isinstance(params, dict):
         raise DFlashError(f"{what} must be a JSON object, not {_json_kind(params)}; fix it")
+    archs = params.get("architectures")
+    if isinstance(archs, list) and {DFLASH1, DFLASH2} & {a for a in archs if isinstance(a, str)}:
+        raise DFlashError(
+            f"{path} is a DFlash drafter, not a target model; pass it as --drafter and the "
+            "model it was made for as --model"
+        )
     if not isinstance(params.get("model_type"), str):
         _bad("model_type", "must name the architecture (a string)", params.get("model_type"), what)
     for cfg in (params, params.get("text_config")):

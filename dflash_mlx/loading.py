@@ -57,7 +57,7 @@ def _looks_like_path(s: str) -> bool:
 
 
 def _is_gguf(p: Path) -> bool:
-    return p.suffix.lower() == ".gguf"
+    return p.suffix.lower() == ".gguf" and not p.is_dir()
 
 
 def read_dflash_json(directory: Path) -> Optional[str]:
@@ -151,6 +151,8 @@ def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = No
             "--model is empty; pass an alias (see `dflash models`), a Hub id or a directory"
         )
     model = str(model).strip()
+    if drafter is not None and not str(drafter).strip():
+        raise DFlashError("--drafter is empty; pass a drafter directory or Hub id, or drop it")
     entry = registry.find(model)
     if entry is not None:
         return _resolve_alias(entry, drafter, quant)

@@ -101,3 +101,11 @@ def test_a_bad_target_config_is_one_line_naming_the_field(tiny_dir, tmp_path, ch
     with pytest.raises(DFlashError) as e:
         load(str(target), drafter=str(tiny_dir / "d2_qwen3"))
     assert needle in str(e.value) and "config.json" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_drafter_given_as_the_target_says_which_flag_it_belongs_to(tiny_dir):
+    from dflash_mlx import load
+
+    d = str(tiny_dir / "d2_qwen3")
+    with pytest.raises(DFlashError, match="is a DFlash drafter, not a target model; pass it as"):
+        load(d, drafter=d)
