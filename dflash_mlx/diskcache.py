@@ -1,5 +1,6 @@
-"""What makes the second start fast, kept on disk: the float32 weights of a GGUF target
-(dequantizing takes seconds on a CPU) and the warm-up's step costs per model and machine.
+"""What makes the second start fast, kept on disk: the dequantized weights and the
+tokenizer of a GGUF target (dequantizing takes seconds on a CPU) and the warm-up's step
+costs per model and machine.
 
 Everything lives under :func:`cache_dir`: ``DFLASH_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx``; ``DFLASH_CACHE=0`` turns the
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 ENV_DIR, ENV_OFF = "DFLASH_CACHE_DIR", "DFLASH_CACHE"
-MAX_WEIGHTS = 8 << 30  # float32 weights larger than this are not cached (disk, not time)
+MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
 COSTS_VERSION = 1
 
@@ -82,11 +83,11 @@ def write_json(path: Path, obj: dict) -> bool:
     return _replace_into(path, lambda t: t.write_text(json.dumps(obj)))
 
 
-# ------------------------------------------------------------------ GGUF float32 weights
+# ------------------------------------------------------------------ GGUF weights
 
 
 def gguf_entry(path) -> Optional[Path]:
-    """The cache folder of a GGUF file's float32 weights, or None with caching off."""
+    """The cache folder of a GGUF file's dequantized weights, or None with caching off."""
     if not enabled():
         return None
     try:
@@ -96,7 +97,8 @@ def gguf_entry(path) -> Optional[Path]:
 
 
 def load_weights(entry: Optional[Path]):
-    """(weights dict, config dict, tokenizer metadata) cached in entry, or None."""
+    """(weights dict, config dict, tokenizer metadata) cached in entry (with its
+    tokenizer.json beside them), or None."""
     if entry is None:
         return None
     info = read_json(entry / "info.json")
@@ -111,9 +113,12 @@ def load_weights(entry: Optional[Path]):
     return weights, info["config"], info["tokenizer"]
 
 
-def save_weights(entry: Optional[Path], weights: dict, config: dict, tok_meta: dict, log=None):
-    """Cache float32 weights with their config and tokenizer metadata (skipped when too
-    large or the disk is short of room); says once, through log, that it does."""
+def save_weights(
+    entry: Optional[Path], weights: dict, config: dict, tok_meta: dict, tok_json: str, log=None
+):
+    """Cache dequantized weights with their config, tokenizer metadata and tokenizer.json
+    (skipped when too large or the disk is short of room); says once, through log, that it
+    does."""
     if entry is None:
         return
     import mlx.core as mx
@@ -129,13 +134,14 @@ def save_weights(entry: Optional[Path], weights: dict, config: dict, tok_meta: d
         return
     if log is not None:
         log(
-            f"note: caching the float32 weights ({size / 2**20:.0f} MB) in {entry} once; "
+            f"note: caching the dequantized weights ({size / 2**20:.0f} MB) in {entry} once; "
             "later starts skip the dequantization"
         )
     ok = _replace_into(
         entry / "weights.safetensors", lambda t: mx.save_safetensors(str(t), weights)
     )
-    if ok:
+    ok = ok and _replace_into(entry / "tokenizer.json", lambda t: t.write_text(tok_json))
+    if ok:  # written last: an entry without it is incomplete and ignored
         write_json(entry / "info.json", {"config": config, "tokenizer": tok_meta})
 
 

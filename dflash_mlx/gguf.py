@@ -115,10 +115,11 @@ def _rename(name: str) -> Optional[str]:
 
 
 def convert_weights(raw: Dict, dequantize: bool) -> Tuple[Dict, Dict]:
-    """Rename GGUF tensors; dequantize them to float32 or keep them quantized.
+    """Rename GGUF tensors; dequantize them or keep them quantized.
 
     Args:
-        raw: tensors from ``mx.load``. dequantize: expand quantized tensors to float32.
+        raw: tensors from ``mx.load``. dequantize: expand quantized tensors (to the scales'
+            float16, which holds every dequantized value exactly; the model is cast after).
 
     Returns:
         (weights by mlx-lm name, {module path: bits} of the quantized modules kept as such).
@@ -140,24 +141,25 @@ def convert_weights(raw: Dict, dequantize: bool) -> Tuple[Dict, Dict]:
         b = arr.shape[-1] * 32 // (scales.shape[-1] * GROUP)
         if dequantize:
             w = mx.dequantize(arr, scales, raw[f"{base}.biases"], group_size=GROUP, bits=b)
-            out[f"{path}.weight"] = w.astype(mx.float32)
+            out[f"{path}.weight"] = w  # the scales' dtype: exact; _build casts to float32
         else:
             out[f"{path}.weight"], out[f"{path}.scales"] = arr, scales
             out[f"{path}.biases"], bits[path] = raw[f"{base}.biases"], b
     return out, bits
 
 
-def build_tokenizer(meta: dict):
+def build_tokenizer(meta: dict, tokenizer_file: Optional[Path] = None):
     """A fast byte-level BPE tokenizer (transformers + mlx-lm wrapper) from GGUF metadata.
 
     Args:
         meta: GGUF metadata holding ``tokenizer.ggml.*`` and optionally the chat template.
+        tokenizer_file: the same tokenizer saved before as tokenizer.json (the start-up
+            cache): read instead of building it again.
 
     Raises:
         DFlashError: the vocabulary is not a byte-level BPE this loader knows.
     """
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
@@ -167,6 +169,31 @@ def build_tokenizer(meta: dict):
             "BPE (gpt2 / smollm / starcoder style) GGUF files can be loaded"
         )
     tokens = list(meta["tokenizer.ggml.tokens"])
+
+    def name(key):
+        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        return None if i is None or i >= len(tokens) else tokens[int(i)]
+
+    if tokenizer_file is not None and tokenizer_file.is_file():
+        source = {"tokenizer_file": str(tokenizer_file)}
+    else:  # a Tokenizer object is deep-copied by transformers: a file is faster to reuse
+        source = {"tokenizer_object": _bpe(meta, tokens, pre)}
+    hf = PreTrainedTokenizerFast(
+        **source,
+        bos_token=name("bos"),
+        eos_token=name("eos"),
+        unk_token=name("unknown"),
+        pad_token=name("padding"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer)
+
+
+def _bpe(meta: dict, tokens: list, pre):
+    """The byte-level BPE ``tokenizers.Tokenizer`` of a GGUF vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
@@ -184,28 +211,15 @@ def build_tokenizer(meta: dict):
         AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3
     ]
     tok.add_special_tokens(special)
-
-    def name(key):
-        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
-        return None if i is None or i >= len(tokens) else tokens[int(i)]
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=name("bos"),
-        eos_token=name("eos"),
-        unk_token=name("unknown"),
-        pad_token=name("padding"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer)
+    return tok
 
 
 def load_gguf(path, dtype: Optional[str] = None, log: Optional[Callable[[str], None]] = None):
     """Load a llama-family GGUF file as (mlx-lm model, TokenizerWrapper, config dict).
 
-    The float32 weights of the CPU path are cached on disk (``diskcache``): later loads of
-    the same file skip the header walk and the dequantization.
+    The dequantized weights and the tokenizer of the CPU path are cached on disk
+    (``diskcache``): later loads of the same file skip the header walk, the dequantization
+    and building the tokenizer.
 
     Args:
         path: the ``.gguf`` file.
@@ -233,16 +247,19 @@ def load_gguf(path, dtype: Optional[str] = None, log: Optional[Callable[[str], N
     if cached is not None:
         weights, config, meta = cached
         try:
-            return _build(config, weights, {}, dtype), build_tokenizer(meta), config
-        except (ValueError, KeyError, TypeError):  # a stale or damaged entry: rebuild it
+            tokenizer = build_tokenizer(meta, entry / "tokenizer.json")
+            return _build(config, weights, {}, dtype), tokenizer, config
+        except Exception:  # noqa: BLE001 - a stale or damaged entry of any kind: rebuild it
             pass
     raw, meta = _read(path)
     config = model_config(meta)
     weights, bits = convert_weights(raw, dequantize=dtype == "float32")
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    tokenizer = build_tokenizer(meta)
     if entry is not None:
-        diskcache.save_weights(entry, weights, config, tokenizer_meta(meta), log)
-    return _build(config, weights, bits, dtype), build_tokenizer(meta), config
+        tok_json = tokenizer._tokenizer.backend_tokenizer.to_str()
+        diskcache.save_weights(entry, weights, config, tokenizer_meta(meta), tok_json, log)
+    return _build(config, weights, bits, dtype), tokenizer, config
 
 
 def _read(path: Path):

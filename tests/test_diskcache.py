@@ -1,5 +1,5 @@
-"""The on-disk caches: a GGUF target's float32 weights (built once, said once, then loaded
-without the dequantization) and the warm-up's step costs per pair and machine."""
+"""The on-disk caches: a GGUF target's dequantized weights and tokenizer (built once, said
+once, then loaded as they were) and the warm-up's step costs per pair and machine."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def test_a_gguf_is_dequantized_once_then_loaded_from_the_cache(cache, tmp_path, 
     write_tiny_gguf(path, tmp_path)
     notes = []
     m1, tok1, cfg1 = gguf.load_gguf(path, dtype="float32", log=notes.append)
-    assert len(notes) == 1 and "caching the float32 weights" in notes[0]
+    assert len(notes) == 1 and "caching the dequantized weights" in notes[0]
     entry = diskcache.gguf_entry(path)
     assert entry.parent.parent == cache and (entry / "weights.safetensors").is_file()
 
@@ -134,5 +134,5 @@ def test_the_cli_says_once_that_it_builds_the_cache(cache, tmp_path):
         p = subprocess.run(args, capture_output=True, env=env, cwd=REPO_ROOT, text=True)
         assert p.returncode == 0, p.stderr
         errs.append(p.stderr)
-    assert "note: caching the float32 weights" in errs[0], errs[0]
+    assert "note: caching the dequantized weights" in errs[0], errs[0]
     assert "caching" not in errs[1]

@@ -193,3 +193,23 @@ def test_gguf_metadata_of_the_wrong_type_is_a_one_line_error(tmp_path):
         mx.save_gguf(str(bad), arrays, m)
         with pytest.raises(DFlashError, match=needle):
             load_gguf(bad, dtype="float32")
+
+
+def test_smollm2_from_the_start_up_cache_has_the_same_weights_and_tokenizer(tmp_path, monkeypatch):
+    """The cache keeps the dequantized float16 values and the load casts them: bit-equal to
+    the float32 weights of a load that never saw a cache."""
+    from mlx.utils import tree_flatten
+
+    monkeypatch.setenv("DFLASH_CACHE", "0")
+    model, tok, _ = load_gguf(packaged_gguf())
+    monkeypatch.delenv("DFLASH_CACHE")
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path))
+    load_gguf(packaged_gguf())  # builds the entry
+    cached, tok2, _ = load_gguf(packaged_gguf())  # reads it
+    assert list(tmp_path.glob("gguf/*/tokenizer.json"))
+    want, got = dict(tree_flatten(model.parameters())), dict(tree_flatten(cached.parameters()))
+    assert want.keys() == got.keys()
+    for k, w in want.items():
+        assert got[k].dtype == w.dtype == mx.float32 and mx.array_equal(got[k], w), k
+    text = "Hello, world!  x = 12345 <|im_start|>user naïve 😀"
+    assert tok2.encode(text) == tok.encode(text) and tok2.chat_template == tok.chat_template
