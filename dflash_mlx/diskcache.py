@@ -25,6 +25,7 @@ ENV_DIR, ENV_OFF = "DFLASH_CACHE_DIR", "DFLASH_CACHE"
 MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
 COSTS_VERSION = 1
+GGUF_LAYOUT = "f16+tokenizer.json"  # what an entry holds; a new layout makes new entries
 
 
 def enabled() -> bool:
@@ -40,10 +41,10 @@ def cache_dir() -> Path:
     return Path(base) / "dflash-mlx"
 
 
-def identity(*paths) -> str:
+def identity(*paths, tag: str = "") -> str:
     """A short key for files (or folders: their files) as they are now: path, size, mtime
-    of each, and the package version."""
-    parts = [sys.modules[__package__].__version__]  # the package is loaded: no import cycle
+    of each, the package version and tag (the layout of the entry)."""
+    parts = [sys.modules[__package__].__version__, tag]  # the package is loaded: no cycle
     for p in map(Path, paths):
         files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
         for f in files:
@@ -91,7 +92,7 @@ def gguf_entry(path) -> Optional[Path]:
     if not enabled():
         return None
     try:
-        return cache_dir() / "gguf" / identity(path)
+        return cache_dir() / "gguf" / identity(path, tag=GGUF_LAYOUT)
     except OSError:
         return None
 
