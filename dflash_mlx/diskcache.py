@@ -115,11 +115,17 @@ def load_weights(entry: Optional[Path]):
 
 
 def save_weights(
-    entry: Optional[Path], weights: dict, config: dict, tok_meta: dict, tok_json: str, log=None
+    entry: Optional[Path],
+    weights: dict,
+    config: dict,
+    tok_meta: dict,
+    tok_json: str,
+    source=None,
+    log=None,
 ):
     """Cache dequantized weights with their config, tokenizer metadata and tokenizer.json
     (skipped when too large or the disk is short of room); says once, through log, that it
-    does."""
+    does. The entries of older versions of the same source file are removed."""
     if entry is None:
         return
     import mlx.core as mx
@@ -144,6 +150,21 @@ def save_weights(
     ok = ok and _replace_into(entry / "tokenizer.json", lambda t: t.write_text(tok_json))
     if ok:  # written last: an entry without it is incomplete and ignored
         write_json(entry / "info.json", {"config": config, "tokenizer": tok_meta})
+    if ok and source is not None:
+        _prune(entry, str(Path(source).resolve()))
+
+
+def _prune(entry: Path, source: str) -> None:
+    """Mark entry as built from source and delete the other entries built from it (the
+    file changed since: they can never be read again)."""
+    _replace_into(entry / "source.txt", lambda t: t.write_text(source))
+    for other in entry.parent.iterdir():
+        try:
+            stale = other != entry and (other / "source.txt").read_text() == source
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ warm-up step costs

@@ -258,7 +258,9 @@ def load_gguf(path, dtype: Optional[str] = None, log: Optional[Callable[[str], N
     tokenizer = build_tokenizer(meta)
     if entry is not None:
         tok_json = tokenizer._tokenizer.backend_tokenizer.to_str()
-        diskcache.save_weights(entry, weights, config, tokenizer_meta(meta), tok_json, log)
+        diskcache.save_weights(
+            entry, weights, config, tokenizer_meta(meta), tok_json, source=path, log=log
+        )
     return _build(config, weights, bits, dtype), tokenizer, config
 
 

@@ -69,6 +69,7 @@ def test_a_changed_gguf_gets_a_new_entry_and_a_damaged_one_is_rebuilt(cache, tmp
     model, _, _ = gguf.load_gguf(path, dtype="float32")  # wrong tensors: rebuilt from the file
     assert model.model.layers[0].mlp.down_proj.weight.dtype == mx.float32
     assert len(mx.load(str(second / "weights.safetensors"))) > 1
+    assert not first.exists()  # the entry of the file as it was is gone
 
 
 def test_caching_off_or_unwritable_loads_all_the_same(cache, tmp_path, monkeypatch):
