@@ -12,7 +12,8 @@ import sys
 from ..errors import DFlashError
 
 NAMES = {0: "stdin", 1: "stdout", 2: "stderr"}
-WRITE_ERRNOS = {errno.ENOSPC, errno.EPIPE, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF}
+# (a closed pipe, EPIPE, is typer's: a silent exit 1, as `| head` expects)
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF}
 closed: set = set()  # the standard fds this process started without
 
 
@@ -53,13 +54,14 @@ def stdin_closed() -> bool:
 
 
 def write_error(e: OSError) -> str:
-    """The one-line message for a write to stdout that failed (a full disk, a closed pipe),
+    """The one-line message for a write to stdout that failed (a full disk, a bad device),
     after which the unwritten text is dropped so that the exit does not fail again."""
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 1)
-        os.close(devnull)
-    except OSError:
+        if sys.stdout.fileno() == 1:  # the process's own stdout, not an embedding's stream
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.close(devnull)
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
         pass
     reason = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
     return f"cannot write to stdout ({reason}); free some space or write to another file"
