@@ -145,11 +145,6 @@ class DrafterArgs:
                 f"drafter num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}; fix config.json"
             )
-        if self.selector_top_k > self.vocab_size:
-            raise DFlashError(
-                f"drafter selector_top_k {self.selector_top_k} is larger than the vocabulary "
-                f"({self.vocab_size}); fix config.json"
-            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DFlashError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary "

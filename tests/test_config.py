@@ -28,7 +28,6 @@ def with_field(name, value):
 
 BAD = [
     ("selector_top_k", 0, "'selector_top_k' must be an integer >= 1 (got 0)"),
-    ("selector_top_k", 301, "selector_top_k 301 is larger than the vocabulary"),
     ("num_attention_heads", 0, "'num_attention_heads' must be an integer >= 1 (got 0)"),
     ("num_attention_heads", 3, "not a multiple of num_key_value_heads 2"),
     ("hidden_size", "576", "'hidden_size' must be an integer >= 1 (got '576')"),
