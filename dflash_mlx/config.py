@@ -277,7 +277,8 @@ def check_target_config(params, path) -> None:
             continue
         for name in _TARGET_INT:
             v = cfg.get(name)
-            if v is not None and (not _is_int(v) or v < 1):
+            vals = v if isinstance(v, list) and v else [v]  # some architectures: one per layer
+            if v is not None and not all(_is_int(x) and x >= 1 for x in vals):
                 _bad(name, "must be an integer >= 1", v, what)
         for name in ("rms_norm_eps", "rope_theta"):
             v = cfg.get(name)

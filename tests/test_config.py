@@ -108,3 +108,12 @@ def test_a_drafter_given_as_the_target_says_which_flag_it_belongs_to(tiny_dir):
     d = str(tiny_dir / "d2_qwen3")
     with pytest.raises(DFlashError, match="is a DFlash drafter, not a target model; pass it as"):
         load(d, drafter=d)
+
+
+def test_target_fields_given_per_layer_pass_and_bad_entries_do_not():
+    from dflash_mlx.config import check_target_config
+
+    cfg = {"model_type": "gemma3n", "intermediate_size": [64, 64], "num_key_value_heads": 2}
+    check_target_config(cfg, "config.json")
+    with pytest.raises(DFlashError, match="'intermediate_size' must be an integer >= 1"):
+        check_target_config(cfg | {"intermediate_size": [64, 0]}, "config.json")
