@@ -9,9 +9,9 @@ DFlash runs, and the oracle tau (docs/algorithm.md §5).
 from __future__ import annotations
 
 import gzip
-from collections import defaultdict
 import json
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -46,8 +46,12 @@ def load_prompts(
             field to read.
     """
     from .bench_prompts import builtin
+    from .prompt import check_text
 
     if prompt is not None:
+        if not prompt.strip():
+            raise DFlashError("--prompt is empty; give some text")
+        check_text(prompt, "--prompt")
         return [prompt]
     dataset = dataset or "mixed"
     if dataset.lower() in ("mixed", "code", "chat"):
@@ -68,26 +72,45 @@ def load_prompts(
                 f"dataset {dataset} is not a file nor one of mixed, code, chat, humaneval; "
                 "check the path"
             )
-        opener = gzip.open if path.suffix == ".gz" else open
-        rows = []
-        with opener(path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line.decode("utf-8"))[field_name])
-                except UnicodeDecodeError as e:
-                    raise DFlashError(
-                        f"{path}:{n} is not valid UTF-8 (byte 0x{line[e.start]:02x}); "
-                        "convert the file to UTF-8"
-                    ) from None
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DFlashError(
-                        f"{path}:{n} is not a JSON object with a '{field_name}' field; fix the file"
-                    ) from None
+        rows = _read_jsonl(path, field_name)
     if not rows:
         raise DFlashError(f"dataset {dataset} holds no prompts")
     return rows[:max_samples]
+
+
+def _read_jsonl(path: Path, field_name: str) -> List[str]:
+    """The ``field_name`` strings of a JSONL (or .jsonl.gz) file, one per non-blank line."""
+    from .prompt import check_text
+
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
+    try:
+        with opener(path, "rb") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(_jsonl_row(line, f"{path}:{n}", field_name))
+    except (OSError, EOFError) as e:  # not gzip data, a truncated .gz, an unreadable file
+        raise DFlashError(f"cannot read dataset {path} ({e}); fix or re-create the file") from None
+    for n, row in enumerate(rows):
+        check_text(row, f"prompt {n + 1} of {path}", "convert the file to UTF-8")
+    return rows
+
+
+def _jsonl_row(line: bytes, where: str, field_name: str) -> str:
+    try:
+        value = json.loads(line.decode("utf-8"))[field_name]
+    except UnicodeDecodeError as e:
+        raise DFlashError(
+            f"{where} is not valid UTF-8 (byte 0x{line[e.start]:02x}); convert the file to UTF-8"
+        ) from None
+    except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+        raise DFlashError(
+            f"{where} is not a JSON object with a '{field_name}' field; fix the file"
+        ) from None
+    if not isinstance(value, str) or not value.strip():
+        got = "empty" if isinstance(value, str) else f"{json.dumps(value)[:40]}, not text"
+        raise DFlashError(f"{where}: '{field_name}' must be the prompt text (got {got}); fix it")
+    return value
 
 
 @dataclass
@@ -169,6 +192,8 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
     P, L = len(ids), block - 1
     anchors = np.arange(P, len(seq) - L)  # anchor at absolute position a, labels a+1..a+L
     hits1, hitsk = np.zeros(L), np.zeros(L)
+    for k in ("1", str(top_k)):  # a continuation shorter than a block has no anchor
+        res.recall.setdefault(k, np.zeros(L))
     if len(anchors) == 0:
         return
     _, feats = adapter(mx.array(seq)[None], None)
@@ -312,6 +337,7 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             "block_size": block,
             "temperature": temperature,
             "top_k": top_k,
+            "anchors": sum(r.anchors for r in results),
             "target": getattr(model, "target_path", ""),
             "drafter": getattr(model, "drafter_path", ""),
         },

@@ -58,8 +58,15 @@ class DrafterArgs:
         Args:
             params: the parsed config.json.
         """
+        if not isinstance(params, dict):
+            raise DFlashError(
+                f"drafter config.json must be a JSON object, not {_json_kind(params)}; "
+                "re-download the drafter or fix its config.json"
+            )
         names = inspect.signature(cls).parameters
         flat = {k: v for k, v in params.items() if k in names}
+        if not isinstance(params.get("dflash_config") or {}, dict):
+            _bad("dflash_config", "must be an object", params["dflash_config"])
         for k, v in (params.get("dflash_config") or {}).items():
             if k in names:
                 flat[k] = v
@@ -73,6 +80,8 @@ class DrafterArgs:
                 f"drafter config.json lacks {', '.join(missing)}; "
                 "re-download the drafter or fix its config.json"
             )
+        for k, v in flat.items():
+            _check_field(k, v)
         args = cls(**flat)
         args.validate()
         return args
@@ -132,8 +141,151 @@ class DrafterArgs:
                 f"hidden_size {self.hidden_size} is not a multiple of "
                 f"conv_group_size {self.conv_group_size}; fix config.json"
             )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise DFlashError(
+                f"drafter num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}; fix config.json"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise DFlashError(
                 f"mask_token_id {self.mask_token_id} is outside the vocabulary "
                 f"(size {self.vocab_size}); fix config.json"
             )
+
+
+# Each config.json field: (kind, smallest allowed value); None is allowed where the field's
+# default is None. Checked once, at load, so a bad value is named before any array is built.
+_INT = {
+    "hidden_size": 1,
+    "intermediate_size": 1,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 1,
+    "num_key_value_heads": 1,
+    "vocab_size": 1,
+    "head_dim": 1,
+    "num_target_layers": 1,
+    "max_position_embeddings": 1,
+    "sliding_window": 1,
+    "block_size": 2,
+    "mask_token_id": 0,
+    "conv_kernel_size": 1,
+    "conv_group_size": 1,
+    "selector_rank": 1,
+    "selector_top_k": 1,
+    "draft_vocab_size": 1,
+}
+_POSITIVE = {"rms_norm_eps", "rope_theta", "final_logit_softcapping"}
+_FLOAT = {"output_multiplier", "input_embedding_scale"} | _POSITIVE
+_BOOL = {"use_sliding_window", "is_causal", "tie_word_embeddings"}
+_STR = {"model_type", "dtype"}
+_DICT = {"rope_scaling", "rope_parameters", "dflash_config"}
+_NULLABLE = {
+    "head_dim",
+    "num_target_layers",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "sliding_window",
+    "layer_types",
+    "final_logit_softcapping",
+    "draft_vocab_size",
+}
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _json_kind(v) -> str:
+    names = {bool: "a boolean", str: "a string", list: "an array", dict: "an object"}
+    if v is None:
+        return "null"
+    return names.get(type(v), "a number" if isinstance(v, (int, float)) else type(v).__name__)
+
+
+def _bad(name: str, rule: str, v, what: str = "drafter config.json") -> None:
+    got = f"{v!r}" if isinstance(v, (int, float, str)) else _json_kind(v)
+    raise DFlashError(f"{what} field '{name}' {rule} (got {got}); fix config.json")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_field(name: str, v) -> None:
+    """Raise DFlashError naming ``name`` when its value has the wrong type or range."""
+    import math
+
+    if v is None and name in _NULLABLE:
+        return
+    if name in _INT:
+        if not _is_int(v) or v < _INT[name]:
+            _bad(name, f"must be an integer >= {_INT[name]}", v)
+    elif name in _FLOAT:
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or (name in _POSITIVE and v <= 0):
+            _bad(name, "must be a positive number" if name in _POSITIVE else "must be a number", v)
+    elif name in _BOOL and not isinstance(v, bool):
+        _bad(name, "must be true or false", v)
+    elif name in _STR and not isinstance(v, str):
+        _bad(name, "must be a string", v)
+    elif name in _DICT and not isinstance(v, dict):
+        _bad(name, "must be an object", v)
+    elif name == "architectures":
+        if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+            _bad(name, "must be a list of strings", v)
+    elif name == "layer_types":
+        if not isinstance(v, list) or not all(t in LAYER_TYPES for t in v):
+            _bad(name, f"must be a list of {' / '.join(LAYER_TYPES)}", v)
+    elif name == "target_layer_ids":
+        if not isinstance(v, list) or not all(_is_int(i) and i >= 0 for i in v):
+            _bad(name, "must be a list of layer indices >= 0", v)
+    if name == "rope_parameters" and "rope_theta" in v:
+        _check_field("rope_theta", v["rope_theta"])
+
+
+# The target's config.json fields every architecture reads (checked where present).
+_TARGET_INT = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "max_position_embeddings",
+)
+
+
+def check_target_config(params, path) -> None:
+    """Refuse a target config.json that mlx-lm would fail on with a traceback: not an
+    object, no string ``model_type``, or a common size field of the wrong type or range.
+
+    Args:
+        params: the parsed config.json. path: the file, for the message.
+
+    Raises:
+        DFlashError: naming the file and the field.
+    """
+    what = f"model config {path}"
+    if not isinstance(params, dict):
+        raise DFlashError(f"{what} must be a JSON object, not {_json_kind(params)}; fix it")
+    archs = params.get("architectures")
+    if isinstance(archs, list) and {DFLASH1, DFLASH2} & {a for a in archs if isinstance(a, str)}:
+        raise DFlashError(
+            f"{path} is a DFlash drafter, not a target model; pass it as --drafter and the "
+            "model it was made for as --model"
+        )
+    if not isinstance(params.get("model_type"), str):
+        _bad("model_type", "must name the architecture (a string)", params.get("model_type"), what)
+    for cfg in (params, params.get("text_config")):
+        if not isinstance(cfg, dict):
+            continue
+        for name in _TARGET_INT:
+            v = cfg.get(name)
+            vals = v if isinstance(v, list) and v else [v]  # some architectures: one per layer
+            if v is not None and not all(_is_int(x) and x >= 1 for x in vals):
+                _bad(name, "must be an integer >= 1", v, what)
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = cfg.get(name)
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0
+            ):
+                _bad(name, "must be a positive number", v, what)

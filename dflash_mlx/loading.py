@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from . import hub, registry
+from .config import check_target_config
 from .errors import DFlashError, IncompatibleDrafterError
 
 if TYPE_CHECKING:
@@ -55,7 +57,7 @@ def _looks_like_path(s: str) -> bool:
 
 
 def _is_gguf(p: Path) -> bool:
-    return p.suffix.lower() == ".gguf"
+    return p.suffix.lower() == ".gguf" and not p.is_dir()
 
 
 def read_dflash_json(directory: Path) -> Optional[str]:
@@ -149,6 +151,8 @@ def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = No
             "--model is empty; pass an alias (see `dflash models`), a Hub id or a directory"
         )
     model = str(model).strip()
+    if drafter is not None and not str(drafter).strip():
+        raise DFlashError("--drafter is empty; pass a drafter directory or Hub id, or drop it")
     entry = registry.find(model)
     if entry is not None:
         return _resolve_alias(entry, drafter, quant)
@@ -234,20 +238,35 @@ def check_compatible(adapter, drafter, drafter_name: str = "drafter") -> None:
         )
 
 
-def _load_target(path: Path, name: str, tokenizer_config: Optional[dict]):
+def _notices(quiet: bool, log: Optional[Callable[[str], None]]):
+    """Where one-time notices go: log, else stderr; nowhere when quiet."""
+    if quiet:
+        return None
+    return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+
+def _load_target(path: Path, name: str, tokenizer_config: Optional[dict], log=None):
     """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
     if _is_gguf(path):
         from .gguf import load_gguf
 
-        model, tokenizer, _ = load_gguf(path)
+        model, tokenizer, _ = load_gguf(path, log=log)
         return model, tokenizer
     from mlx_lm.utils import load as mlx_load
 
     if not (path / "config.json").is_file():
         raise DFlashError(f"model directory {path} has no config.json; point to an mlx-lm model")
     try:
+        params = json.loads((path / "config.json").read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DFlashError(
+            f"model config {path / 'config.json'} is not valid JSON ({e}); "
+            "fix it or re-download the model"
+        ) from None
+    check_target_config(params, path / "config.json")
+    try:
         return mlx_load(str(path), tokenizer_config=tokenizer_config or {})
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:
         # what mlx / mlx-lm raise on a corrupt, incomplete or unsupported checkpoint
         reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
         raise DFlashError(
@@ -269,7 +288,7 @@ def load_target(model: str, offline: Optional[bool] = None, quiet: bool = False)
     entry = registry.find(str(model).strip())
     target, name = (entry.target(), entry.alias) if entry else _resolve_target(str(model))
     path = locate(target, "model", hub.offline_mode(offline), quiet, None)
-    return _load_target(path, name, None)
+    return _load_target(path, name, None, _notices(quiet, None))
 
 
 def _target_dtype(model):
@@ -305,7 +324,8 @@ def load(
         quiet: no download notices or progress bars. log: callable(str) for notices
             (default: print to stderr).
         tokenizer_config: extra options for mlx-lm's tokenizer loader.
-        warmup: measure step costs now (else at the first ``block_size="auto"`` request).
+        warmup: set the step costs now, measured or as stored for this pair on this
+            machine (``diskcache``; else measured at the first ``block_size="auto"`` request).
         draft_vocab: the drafter's vocabulary (docs/algorithm.md §2.4): None uses the
             checkpoint's own ``draft_vocab`` tensor if it has one (else the full
             vocabulary); 0 the full vocabulary; N the N most frequent ids by the tokenizer's
@@ -319,7 +339,7 @@ def load(
         DFlashError: one line naming the problem and the fix.
     """
     from .checkpoint import load_drafter
-    from .decode import warm_up
+    from .diskcache import warm_up
     from .state import DFlashModel
     from .target import TargetAdapter
 
@@ -327,7 +347,9 @@ def load(
     offline = hub.offline_mode(offline)
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
-    target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config)
+    target, tokenizer = _load_target(
+        tpath, res.display_name, tokenizer_config, _notices(quiet, log)
+    )
     draft = load_drafter(dpath, dtype=_target_dtype(target))
     adapter = TargetAdapter(target, [])
     check_compatible(adapter, draft, f"drafter {dname}")

@@ -1,7 +1,11 @@
 """Shared fixtures: tiny targets and drafters built once per test session."""
 
+import atexit
+import os
+import shutil
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 # A test run started in the background inherits SIGINT ignored, and so would every CLI it
 # spawns: the Ctrl-C tests would hang or run to the end. Children get the default back.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# The on-disk caches (GGUF weights, warm-up costs) go to a folder of this run, never the
+# user's; set before anything loads, so every spawned CLI and server inherits it.
+_CACHE = tempfile.mkdtemp(prefix="dflash-test-cache-")
+os.environ["DFLASH_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 from tiny_models import build_drafter, build_target  # noqa: E402
 

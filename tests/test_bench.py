@@ -145,3 +145,72 @@ def test_bench_command_prints_tables_and_writes_json_and_plot(tiny_dir, tmp_path
         ],
     )
     assert res.exit_code == 2
+
+
+def _bench(tiny_dir, *args):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
+    return CliRunner().invoke(app, ["bench", *model, *map(str, args)])
+
+
+def _one_error(res, needle):
+    assert res.exit_code == 2, res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], lines
+    assert "Traceback" not in res.output
+
+
+def test_jsonl_prompts_that_are_not_text_are_one_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    for row, got in (('{"prompt": 42}', "got 42, not text"), ('{"prompt": ""}', "got empty")):
+        f.write_text('{"prompt": "a"}\n' + row + "\n")
+        with pytest.raises(
+            DFlashError, match=f"p.jsonl:2: 'prompt' must be the prompt text \\({got}"
+        ):
+            load_prompts(str(f), 5)
+    gz = tmp_path / "p.jsonl.gz"
+    gz.write_text('{"prompt": "a"}\n')  # not gzip data
+    with pytest.raises(DFlashError, match="cannot read dataset"):
+        load_prompts(str(gz), 5)
+
+
+def test_max_tokens_shorter_than_the_block_is_refused_before_the_run(tiny_dir):
+    for m in (2, 7):
+        _one_error(_bench(tiny_dir, "-p", "x", "-m", m), f"--max-tokens {m} is shorter than")
+    res = _bench(tiny_dir, "-p", "x", "-m", 4, "--block-size", 4)
+    assert res.exit_code == 0, res.output  # a smaller block fits -m 4
+
+
+def test_unwritable_report_paths_are_refused_before_loading(tiny_dir, tmp_path):
+    res = _bench(tiny_dir, "-p", "x", "-m", 8, "--json", tmp_path / "no" / "r.json")
+    _one_error(res, "folder")
+    _one_error(_bench(tiny_dir, "-p", "x", "--json", tmp_path), "is a directory")
+    _one_error(_bench(tiny_dir, "-p", "x", "--plot", tmp_path / "r.txt"), "must end in .png")
+    _one_error(_bench(tiny_dir, "-p", "x", "--json", ""), "--json needs a file name")
+    _one_error(_bench(tiny_dir, "-p", "x", "--plot", " "), "--plot needs a file name")
+    _one_error(_bench(tiny_dir, "--dataset", ""), "--dataset is empty")
+    _one_error(_bench(tiny_dir, "-n", 0), "--max-samples must be at least 1 (got 0)")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        import os
+
+        if not os.access(ro, os.W_OK):  # root can write anywhere: nothing to refuse then
+            _one_error(_bench(tiny_dir, "-p", "x", "--json", ro / "r.json"), "is not writable")
+    finally:
+        ro.chmod(0o700)
+
+
+def test_plot_without_a_suffix_reports_the_file_it_wrote(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    res = _bench(
+        tiny_dir, "-p", "def f(", "-m", 8, "--block-size", 4, "--plot", "curves", "--json", "rep"
+    )
+    assert res.exit_code == 0, res.output
+    assert "wrote curves.png" in res.stderr and (tmp_path / "curves.png").is_file()
+    assert "wrote rep\n" in res.stderr and json.loads((tmp_path / "rep").read_text())
+    assert not (tmp_path / "curves").exists()

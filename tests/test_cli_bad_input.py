@@ -124,3 +124,11 @@ def test_serve_startup_errors_are_one_line_before_loading(tmp_path):
     one_error_line(r, "cannot listen on aaa")
     for port in ("65536", "-1"):
         one_error_line(invoke("serve", *nowhere, "--port", port), "--port must be in 0..65535")
+
+
+def test_serve_refuses_an_api_key_clients_cannot_send(tmp_path):
+    nowhere = ["--model", tmp_path / "no-such-model"]  # never reached: the key fails first
+    for key in ("clé", "ключ", "a\tb"):
+        one_error_line(invoke("serve", *nowhere, "--api-key", key), "must be printable ASCII")
+    for key in ("", " key"):
+        one_error_line(invoke("serve", *nowhere, "--api-key", key), "--api-key is empty or")

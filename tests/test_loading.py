@@ -238,3 +238,14 @@ def test_gguf_target_through_load_and_a_registry_entry(gguf_pair, monkeypatch):
     monkeypatch.setattr(registry, "ENTRIES", registry.ENTRIES + [entry])
     m2, _ = load("GGUF-pair")
     assert m2.name == "gguf-pair" and m2.block_size == 4
+
+
+def test_an_empty_drafter_and_a_folder_named_like_a_gguf_are_named_as_such(tiny_dir, tmp_path):
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_dir / "qwen3"), drafter="  ")
+    assert "--drafter is empty" in one_line(e)
+    folder = tmp_path / "model.gguf"
+    folder.mkdir()
+    with pytest.raises(DFlashError) as e:
+        load(str(folder), drafter=str(tiny_dir / "d2_qwen3"))
+    assert "has no config.json" in one_line(e)

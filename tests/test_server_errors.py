@@ -128,3 +128,64 @@ def test_chat_without_a_template_uses_the_default_format(served, root):
         r = c.chat.completions.create(model="target", messages=msgs, max_tokens=6, temperature=0)
         assert r.choices[0].message.content == generate(model, tok, msgs, max_tokens=6)
     assert log.read_text().count("note: this model has no chat template") == 1
+
+
+def test_an_empty_stop_string_is_ignored_alone_or_in_a_list(served):
+    url, _ = served
+    texts = []
+    for stop in (None, "", [""], ["", ""]):
+        req = {"prompt": "def f(", "max_tokens": 6, "temperature": 0}
+        if stop is not None:
+            req["stop"] = stop
+        st, _, body = _post(url, "/v1/completions", json.dumps(req).encode())
+        assert st == 200, body
+        texts.append((body["choices"][0]["text"], body["usage"]["completion_tokens"]))
+    assert texts[0][1] == 6 and all(t == texts[0] for t in texts), texts
+    bad_usage = {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}
+    st, _, body = _post(url, "/v1/completions", json.dumps(bad_usage).encode())
+    assert st == 400 and _openai_error(body)["param"] == "stream_options"
+
+
+@pytest.fixture
+def in_process(pairs, monkeypatch):
+    """An HTTP server on a tiny pair in this process (no generation: the worker is not
+    run), its body timeout cut to half a second; yields a function that starts it."""
+    import threading
+
+    from dflash_mlx.server.app import make_server
+    from dflash_mlx.server.http import Handler
+
+    monkeypatch.setattr(Handler, "body_timeout", 0.5)
+    model, tok = pairs("qwen3", "d2")
+    started = []
+
+    def start(**kw):
+        httpd = make_server(model, tok, "tiny", port=0, **kw)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        started.append(httpd)
+        return "http://127.0.0.1:%d" % httpd.server_address[1]
+
+    yield start
+    for httpd in started:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_a_body_shorter_than_its_content_length_is_a_prompt_408(in_process):
+    import time
+
+    url = in_process()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    t = time.monotonic()
+    st, _, body = _raw(url, head + b'{"pr')
+    assert st == 408 and _openai_error(body)["code"] == "request_timeout"
+    assert time.monotonic() - t < 10
+    assert _raw(url, b"GET /health HTTP/1.1\r\n\r\n")[2]["status"] == "ok"
+
+
+def test_a_non_ascii_api_key_matches_the_utf8_bytes_clients_send(in_process):
+    url = in_process(api_key="clé-ключ")
+    for key, want in (("clé-ключ", 200), ("cle-kljuch", 401)):
+        head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+        st, _, body = _raw(url, head + b"\r\n\r\n")
+        assert st == want, body

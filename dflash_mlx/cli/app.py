@@ -24,6 +24,7 @@ from .chat import chat
 from .models import models
 from .run import run
 from .serve import serve
+from .streams import WRITE_ERRNOS, reopen_closed, write_error
 
 USAGE_EXIT = 2
 
@@ -38,12 +39,22 @@ def _interrupted() -> None:
     sys.exit(130)
 
 
+def _os_error(e: OSError) -> str:
+    """One line for an OSError that escaped a command: a failed write to an open stream
+    (stdout full or gone: no file name; files the commands write name themselves), or I/O."""
+    if e.filename is None and e.errno in WRITE_ERRNOS:
+        return write_error(e)
+    where = f" ({e.filename})" if e.filename else ""
+    return f"{e.strerror or e}{where}; check the file and the disk"
+
+
 class _Group(TyperGroup):
     """Typer group whose errors are one line on stderr with exit code 2."""
 
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         if not standalone_mode:  # an embedding caller handles errors itself
             return super().main(*args, standalone_mode=False, **kwargs)
+        reopen_closed()
         try:
             rv = super().main(*args, standalone_mode=False, **kwargs)
         except _cx.NoArgsIsHelpError as e:
@@ -62,6 +73,9 @@ class _Group(TyperGroup):
             sys.exit(USAGE_EXIT)
         except (typer.Abort, KeyboardInterrupt, EOFError):
             _interrupted()
+        except OSError as e:  # stdout full or gone, or a file that failed under us
+            _err(_os_error(e))
+            sys.exit(USAGE_EXIT)
         if isinstance(rv, int) and rv:
             if rv == 130:
                 _interrupted()

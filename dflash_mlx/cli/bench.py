@@ -16,6 +16,7 @@ from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
 from .stats import blocks_text
+from .streams import require_stdout
 
 
 def bench(
@@ -48,8 +49,13 @@ def bench(
     offline: bool = c.OFFLINE,
 ):
     """Benchmark autoregressive vs DFlash 1 vs DFlash 2: tau, speedup, Recall@k, latency."""
-    if max_samples < 1 or max_tokens < 2:
-        raise DFlashError("--max-samples must be >= 1 and --max-tokens >= 2")
+    require_stdout("bench")
+    if max_samples < 1:
+        raise DFlashError(f"--max-samples must be at least 1 (got {max_samples})")
+    if max_tokens < 2:
+        raise DFlashError(f"--max-tokens must be at least 2 (got {max_tokens})")
+    if dataset is not None and not dataset.strip():
+        raise DFlashError("--dataset is empty; name a built-in set or a JSONL file")
     cfg = GenerationConfig(
         max_tokens=max_tokens,
         temperature=temp,
@@ -60,12 +66,20 @@ def bench(
     from ..bench import load_prompts
 
     prompts = load_prompts(dataset, max_samples, prompt, field)
+    json_path = json_path if json_path is None else check_output(json_path, "--json")
+    plot_path = plot_path if plot_path is None else check_output(plot_path, "--plot", PLOT_SUFFIXES)
     if plot_path:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'") from None
     m, tok = c.load_pair(model, drafter, quant, offline, False, False, cfg, draft_vocab)
+    block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
+    if max_tokens < block:  # Recall@k needs a continuation of at least one block
+        raise DFlashError(
+            f"--max-tokens {max_tokens} is shorter than the block ({block} tokens), so no "
+            f"per-position Recall can be measured; pass -m {block} or more"
+        )
     rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
     from rich.console import Console
 
@@ -78,6 +92,38 @@ def bench(
         print(f"wrote {plot_path}", file=sys.stderr)
 
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_output(path: str, flag: str, suffixes=None) -> str:
+    """The file a report goes to, checked before the run: named, not a folder, in a folder
+    that exists and is writable. With ``suffixes`` (a figure: matplotlib picks the format by
+    suffix) a name without one gets the first, as matplotlib would, and others are refused.
+
+    Raises:
+        DFlashError: naming the flag and the problem.
+    """
+    import os
+
+    if not path.strip():
+        raise DFlashError(f"{flag} needs a file name")
+    p = Path(os.path.expanduser(path))
+    if p.is_dir():
+        raise DFlashError(f"{flag} {path} is a directory; give a file name")
+    if suffixes is None:
+        pass
+    elif not p.suffix:
+        p = p.with_name(p.name + suffixes[0])
+    elif p.suffix.lower() not in suffixes:
+        raise DFlashError(f"{flag} {path}: the file must end in {' / '.join(suffixes)}")
+    parent = p.parent
+    if not parent.is_dir():
+        raise DFlashError(f"{flag} {path}: folder {parent} does not exist; create it first")
+    if not os.access(p if p.exists() else parent, os.W_OK):
+        raise DFlashError(f"{flag} {path} is not writable; pick another path")
+    return str(p)
+
+
 def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     """Run the benchmark with a progress bar; the report with the latency split added."""
     from rich.console import Console
@@ -87,7 +133,8 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     from ..generation import encode_prompt
 
     block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
-    with Progress(console=Console(stderr=True, highlight=False), transient=True) as bar:
+    con = Console(stderr=True, highlight=False)
+    with Progress(console=con, transient=True, disable=not con.is_terminal) as bar:
         task = bar.add_task("prompts", total=len(prompts))
         rep = run_bench(
             m,
@@ -150,8 +197,15 @@ def print_report(rep: dict, console) -> None:
 
 
 def write_json(rep: dict, path: str) -> None:
-    """Write the report as JSON."""
-    Path(path).write_text(json.dumps(rep, indent=2) + "\n")
+    """Write the report as JSON.
+
+    Raises:
+        DFlashError: the file cannot be written (a full disk, a folder gone meanwhile).
+    """
+    try:
+        Path(path).write_text(json.dumps(rep, indent=2) + "\n")
+    except OSError as e:
+        raise DFlashError(f"cannot write {path} ({e.strerror}); pick another path") from None
 
 
 def write_plot(rep: dict, path: str) -> None:
@@ -178,5 +232,9 @@ def write_plot(rep: dict, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise DFlashError(f"cannot write {path} ({e.strerror}); pick another path") from None
+    finally:
+        plt.close(fig)

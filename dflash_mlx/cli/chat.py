@@ -20,8 +20,9 @@ import typer
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
-from .terminal import StopFlag, rerender_markdown
+from . import streams
 from .stats import sparkline
+from .terminal import StopFlag, rerender_markdown
 
 HELP = """commands:
   /help            this list
@@ -94,9 +95,15 @@ class ChatSession:
             return False
 
     def _read(self) -> Optional[str]:
-        """One message (None at end of input); handles trailing backslashes and pastes."""
+        """One message (None at end of input); handles trailing backslashes and pastes.
+
+        Lines that follow at once are a paste (one message), except when input is already
+        waiting as the prompt appears: typed while the answer streamed, each line is its own
+        message or command, as typed.
+        """
         lines: List[str] = []
         prompt = ">>> "
+        typed_ahead = self._more_pending()
         while True:
             if self.tty:
                 line = input(prompt)
@@ -112,7 +119,7 @@ class ChatSession:
                 prompt = "... "
                 continue
             lines.append(line)
-            if self._more_pending():
+            if not typed_ahead and self._more_pending():
                 prompt = ""
                 continue
             return "\n".join(lines)
@@ -213,7 +220,8 @@ class ChatSession:
                 "dropped and the session continues[/dim]"
             )
             return
-        if self.markdown and not stopped:
+        # type-ahead was echoed under the answer: the rows to redraw are unknown, keep them
+        if self.markdown and not stopped and not self._more_pending():
             rerender_markdown(self.out, self.con, "".join(pieces))
         reply = self.tok.decode(answer_ids) if answer_ids else "".join(pieces)
         self.history.append({"role": "assistant", "content": reply})
@@ -359,6 +367,9 @@ def chat(
     cfg = c.settings(
         max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
     )
+    streams.require_stdout("chat")
+    if streams.stdin_closed():
+        raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")
     m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg, draft_vocab)
     from ..prompt import notice_default_format
 

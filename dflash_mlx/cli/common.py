@@ -16,6 +16,7 @@ from ..errors import DFlashError
 from ..hub import OFFLINE_HELP
 from ..prompt import check_text
 from ..settings import MAX_TOKENS, GenerationConfig, parse_block_size
+from .streams import stdin_closed
 
 D = GenerationConfig()
 
@@ -179,6 +180,10 @@ def read_prompt(prompt: Optional[str], prompt_opt: Optional[str]) -> str:
     if prompt is not None and prompt_opt is not None:
         raise DFlashError("give the prompt once: as an argument or with --prompt, not both")
     text = prompt if prompt is not None else prompt_opt
+    if stdin_closed() and (text is None or text == "-"):
+        raise DFlashError(
+            "no prompt: stdin is closed (<&-); pass the prompt as an argument or with --prompt"
+        )
     if text == "-" or (text is None and not sys.stdin.isatty()):
         text = read_stdin()
     elif text is not None:

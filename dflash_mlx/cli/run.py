@@ -11,6 +11,7 @@ import typer
 from ..errors import DFlashError
 from . import common as c
 from .stats import stats_dict, stats_lines, stderr_console
+from .streams import require_stdout
 
 
 def run(
@@ -46,6 +47,7 @@ def run(
     cfg = c.settings(
         max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
     )
+    require_stdout("run")
     if system is not None and ignore_chat_template:
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")
     text = c.read_prompt(prompt, prompt_opt)

@@ -47,6 +47,16 @@ def serve(
     )
     if not 0 <= port < 65536:
         raise DFlashError(f"--port must be in 0..65535 (got {port}); 0 picks a free port")
+    if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
+        raise DFlashError(
+            "--api-key must be printable ASCII (clients send it in an HTTP header); "
+            "pick a key of letters, digits and punctuation"
+        )
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise DFlashError(
+            "--api-key is empty or starts or ends with spaces, which clients cannot send; "
+            "pick another key (or drop --api-key for no key)"
+        )
     if max_queue < 1:
         raise DFlashError(f"--max-queue must be at least 1 (got {max_queue})")
     from .. import server

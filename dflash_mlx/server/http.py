@@ -65,6 +65,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "dflash-mlx"
     protocol_version = "HTTP/1.0"
     timeout = 600  # seconds a stalled client may block its own handler thread
+    body_timeout = 10.0  # seconds between two pieces of a request body before a 408
     _checked = 0.0  # when the connection was last checked for a disconnect
 
     # ------------------------------------------------------------------ plumbing
@@ -116,6 +117,25 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
+    def _read_body(self, length: int) -> bytes:
+        """The request body, or a 408 when the client stops sending before Content-Length
+        bytes came (else a short body holds the connection for ``timeout`` seconds)."""
+        if length <= 0:
+            return b""
+        self.connection.settimeout(self.body_timeout)
+        try:
+            data = self.rfile.read(length)
+        except (TimeoutError, socket.timeout):
+            self.close_connection = True
+            msg = f"the request body stopped before its Content-Length ({length} bytes) for "
+            msg += f"{self.body_timeout:g} s; send the whole body or fix the header"
+            raise APIError(408, msg, code="request_timeout") from None
+        finally:
+            self.connection.settimeout(self.timeout)
+        if len(data) < length:
+            raise bad(f"the body has {len(data)} bytes but Content-Length says {length}")
+        return data
+
     def _client_gone(self) -> bool:
         try:
             r, _, _ = select.select([self.connection], [], [], 0)
@@ -131,7 +151,9 @@ class Handler(BaseHTTPRequestHandler):
         got = self.headers.get("Authorization", "")
         token = got[7:].strip() if got[:7].lower() == "bearer " else ""
         token = token or self.headers.get("x-api-key", "").strip()
-        return hmac.compare_digest(token.encode(), key.encode())
+        # http.server decodes header bytes as latin-1: re-encode them to compare raw bytes
+        got_bytes = token.encode("latin-1", "replace")
+        return hmac.compare_digest(got_bytes, key.encode("utf-8", "surrogateescape"))
 
     def _guard(self, fn) -> None:
         try:
@@ -247,7 +269,7 @@ class Handler(BaseHTTPRequestHandler):
             raise bad("a Content-Length header is required") from None
         if length > MAX_BODY:
             raise APIError(413, f"request body over {MAX_BODY} bytes")
-        return self.rfile.read(length) if length > 0 else b""
+        return self._read_body(length)
 
     def submit(self, req) -> Job:
         """Check a parsed request against the model, tokenize it and queue its job.

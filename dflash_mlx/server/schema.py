@@ -224,8 +224,10 @@ def _parse(raw: bytes, kind: str, defaults, max_block_size) -> CompletionRequest
     if not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     gen = _settings(body, defaults or DEFAULTS, max_block_size)
-    include_usage = bool(opts.get("include_usage", False))
-    return CompletionRequest(kind, model, prompt, bool(stream), include_usage, gen, body)
+    include_usage = opts.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
+    return CompletionRequest(kind, model, prompt, bool(stream), bool(include_usage), gen, body)
 
 
 # ----------------------------------------------------------------------------- responses

@@ -1,0 +1,237 @@
+"""What makes the second start fast, kept on disk: the dequantized weights and the
+tokenizer of a GGUF target (dequantizing takes seconds on a CPU) and the warm-up's step
+costs per model and machine.
+
+Everything lives under :func:`cache_dir`: ``DFLASH_CACHE_DIR``, else
+``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx``; ``DFLASH_CACHE=0`` turns the
+caches off. Entries are keyed by the source files' path, size and mtime and the package
+version, so a changed file or a new release builds a new entry. A cache that cannot be
+read or written is skipped, never an error: it only costs the time it would have saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+ENV_DIR, ENV_OFF = "DFLASH_CACHE_DIR", "DFLASH_CACHE"
+MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
+COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
+COSTS_VERSION = 2  # 2: every block width timed
+GGUF_LAYOUT = "f16+tokenizer.json"  # what an entry holds; a new layout makes new entries
+
+
+def enabled() -> bool:
+    """False when ``DFLASH_CACHE=0`` (or off / false / no) turns the caches off."""
+    return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def cache_dir() -> Path:
+    """The cache folder (see the module docstring); not created here."""
+    if os.environ.get(ENV_DIR):
+        return Path(os.path.expanduser(os.environ[ENV_DIR]))
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dflash-mlx"
+
+
+def identity(*paths, tag: str = "") -> str:
+    """A short key for files (or folders: their files) as they are now: path, size, mtime
+    of each, the package version and tag (the layout of the entry)."""
+    parts = [sys.modules[__package__].__version__, tag]  # the package is loaded: no cycle
+    for p in map(Path, paths):
+        files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
+        for f in files:
+            st = f.stat()
+            parts.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
+
+
+def read_json(path: Path) -> Optional[dict]:
+    """The JSON object in path, or None when it is missing or unreadable."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _replace_into(path: Path, write: Callable[[Path], None]) -> bool:
+    """Write through a temporary file renamed into place (readers never see half a file);
+    False when it could not be written."""
+    tmp = path.with_name(f".tmp{os.getpid()}-{path.name}")  # same suffix: MLX adds its own
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(tmp)
+        os.replace(tmp, path)
+        return True
+    except (OSError, RuntimeError, ValueError):  # read-only, full disk, MLX's write errors
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return False
+
+
+def write_json(path: Path, obj: dict) -> bool:
+    """Store obj as JSON at path, atomically; False on failure."""
+    return _replace_into(path, lambda t: t.write_text(json.dumps(obj)))
+
+
+# ------------------------------------------------------------------ GGUF weights
+
+
+def gguf_entry(path) -> Optional[Path]:
+    """The cache folder of a GGUF file's dequantized weights, or None with caching off."""
+    if not enabled():
+        return None
+    try:
+        return cache_dir() / "gguf" / identity(path, tag=GGUF_LAYOUT)
+    except OSError:
+        return None
+
+
+def load_weights(entry: Optional[Path]):
+    """(weights dict, config dict, tokenizer metadata) cached in entry (with its
+    tokenizer.json beside them), or None."""
+    if entry is None:
+        return None
+    info = read_json(entry / "info.json")
+    if info is None or not (entry / "weights.safetensors").is_file():
+        return None
+    import mlx.core as mx
+
+    try:
+        weights = mx.load(str(entry / "weights.safetensors"))
+    except (RuntimeError, ValueError, OSError):
+        return None
+    return weights, info["config"], info["tokenizer"]
+
+
+def save_weights(
+    entry: Optional[Path],
+    weights: dict,
+    config: dict,
+    tok_meta: dict,
+    tok_json: str,
+    source=None,
+    log=None,
+):
+    """Cache dequantized weights with their config, tokenizer metadata and tokenizer.json
+    (skipped when too large or the disk is short of room); says once, through log, that it
+    does. The entries of older versions of the same source file are removed."""
+    if entry is None:
+        return
+    import mlx.core as mx
+
+    size = sum(w.nbytes for w in weights.values())
+    try:
+        root = cache_dir()
+        root.mkdir(parents=True, exist_ok=True)
+        room = shutil.disk_usage(root).free
+    except OSError:
+        return
+    if size > MAX_WEIGHTS or size * 2 > room:
+        return
+    if log is not None:
+        log(
+            f"note: caching the dequantized weights ({size / 2**20:.0f} MB) in {entry} once; "
+            "later starts skip the dequantization"
+        )
+    ok = _replace_into(
+        entry / "weights.safetensors", lambda t: mx.save_safetensors(str(t), weights)
+    )
+    ok = ok and _replace_into(entry / "tokenizer.json", lambda t: t.write_text(tok_json))
+    if ok:  # written last: an entry without it is incomplete and ignored
+        write_json(entry / "info.json", {"config": config, "tokenizer": tok_meta})
+    if ok and source is not None:
+        _prune(entry, str(Path(source).resolve()))
+
+
+def _prune(entry: Path, source: str) -> None:
+    """Mark entry as built from source and delete the other entries built from it (the
+    file changed since: they can never be read again)."""
+    _replace_into(entry / "source.txt", lambda t: t.write_text(source))
+    for other in entry.parent.iterdir():
+        try:
+            stale = other != entry and (other / "source.txt").read_text() == source
+        except OSError:
+            continue
+        if stale:
+            shutil.rmtree(other, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ warm-up step costs
+
+
+def _machine() -> str:
+    import mlx.core as mx
+
+    from .blas import _loaded
+
+    return "|".join(
+        [platform.node(), platform.machine(), platform.processor(), str(os.cpu_count())]
+        + [str(mx.default_device()), mx.__version__, str(_loaded.get("path"))]
+    )
+
+
+def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Optional[Path]:
+    """Where the warm-up costs of this pair on this machine are kept, or None.
+
+    Args:
+        target_path, drafter_path: the pair. vocab: its draft vocabulary's size ("" for
+            the full vocabulary): the drafter's cost depends on it.
+    """
+    if not enabled():
+        return None
+    try:
+        key = identity(target_path, drafter_path, tag=f"vocab={vocab}")
+    except OSError:
+        return None
+    machine = hashlib.sha256(_machine().encode()).hexdigest()[:12]
+    return cache_dir() / "costs" / f"{key}-{machine}.json"
+
+
+def warm_up(pair) -> None:
+    """Set ``pair.tuning`` from the stored step costs of this pair on this machine, or
+    measure them (``decode.warm_up``) and store them; stored costs older than a week are
+    measured afresh. The costs steer only the block schedule, never the tokens."""
+    from .decode import warm_up as measure
+    from .schedule import CostTable, Tuning
+
+    head = getattr(pair, "draft_head", None)
+    path = costs_file(pair.target_path, pair.drafter_path, "" if head is None else str(head.size))
+    stored = read_json(path) if path is not None else None
+    fresh = (
+        stored is not None
+        and stored.get("version") == COSTS_VERSION
+        and stored.get("max_block") == pair.block_size
+        and 0 <= time.time() - stored.get("measured", 0) < COSTS_MAX_AGE
+    )
+    if fresh:
+        try:
+            table = CostTable(pair.block_size)
+            table.seconds = {int(b): float(s) for b, s in stored["seconds"].items()}
+            if table.seconds and all(s > 0 for s in table.seconds.values()):
+                pair.tuning = Tuning(table)
+                return
+        except (AttributeError, KeyError, TypeError, ValueError):
+            pass
+    tuning = measure(pair)
+    if path is not None:
+        seconds = {str(b): s for b, s in tuning.measured.seconds.items()}
+        write_json(
+            path,
+            {
+                "version": COSTS_VERSION,
+                "max_block": pair.block_size,
+                "measured": time.time(),
+                "seconds": seconds,
+            },
+        )
