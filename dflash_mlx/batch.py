@@ -14,9 +14,8 @@ into the batch between cycles; finished rows are filtered out between cycles.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache

@@ -60,7 +60,7 @@ class BatchOracle:
         return self.real(block_embeds, ctx_kv, offset, block_size, mask)
 
     def logits(self, hidden, lm_head):
-        B, L = hidden.shape[:2]
+        L = hidden.shape[1]
         real = self.real.logits(hidden, lm_head)
         onehot = mx.zeros(real.shape)
         for b, row in enumerate(self.decoder.rows):

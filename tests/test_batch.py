@@ -2,11 +2,11 @@
 
 import mlx.core as mx
 import pytest
+from oracle import BatchOracle
+from test_decode import reference
 
 from dflash_mlx.acceptance import SamplingParams
 from dflash_mlx.batch import BatchDecoder, Row
-from oracle import BatchOracle
-from test_decode import reference
 
 PROMPTS = ["def parse_args(", "import os\nfor i in", "x", "class Foo:\n    def __init__(self"]
 
@@ -76,8 +76,9 @@ def test_rows_rolled_back_by_their_own_counts_stay_exact(pairs, block):
 def test_rows_with_their_own_blocks_and_penalties_match_their_solo_decode(pairs):
     """Per-row block sizes (1, 2, 8, auto) and a repetition penalty on one row: each row
     equals the single-row loop's output with the same settings."""
-    from dflash_mlx.decode import decode
     from mlx_lm.sample_utils import make_logits_processors
+
+    from dflash_mlx.decode import decode
 
     model, tok = pairs("qwen3", "d1")
     ids = [tok.encode(p) for p in PROMPTS]

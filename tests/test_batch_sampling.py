@@ -4,10 +4,10 @@ filters, penalties, selector, block) and so different acceptance, decoded togeth
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
+from test_acceptance import exact_law, small_vocab_pair, tv  # noqa: F401 - a fixture
 
 from dflash_mlx.acceptance import SamplingParams
 from dflash_mlx.batch import BatchDecoder, Row
-from test_acceptance import exact_law, small_vocab_pair, tv  # noqa: F401 - a fixture
 
 # (prompt, temperature, top_p, top_k, presence, selector, block) per row
 ROWS = [
@@ -45,7 +45,7 @@ def sample_batches(model, rows, n, trials, seed):
     return samples, accepted
 
 
-def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair):
+def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair):  # noqa: F811
     model = small_vocab_pair
     n, trials = 4, 1000
     samples, accepted = sample_batches(model, ROWS, n, trials, seed=3)
