@@ -250,7 +250,8 @@ def batch_generate(
     Args:
         model, tokenizer: from ``load``. prompts: each as for ``stream_generate``.
         config: settings for every prompt; configs: per prompt (None entries use config).
-        max_batch: rows decoding at once. raw, system: as for ``stream_generate``. verbose: print each completion's stats at the end.
+        max_batch: rows decoding at once. raw, system: as for ``stream_generate``.
+        verbose: print the aggregate speed at the end.
         settings: ``GenerationConfig`` fields that override config for every prompt.
 
     Raises:
