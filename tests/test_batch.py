@@ -99,3 +99,34 @@ def test_hybrid_targets_are_refused_by_the_batch_engine(pairs):
     model, _ = pairs("qwen3_5", "d2")
     with pytest.raises(ValueError, match="one request at a time"):
         BatchDecoder(model, 8)
+
+
+def test_a_joining_prompt_is_prefilled_one_chunk_per_cycle(pairs):
+    """A long prompt joins a running row: each step runs at most one prefill chunk, the
+    running row commits every step meanwhile, and both stay exact."""
+    model, tok = pairs("qwen3", "d2")
+    short, long = tok.encode(PROMPTS[0]), tok.encode(PROMPTS[3] * 6)
+    dec = BatchDecoder(model, 4, prefill_step_size=8)
+    dec.join(Row(0, short, SamplingParams(), 40, None, True, mx.random.key(0)))
+    out = {0: [], 1: []}
+    while not dec.rows:
+        got = dec.prefill_step()
+        out[0] += got[1].tokens if got else []
+    dec.join(Row(1, long, SamplingParams(), 20, None, True, mx.random.key(1)))
+    seen = []
+    while dec.joining:
+        got = dec.prefill_step()
+        seen.append(dec.joining[0][0].prefilled if dec.joining else len(long))
+        if got:
+            out[1] += got[1].tokens
+        for row, cyc in dec.step():
+            out[row.uid] += cyc.tokens
+    assert len(seen) == -(-len(long) // 8) > 2  # one chunk of 8 per cycle
+    assert all(b - a <= 8 for a, b in zip([0] + seen, seen))
+    while dec.rows:
+        for row, cyc in dec.step():
+            out[row.uid] += cyc.tokens
+            if row.generated >= row.max_tokens:
+                dec.remove(row.uid)
+    assert out[0][:40] == reference(model, short, 40)
+    assert out[1][:20] == reference(model, long, 20)

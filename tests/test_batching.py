@@ -98,3 +98,30 @@ def test_demo_chat_requests_batched_equal_their_solo_text(demo):
     out = batch_generate(model, tok, chats, max_tokens=48, block_size="auto")
     for chat, text in zip(chats, out.texts):
         assert text == generate(model, tok, chat, max_tokens=48)
+
+
+def test_memory_returns_after_a_batch(pairs):
+    import mlx.core as mx
+
+    model, tok = pairs("qwen3", "d2")
+    batch_generate(model, tok, PROMPTS, max_tokens=8, raw=True)  # warm
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    gen = BatchGenerator(model, tok, max_batch=4)
+    for p in PROMPTS:
+        gen.insert(p, max_tokens=40, raw=True)
+    for _ in range(5):
+        gen.step()
+    assert gen.occupancy == 4
+    for uid in range(4):
+        gen.remove(uid)
+    assert gen.decoder.target is None and gen.decoder.context is None
+    mx.clear_cache()
+    assert mx.get_active_memory() <= before + 1_000_000
+
+
+def test_the_server_serves_a_hybrid_target_one_request_at_a_time(pairs):
+    from dflash_mlx.server.worker import Engine
+
+    assert Engine(*pairs("qwen3_5", "d2"), max_batch=8).max_batch == 1
+    assert Engine(*pairs("qwen3", "d2"), max_batch=8).max_batch == 8
