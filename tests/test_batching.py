@@ -3,6 +3,7 @@ with its own settings, stop strings and statistics; aborted rows leave the other
 
 import pytest
 
+import dflash_mlx
 from dflash_mlx import generate, load
 from dflash_mlx.batching import BatchGenerator, BlockChooser, batch_generate
 from dflash_mlx.errors import DFlashError
@@ -125,3 +126,8 @@ def test_the_server_serves_a_hybrid_target_one_request_at_a_time(pairs):
 
     assert Engine(*pairs("qwen3_5", "d2"), max_batch=8).max_batch == 1
     assert Engine(*pairs("qwen3", "d2"), max_batch=8).max_batch == 8
+
+
+def test_batch_api_is_exported_from_the_package():
+    assert dflash_mlx.batch_generate is batch_generate
+    assert dflash_mlx.BatchGenerator is BatchGenerator
