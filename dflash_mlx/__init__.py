@@ -1,7 +1,7 @@
 """dflash-mlx: DFlash 2 block-parallel speculative decoding on MLX.
 
-``from dflash_mlx import load, generate, stream_generate, batch_generate, GenerationConfig``. Heavy imports
-are deferred so that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded
+``from dflash_mlx import load, generate, stream_generate, batch_generate, GenerationConfig``.
+Heavy imports are deferred so that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded
 here, before any module of the package imports MLX (see ``blas.py``).
 """
 
