@@ -31,14 +31,15 @@ from .prompt import end_of_turn_ids
 from .settings import AUTO, GenerationConfig
 from .state import DFlashModel, PromptCache
 
-PROBE_EVERY = 16  # cycles between tries of the block auto is not using
+PROBE_START, PROBE_MAX = 8, 256  # cycles before re-trying the other block, doubling
 EMA = 0.3
 
 
 class BlockChooser:
     """``block_size="auto"`` for a batch: of a plain step (1) and the checkpoint's block, the
-    one whose recent cycles committed the most tokens per second; the other is re-probed every
-    ``PROBE_EVERY`` cycles. Only past cycles are used, so every choice is lossless.
+    one whose recent cycles committed the most tokens per second. The other is re-tried after
+    8 cycles, then after twice as many each time it loses again (a probe of the slow block is
+    expensive), back to 8 when it wins. Only past cycles are used: every choice is lossless.
 
     Args:
         block: the checkpoint's block size.
@@ -47,23 +48,30 @@ class BlockChooser:
     def __init__(self, block: int):
         self.options = sorted({1, block})
         self.rate: Dict[int, float] = {}
-        self.n = 0
+        self.n, self.gap, self.probe_at, self.probing = 0, PROBE_START, PROBE_START, None
+
+    def best(self) -> int:
+        """The block with the higher measured rate (untried blocks first)."""
+        untried = [b for b in self.options if b not in self.rate]
+        return untried[0] if untried else max(self.options, key=self.rate.get)
 
     def choose(self) -> int:
         """The block for the next cycle."""
         self.n += 1
-        untried = [b for b in self.options if b not in self.rate]
-        if untried:
-            return untried[0]
-        best = max(self.options, key=self.rate.get)
-        if self.n % PROBE_EVERY == 0:
-            return next((b for b in self.options if b != best), best)
-        return best
+        if len(self.rate) == len(self.options) and self.n >= self.probe_at:
+            self.probing = next((b for b in self.options if b != self.best()), None)
+            if self.probing is not None:
+                return self.probing
+        return self.best()
 
     def record(self, block: int, tokens: int, seconds: float) -> None:
         """Fold in one cycle: tokens committed by all rows in seconds of wall time."""
         r, old = tokens / max(seconds, 1e-9), self.rate.get(block)
         self.rate[block] = r if old is None else (1 - EMA) * old + EMA * r
+        if self.probing is not None and block == self.probing:
+            won = self.best() == block
+            self.gap = PROBE_START if won else min(2 * self.gap, PROBE_MAX)
+            self.probe_at, self.probing = self.n + self.gap, None
 
 
 @dataclass

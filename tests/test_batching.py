@@ -70,14 +70,22 @@ def test_a_bad_setting_is_refused_before_anything_runs(pairs):
         batch_generate(model, tok, PROMPTS[:2], temperature=-1)
 
 
-def test_block_chooser_keeps_the_faster_block_and_reprobes():
+def test_block_chooser_keeps_the_faster_block_and_reprobes_less_often():
     ch = BlockChooser(8)
     assert ch.choose() == 1
     ch.record(1, 4, 1.0)
     assert ch.choose() == 8
     ch.record(8, 12, 1.0)
-    picks = [ch.choose() for _ in range(40)]
-    assert picks.count(8) > 30 and 1 in picks
+    picks = []
+    for _ in range(100):
+        b = ch.choose()
+        picks.append(b)
+        ch.record(b, 12 if b == 8 else 4, 1.0)
+    probes = [i for i, b in enumerate(picks) if b == 1]
+    assert len(probes) >= 2 and picks.count(8) > 90
+    assert all(
+        b2 - b1 > a2 - a1 for a1, a2, b1, b2 in zip(probes, probes[1:], probes[1:], probes[2:])
+    )
 
 
 @pytest.fixture(scope="module")
