@@ -192,6 +192,7 @@ class Engine:
             try:
                 uid = gen.insert(job.ids, job.gen, cache=self.cache)
             except DFlashError as e:
+                self.served += 1  # counted like a refused job of the one-at-a-time path
                 job.out.put(("error", bad(str(e))))
                 job.out.put(("end", None))
                 continue
