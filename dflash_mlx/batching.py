@@ -37,9 +37,10 @@ EMA = 0.3
 
 class BlockChooser:
     """``block_size="auto"`` for a batch: of a plain step (1) and the checkpoint's block, the
-    one whose recent cycles committed the most tokens per second. The other is re-tried after
-    8 cycles, then after twice as many each time it loses again (a probe of the slow block is
-    expensive), back to 8 when it wins. Only past cycles are used: every choice is lossless.
+    one whose recent cycles committed the most tokens per second. It starts plain and tries
+    the block after 8 cycles; the losing one is re-tried after 8, 16, 32 ... cycles (a probe
+    of the slow block is expensive: a batch's block verify costs rows x block tokens), back
+    to 8 when it wins. Only past cycles are used: every choice is lossless.
 
     Args:
         block: the checkpoint's block size.
@@ -51,14 +52,14 @@ class BlockChooser:
         self.n, self.gap, self.probe_at, self.probing = 0, PROBE_START, PROBE_START, None
 
     def best(self) -> int:
-        """The block with the higher measured rate (untried blocks first)."""
-        untried = [b for b in self.options if b not in self.rate]
-        return untried[0] if untried else max(self.options, key=self.rate.get)
+        """The block with the higher measured rate (plain before anything is measured)."""
+        tried = [b for b in self.options if b in self.rate]
+        return max(tried, key=self.rate.get) if tried else self.options[0]
 
     def choose(self) -> int:
         """The block for the next cycle."""
         self.n += 1
-        if len(self.rate) == len(self.options) and self.n >= self.probe_at:
+        if self.n >= self.probe_at:
             self.probing = next((b for b in self.options if b != self.best()), None)
             if self.probing is not None:
                 return self.probing
