@@ -1,7 +1,7 @@
 """dflash-mlx: DFlash 2 block-parallel speculative decoding on MLX.
 
-``from dflash_mlx import load, generate, stream_generate, GenerationConfig``. Heavy imports
-are deferred so that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded
+``from dflash_mlx import load, generate, stream_generate, batch_generate, GenerationConfig``.
+Heavy imports are deferred so that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded
 here, before any module of the package imports MLX (see ``blas.py``).
 """
 
@@ -14,6 +14,8 @@ __all__ = [
     "load",
     "generate",
     "stream_generate",
+    "batch_generate",
+    "BatchGenerator",
     "GenerationConfig",
     "GenerationResponse",
     "DFlashError",
@@ -30,6 +32,10 @@ def __getattr__(name):
         from . import generation
 
         return getattr(generation, name)
+    if name in ("batch_generate", "BatchGenerator"):
+        from . import batching
+
+        return getattr(batching, name)
     if name == "GenerationConfig":
         from .settings import GenerationConfig
 

@@ -48,3 +48,39 @@ class OracleDrafter:
             return real
         onehot = mx.zeros(real.shape).at[0, mx.array(rows), mx.array(cols)].add(200.0)
         return real + onehot
+
+
+class BatchOracle:
+    """The batched counterpart: row r of a ``BatchDecoder`` proposes the known continuation
+    of its request (``sequences[uid]``), wrong at ``wrong_at[uid]`` block rows.
+
+    Args:
+        real: the loaded drafter. decoder: the BatchDecoder whose rows are drafted.
+        sequences, wrong_at: per uid, as for ``OracleDrafter``.
+    """
+
+    def __init__(self, real, decoder, sequences, wrong_at):
+        self.real, self.decoder = real, decoder
+        self.sequences, self.wrong_at = sequences, wrong_at
+        self.pos = []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def __call__(self, block_embeds, ctx_kv, offset, block_size=None, mask=None):
+        self.pos = mx.broadcast_to(mx.array(offset), (block_embeds.shape[0],)).tolist()
+        return self.real(block_embeds, ctx_kv, offset, block_size, mask)
+
+    def logits(self, hidden, lm_head):
+        L = hidden.shape[1]
+        real = self.real.logits(hidden, lm_head)
+        onehot = mx.zeros(real.shape)
+        for b, row in enumerate(self.decoder.rows):
+            seq, wrong = self.sequences[row.uid], self.wrong_at.get(row.uid, ())
+            toks = []
+            for t in range(1, L + 1):
+                i = self.pos[b] + t
+                tok = seq[i] if i < len(seq) else 0
+                toks.append((tok + 1) % real.shape[-1] if t in wrong else tok)
+            onehot = onehot.at[b, mx.arange(L), mx.array(toks)].add(200.0)
+        return real + onehot

@@ -426,6 +426,8 @@ def test_serve_passes_model_and_defaults(pair, fake_server):
         "--no-selector",
         "--max-queue",
         3,
+        "--max-batch",
+        4,
         "--seed",
         1,
     )
@@ -434,7 +436,7 @@ def test_serve_passes_model_and_defaults(pair, fake_server):
     model, _tok, name = args
     assert name == "target" and model.block_size == 8
     assert kw["host"] == "127.0.0.1" and kw["port"] == 9123 and kw["api_key"] is None
-    assert kw["max_queue"] == 3
+    assert kw["max_queue"] == 3 and kw["max_batch"] == 4
     assert kw["defaults"] == GenerationConfig(
         max_tokens=99,
         temperature=0.5,

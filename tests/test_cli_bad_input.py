@@ -124,6 +124,7 @@ def test_serve_startup_errors_are_one_line_before_loading(tmp_path):
     one_error_line(r, "cannot listen on aaa")
     for port in ("65536", "-1"):
         one_error_line(invoke("serve", *nowhere, "--port", port), "--port must be in 0..65535")
+    one_error_line(invoke("serve", *nowhere, "--max-batch", "0"), "--max-batch must be at least 1")
 
 
 def test_serve_refuses_an_api_key_clients_cannot_send(tmp_path):

@@ -333,6 +333,54 @@ def test_eight_concurrent_streams(client, local, name):
         assert g[0] == w and len(g[1]) == 1
 
 
+def test_sixteen_streams_some_aborted_the_rest_complete(server, client, local, name):
+    """Sixteen at once (eight decode together, eight queue); every fourth client leaves
+    mid-stream. The others get their solo text, the batch empties, the server still serves.
+    Clients retry a 503 (queue full while the worker is mid-cycle) after its Retry-After."""
+    before = _http(server + "/health", key=None)[1]
+    client = client.with_options(max_retries=20)
+    prompts = [f"x = {i} * os.getcwd() + '{i}'" for i in range(16)]
+    want = {
+        i: _expected(local, [{"role": "user", "content": p}], 10) for i, p in enumerate(prompts)
+    }
+    got, errors = {}, []
+
+    def one(i):
+        msgs = [{"role": "user", "content": prompts[i] if i % 4 else "Hello world!"}]
+        try:  # (that prompt is known to run on without a stop string)
+            if i % 4:
+                got[i] = _chat_stream(client, name, msgs, 10)[0]
+                return
+            stream = client.chat.completions.create(
+                model=name, messages=msgs, max_tokens=3000, stream=True, logit_bias=NO_EOS
+            )
+            for n, _ in enumerate(stream):
+                if n >= 3:
+                    break
+            stream.close()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and all(not t.is_alive() for t in threads)
+    assert got == {i: w for i, w in want.items() if i % 4}
+    done = before["served"] + 16  # every job ends (aborted ones too), exactly once
+    h = _wait_health(server, lambda h: h["served"] >= done and h["batch"] == 0, limit=30)
+    assert h["served"] == done and h["cancelled"] == before["cancelled"] + 4, (
+        dict(before),
+        dict(h),
+    )
+    assert not h["running"] and h["queued"] == 0
+    r = client.chat.completions.create(
+        model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
+    )
+    assert r.choices[0].message.content == _expected(local, [{"role": "user", "content": "hi"}], 3)
+
+
 def _wait_health(server, pred, limit=20.0):
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
@@ -438,15 +486,25 @@ def test_bad_requests(server, client, name):
     assert r.usage.completion_tokens >= 1
 
 
-def test_queue_full_gives_503(paths, local, tmp_path):
-    proc, url, log = _start(tmp_path, *paths, "--max-queue", "1")  # no API key here
+@pytest.mark.parametrize("batch", [1, 2])
+def test_queue_full_gives_503(paths, local, tmp_path, batch):
+    """Every row busy and the queue full: 503 + Retry-After; a freed row takes the queued job."""
+    proc, url, log = _start(tmp_path, *paths, "--max-queue", "1", "--max-batch", str(batch))
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=60, max_retries=0)
         msgs = [{"role": "user", "content": "Hello world!"}]
-        busy = c.chat.completions.create(
-            model=paths[0].name, messages=msgs, max_tokens=3000, stream=True, logit_bias=NO_EOS
-        )
-        next(iter(busy))  # running now
+        busy = []
+        for _ in range(batch):
+            busy.append(
+                c.chat.completions.create(
+                    model=paths[0].name,
+                    messages=msgs,
+                    max_tokens=3000,
+                    stream=True,
+                    logit_bias=NO_EOS,
+                )
+            )
+            next(iter(busy[-1]))  # running now
         waiting = {}
 
         def queued():
@@ -456,12 +514,13 @@ def test_queue_full_gives_503(paths, local, tmp_path):
 
         t = threading.Thread(target=queued, daemon=True)
         t.start()
-        _wait_health(url, lambda h: h["running"] and h["queued"] == 1)
+        h = _wait_health(url, lambda h: h["running"] and h["queued"] == 1)
+        assert h["batch"] == batch and h["max_batch"] == batch
         with pytest.raises(openai.APIStatusError) as e:
             c.chat.completions.create(model=paths[0].name, messages=msgs, max_tokens=2)
         assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "1"
         assert e.value.body["code"] == "server_busy" and e.value.body["type"] == "server_error"
-        busy.close()  # frees the worker; the queued request runs next
+        busy[0].close()  # frees a row; the queued request runs next
         t.join(30)
         assert waiting["r"].choices[0].message.content == _expected(local, msgs, 4)
         assert "warning" not in log.read_text().lower()

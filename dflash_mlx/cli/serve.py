@@ -25,6 +25,9 @@ def serve(
         envvar="DFLASH_API_KEY",
     ),
     max_queue: int = typer.Option(16, "--max-queue", help="Waiting requests before 503."),
+    max_batch: int = typer.Option(
+        8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
+    ),
     max_tokens: int = c.max_tokens_option("serve", "Default max tokens."),
     temp: float = c.TEMP,
     top_p: float = c.TOP_P,
@@ -59,6 +62,8 @@ def serve(
         )
     if max_queue < 1:
         raise DFlashError(f"--max-queue must be at least 1 (got {max_queue})")
+    if max_batch < 1:
+        raise DFlashError(f"--max-batch must be at least 1 (got {max_batch})")
     from .. import server
 
     sock = server.listen(host, port)  # a busy port or a bad host fails before the load
@@ -80,4 +85,5 @@ def serve(
         defaults=cfg,
         max_queue=max_queue,
         sock=sock,
+        max_batch=max_batch,
     )

@@ -1,7 +1,8 @@
 """The serving loop of ``dflash serve``: bind the HTTP server, answer requests in threads,
-run generations one at a time in the calling thread.
+run generations in the calling thread.
 
-One generation runs at a time; requests wait in a bounded FIFO queue (503 when full). One
+Up to ``max_batch`` generations decode together (continuous batching, ``worker.Engine``);
+more requests wait in a bounded FIFO queue (503 when full). One
 prompt cache is kept across requests, so a chat history re-sent each turn prefills only its
 new part. All MLX work runs in the thread that calls ``run_server`` (the main thread): MLX
 streams belong to the thread that makes them, and the decode loop makes its stream on first
@@ -143,12 +144,13 @@ def make_server(
     defaults: Optional[GenerationConfig] = None,
     max_queue: int = 16,
     sock: Optional[socket.socket] = None,
+    max_batch: int = 8,
 ) -> DFlashHTTPServer:
     """Bind the HTTP server; ``run_server`` serves it.
 
     Args:
-        model, tokenizer, model_name, host, api_key, defaults, max_queue: as for
-            ``run_server``. port: 0 picks a free one. sock: a socket from ``listen`` (host
+        model, tokenizer, model_name, host, api_key, defaults, max_queue, max_batch: as
+            for ``run_server``. port: 0 picks a free one. sock: a socket from ``listen`` (host
             and port are then only names).
 
     Raises:
@@ -157,7 +159,7 @@ def make_server(
     sock = sock or listen(host, port)
     try:
         return DFlashHTTPServer(
-            sock, Engine(model, tokenizer, max_queue), model_name, api_key, defaults
+            sock, Engine(model, tokenizer, max_queue, max_batch), model_name, api_key, defaults
         )
     except BaseException:
         sock.close()
@@ -174,6 +176,7 @@ def run_server(
     defaults: Optional[GenerationConfig] = None,
     max_queue: int = 16,
     sock: Optional[socket.socket] = None,
+    max_batch: int = 8,
 ) -> None:
     """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
 
@@ -185,16 +188,18 @@ def run_server(
         host, port: where to listen (loopback by default). api_key: require
             'Authorization: Bearer <key>' on /v1/*. defaults: the decoding settings that
             requests override (default ``schema.DEFAULTS``). max_queue: requests that may
-            wait behind the running one. sock: already bound (``listen``), else bound here.
+            wait for a row (503 past it). sock: already bound (``listen``), else bound here.
+            max_batch: requests decoded together (1: one at a time; hybrid targets always).
     """
     httpd = make_server(
-        model, tokenizer, model_name, host, port, api_key, defaults, max_queue, sock
+        model, tokenizer, model_name, host, port, api_key, defaults, max_queue, sock, max_batch
     )
     h, p = httpd.server_address[:2]
     shown = f"[{h}]" if ":" in str(h) else h
     print(
         f"dflash serve: '{model_name}' listening on http://{shown}:{p}/v1 "
-        f"(queue {httpd.engine.jobs.maxsize}, api key {'on' if api_key else 'off'})",
+        f"(batch {httpd.engine.max_batch}, queue {httpd.engine.jobs.maxsize}, "
+        f"api key {'on' if api_key else 'off'})",
         flush=True,
     )
     engine = httpd.engine

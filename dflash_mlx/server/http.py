@@ -205,6 +205,8 @@ class Handler(BaseHTTPRequestHandler):
                     "status": "ok",
                     "model": self.server.model_name,
                     "running": eng.running,
+                    "batch": eng.occupancy,
+                    "max_batch": eng.max_batch,
                     "queued": eng.jobs.qsize(),
                     "served": eng.served,
                     "cancelled": eng.cancelled,

@@ -1,7 +1,10 @@
-"""The generation worker of ``dflash_mlx.server``: a bounded FIFO of jobs run one at a time
-in the thread that calls ``Engine.run`` (MLX streams are per thread; the decode loop makes its
-own on first use there), with cancellation at the next cycle and one prompt cache shared by
-all requests."""
+"""The generation worker of ``dflash_mlx.server``: a bounded FIFO of jobs served in the thread
+that calls ``Engine.run`` (MLX streams are per thread; the decode loop makes its own on first
+use there), with cancellation at the next cycle and one prompt cache shared by all requests.
+
+With ``max_batch`` > 1 (the default) up to that many jobs decode together
+(``batching.BatchGenerator``): jobs join and leave between cycles and the queue holds the jobs
+waiting for a row. Hybrid (recurrent) targets, and ``max_batch`` 1, run one job at a time."""
 
 from __future__ import annotations
 
@@ -9,7 +12,9 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+import mlx.core as mx
 
 from .. import generation
 from ..errors import DFlashError
@@ -33,16 +38,28 @@ class Job:
 
 
 class Engine:
-    """The generation worker: a bounded FIFO of jobs, run one at a time."""
+    """The generation worker: a bounded FIFO of jobs, decoded up to ``max_batch`` at a time.
 
-    def __init__(self, model, tokenizer, max_queue: int = 16):
+    Args:
+        model, tokenizer: the loaded pair. max_queue: jobs that may wait for a row (503 past
+            it). max_batch: jobs decoding together (1: one at a time; hybrids always are).
+    """
+
+    def __init__(self, model, tokenizer, max_queue: int = 16, max_batch: int = 8):
         self.model, self.tokenizer = model, tokenizer
         self.jobs: "queue.Queue[Job]" = queue.Queue(maxsize=max(1, int(max_queue)))
+        self.max_batch = 1 if model.adapter.is_hybrid else max(1, int(max_batch))
         self.cache = None
         self.running = False
         self.current: Optional[Job] = None
+        self.active: Dict[int, Job] = {}  # batched jobs by row uid
         self.served = self.cancelled = 0
         self.stopping = threading.Event()
+
+    @property
+    def occupancy(self) -> int:
+        """Jobs decoding (or prefilling) now."""
+        return len(self.active) if self.max_batch > 1 else int(self.current is not None)
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full."""
@@ -57,6 +74,8 @@ class Engine:
     def run(self) -> None:
         """Serve jobs until ``stop``; call from the thread that owns the MLX stream."""
         self.cache = self.model.make_cache()
+        if self.max_batch > 1:
+            return self._run_batched()
         while not self.stopping.is_set():
             try:
                 job = self.jobs.get(timeout=0.1)
@@ -73,9 +92,9 @@ class Engine:
     def stop(self) -> None:
         """Stop after the current generation, which is cancelled at its next cycle."""
         self.stopping.set()
-        job = self.current
-        if job is not None:
-            job.cancel.set()
+        for job in [self.current, *list(self.active.values())]:
+            if job is not None:
+                job.cancel.set()
 
     def _drain(self) -> None:
         while True:
@@ -123,3 +142,76 @@ class Engine:
             self.served += 1
             self.running, self.current = False, None
             job.out.put(("end", None))
+
+    # -- continuous batching ---------------------------------------------------------
+    def _run_batched(self) -> None:
+        from ..batching import BatchGenerator
+
+        self.cache.interrupt = threading.Event()  # jobs leave between chunks instead
+        gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+        try:
+            while not self.stopping.is_set() or self.active:
+                self._admit(gen)
+                self.running = bool(self.active)
+                if not self.active:
+                    continue
+                try:
+                    results = gen.step()
+                except Exception as e:  # noqa: BLE001 - fail these jobs, keep serving
+                    logger.exception("batched generation failed")
+                    self._fail_all(APIError(500, f"generation failed: {type(e).__name__}: {e}"))
+                    gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+                    self.cache = self.model.make_cache()
+                    self.cache.interrupt = threading.Event()
+                    continue
+                for uid, r in results:
+                    job = self.active.get(uid)
+                    if job is not None:
+                        job.out.put(("data", r))
+                        if r.finish_reason:
+                            self._end(uid)
+                for uid in [u for u, j in self.active.items() if j.cancel.is_set()]:
+                    logger.info("generation cancelled (client gone or server stopping)")
+                    gen.remove(uid)
+                    self.cancelled += 1
+                    self._end(uid)
+                if not self.active:
+                    mx.clear_cache()  # the batch's caches are gone: give their memory back
+        except BaseException:  # KeyboardInterrupt mid-generation: answer, then stop
+            self._fail_all(APIError(503, "the server is shutting down"))
+            raise
+        finally:
+            self.running = False
+        self._drain()
+
+    def _admit(self, gen) -> None:
+        """Move queued jobs into free rows (waiting briefly when nothing is decoding)."""
+        while len(self.active) < self.max_batch and not self.stopping.is_set():
+            try:
+                job = self.jobs.get(timeout=0.1) if not self.active else self.jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job.cancel.is_set():  # its client left while it waited
+                self.cancelled += 1
+                job.out.put(("end", None))
+                continue
+            try:
+                uid = gen.insert(job.ids, job.gen, cache=self.cache, processors=job.processors)
+            except DFlashError as e:
+                self.served += 1  # counted like a refused job of the one-at-a-time path
+                job.out.put(("error", bad(str(e))))
+                job.out.put(("end", None))
+                continue
+            self.active[uid] = job
+            self.running = True
+
+    def _end(self, uid: int) -> None:
+        job = self.active.pop(uid)
+        self.served += 1
+        self.running = bool(self.active)
+        job.out.put(("end", None))
+
+    def _fail_all(self, err: APIError) -> None:
+        for uid in list(self.active):
+            self.active[uid].out.put(("error", err))
+            self._end(uid)

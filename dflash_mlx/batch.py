@@ -1,0 +1,274 @@
+"""Batched speculative decoding: rows draft, verify and accept together (continuous batching).
+
+The target's caches are mlx-lm ``BatchKVCache`` (left padded, one write index for all rows).
+After a verify of L tokens row i keeps k_i of them. Per-row rollback: trim every row to the
+longest keep m = max k_i, then shift row i right by m - k_i (mlx-lm's own right-padding
+``prepare`` / ``finalize``), which moves its rejected tail out past the write index and grows
+its left padding; the causal mask already hides left padding. No re-feed and no extra forward;
+the cost is one copy of the caches per cycle. The drafter's context uses the same cache type
+and the same shift, with a mask of our own (left padding and the sliding window).
+
+Joining rows are prefilled alone (``decode.prefill``, one chunk per ``step``) and then merged
+into the batch between cycles; finished rows are filtered out between cycles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from .acceptance import SamplingParams
+from .decode import Cycle, _accept, _propose, prefill, prefill_chunk
+from .drafter import embed_block
+from .state import DFlashModel, PromptCache
+
+COMPACT_EVERY = 8  # cycles between drops of the padding all rows share
+
+
+@dataclass
+class Row:
+    """One request decoding in the batch.
+
+    Args:
+        uid: the caller's id. prompt: token ids. params: its sampling law.
+        max_tokens: its budget. block: its largest block (None: the batch's choice).
+        use_selector: walk the DFlash 2 lattice. key: its own PRNG key.
+    """
+
+    uid: int
+    prompt: List[int]
+    params: SamplingParams
+    max_tokens: int
+    block: Optional[int]
+    use_selector: bool
+    key: mx.array
+    history: List[int] = field(default_factory=list)
+    generated: int = 0
+    prefilled: int = -1  # prompt tokens in the joining cache; -1 before the first chunk
+    reused: int = 0  # prompt tokens the joining cache already held
+
+
+def _as_kv(keys, values, n) -> KVCache:
+    """A single-row mlx-lm KVCache holding n rows of keys/values (for ``BatchKVCache.merge``)."""
+    c = KVCache()
+    c.keys, c.values, c.offset = keys, values, n
+    return c
+
+
+def _extend(batch: Optional[list], single: list) -> list:
+    """Append one merged row to each layer's batch cache (or start the batch)."""
+    merged = [BatchKVCache.merge([c]) for c in single]
+    if batch is None:
+        return merged
+    for b, m in zip(batch, merged):
+        b.extend(m)
+    return batch
+
+
+def _shift(caches: list, pad: List[int]) -> None:
+    """Move row i's last pad[i] entries out past the write index (their left padding grows)."""
+    for c in caches:
+        c.prepare(right_padding=pad)
+        c.finalize()
+
+
+class BatchDecoder:
+    """The rows of a batch and their caches; ``join`` then ``step`` until rows finish.
+
+    Args:
+        model: the loaded pair (attention-only targets; hybrids are served one at a time).
+        block_size: the batch's block when a row asks for ``auto`` (``choose`` may change it).
+        prefill_step_size: prompt tokens per prefill chunk.
+    """
+
+    def __init__(self, model: DFlashModel, block_size: int, prefill_step_size: int = 2048):
+        if model.adapter.is_hybrid:
+            raise ValueError("hybrid (recurrent) targets are decoded one request at a time")
+        self.model, self.block = model, block_size
+        self.step_size = prefill_chunk(prefill_step_size)
+        self.rows: List[Row] = []
+        self.target: Optional[list] = None  # BatchKVCache per target layer
+        self.context: Optional[list] = None  # BatchKVCache per drafter layer
+        self.joining: List[Tuple[Row, PromptCache]] = []
+        self.cycles = 0
+        args = model.drafter.args
+        windows = {args.window(i) for i in range(args.num_hidden_layers)}
+        # One mask serves every drafter layer: a window only when all layers share it.
+        self.window = windows.pop() if len(windows) == 1 else None
+
+    # -- rows joining and leaving ----------------------------------------------------
+    def join(self, row: Row, cache: Optional[PromptCache] = None) -> None:
+        """Queue a row for prefill; ``cache`` (e.g. a server's shared one) lends its prefix."""
+        self.joining.append((row, cache if cache is not None else self.model.make_cache()))
+
+    def prefill_step(self) -> Optional[Tuple[Row, Cycle]]:
+        """Run one prefill chunk of the first joining row; when its prompt is done, merge it
+        into the batch and return (row, the Cycle holding its first token)."""
+        if not self.joining:
+            return None
+        row, cache = self.joining[0]
+        if row.prefilled < 0:
+            row.prefilled = row.reused = cache.reuse(self.model, row.prompt)
+        end = min(len(row.prompt), row.prefilled + self.step_size)
+        first, key = prefill(self.model, row.prompt[:end], cache, row.params, row.key)
+        row.prefilled = end
+        if end < len(row.prompt):
+            return None
+        self.joining.pop(0)
+        row.key, row.history = key, list(row.prompt) + first.tokens
+        first.prompt_tokens = len(row.prompt) - row.reused
+        self._merge(cache)
+        self.rows.append(row)
+        row.generated = 1
+        return row, first
+
+    def _merge(self, cache: PromptCache) -> None:
+        self.model.drafter.flush_context(cache.drafter)  # prefill leaves its rows pending
+        self.target = _extend(self.target, cache.target)
+        ctx = [_as_kv(c.keys, c.values, c.size) for c in cache.drafter]
+        offsets = [c.offset for c in cache.drafter]
+        self.context = _extend(self.context, ctx)
+        for c, off in zip(self.context, offsets):  # rope positions: rows ever appended
+            c.offset = mx.concatenate([c.offset[:-1], mx.array([off])])
+
+    def remove(self, uid: int) -> None:
+        """Drop a row (finished or aborted), joining or decoding."""
+        self.joining = [(r, c) for r, c in self.joining if r.uid != uid]
+        keep = [i for i, r in enumerate(self.rows) if r.uid != uid]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.target = self.context = None
+            return
+        for c in self.target + self.context:
+            c.filter(mx.array(keep))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # -- one cycle for every decoding row --------------------------------------------
+    def step(self, block: Optional[int] = None) -> List[Tuple[Row, Cycle]]:
+        """One draft - verify - accept cycle for all decoding rows (one host sync).
+
+        Args:
+            block: the batch's block for rows without their own (default: ``block_size``).
+
+        Returns:
+            (row, Cycle) per decoding row, in batch order.
+        """
+        rows = self.rows
+        if not rows:
+            return []
+        blocks = [
+            max(1, min(r.block or block or self.block, r.max_tokens - r.generated)) for r in rows
+        ]
+        L = max(blocks)
+        keys = []
+        for r in rows:
+            r.key, k_draft, k_acc = mx.random.split(r.key, 3)
+            keys.append((k_draft, k_acc))
+        anchors = mx.array([r.history[-1] for r in rows], dtype=mx.uint32)
+        drafts, q_full = self._draft(anchors, L, blocks, keys)
+        ids = mx.concatenate([anchors[:, None], _pad(drafts, L - 1)], axis=1)  # [B, L]
+        v_logits, feats = self.model.adapter(ids, self.target)
+        outs = [
+            _accept(v_logits[i : i + 1, :b], r.history, drafts[i], q_full[i], r.params, keys[i][1])
+            for i, (r, b) in enumerate(zip(rows, blocks))
+        ]
+        mx.eval([o for pair in outs for o in pair], drafts)  # the cycle's one host sync
+        kept = [int(n.item()) + 1 for n, _ in outs]
+        self._rollback(L, kept, feats)
+        result = []
+        for i, (r, b, (n, bonus)) in enumerate(zip(rows, blocks, outs)):
+            a = kept[i] - 1
+            committed = drafts[i].tolist()[:a] + [bonus.item()]
+            r.history += committed
+            r.generated += len(committed)
+            result.append((r, Cycle(committed, a, b - 1)))
+        self.cycles += 1
+        if self.cycles % COMPACT_EVERY == 0:
+            self._compact()
+        return result
+
+    def _draft(self, anchors, L, blocks, keys):
+        """Drafts [b_i - 1] and proposal rows (or None) per row, from one drafter pass."""
+        B = len(blocks)
+        if L < 2:
+            return [mx.array([], dtype=mx.uint32)] * B, [None] * B
+        model, drafter = self.model, self.model.drafter
+        args = drafter.args
+        masks = mx.full((B, L - 1), args.mask_token_id, mx.uint32)
+        ids = mx.concatenate([anchors[:, None], masks], axis=1)
+        emb = embed_block(model.adapter.embed, ids, args, drafter.fc.weight.dtype)
+        kv = [c.keys_and_values() if c.keys is not None else (None, None) for c in self.context]
+        hidden = drafter(emb, kv, self.context[0].offset, L, self._context_mask(L))
+        d_logits = model.draft_logits(hidden[:, 1:])  # [B, L-1, V'] (the draft vocabulary)
+        drafts, qs = [], []
+        for i, (r, b) in enumerate(zip(self.rows, blocks)):
+            if b < 2:
+                drafts.append(mx.array([], dtype=mx.uint32))
+                qs.append(None)
+                continue
+            d, q = _propose(
+                model,
+                d_logits[i : i + 1, : b - 1],
+                hidden[i : i + 1, 1:b],
+                anchors[i],
+                r.params,
+                r.use_selector,
+                keys[i][0],
+            )
+            drafts.append(d)
+            qs.append(q)
+        return drafts, qs
+
+    def _context_mask(self, L: int) -> Optional[mx.array]:
+        """[B, 1, L, C + L] bool: each block sees its own context rows (the last ``window``
+        of them on sliding layers; both demo layers slide alike) and its whole block."""
+        c = self.context[0]
+        if c.keys is None:
+            return None
+        C = c._idx
+        col = mx.arange(C)[None, :]
+        ok = col >= c.left_padding[:, None]  # [B, C]
+        if self.window:
+            ok = ok & (col >= C - self.window)
+        ok = mx.concatenate([ok, mx.ones((ok.shape[0], L), dtype=mx.bool_)], axis=1)
+        return ok[:, None, None, :]
+
+    def _rollback(self, L: int, kept: List[int], feats: mx.array) -> None:
+        """Keep the first kept[i] of the L tokens just fed, per row, in both models' caches."""
+        m = max(kept)
+        pad = [m - k for k in kept]
+        for c in self.target:
+            c.trim(L - m)
+        _shift(self.target, pad)
+        drafter = self.model.drafter
+        x_ctx = drafter.project_context(feats[:, :m])
+        for layer, c in zip(drafter.layers, self.context):
+            c.update_and_fetch(*layer.self_attn.kv(x_ctx, c.offset))
+        _shift(self.context, pad)
+        mx.async_eval([[c.keys, c.values, c.offset] for c in self.target + self.context])
+
+    def _compact(self) -> None:
+        """Shed the left padding every row has, and drafter context rows that every row's
+        window has passed (both only cost attention work)."""
+        every = mx.arange(len(self.rows))
+        for c in self.target + self.context:
+            c.filter(every)
+        for c in self.context if self.window else []:
+            cut = c._idx - self.window
+            if cut > 0:
+                c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
+                c._idx -= cut
+                c.left_padding = mx.maximum(c.left_padding - cut, 0)
+
+
+def _pad(rows: List[mx.array], n: int) -> mx.array:
+    """Stack 1-D uint32 rows, right-padded with zeros to n -> [B, n]."""
+    out = [mx.concatenate([r, mx.zeros((n - r.shape[0],), mx.uint32)]) for r in rows]
+    return mx.stack(out) if n else mx.zeros((len(rows), 0), mx.uint32)

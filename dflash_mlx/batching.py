@@ -1,0 +1,295 @@
+"""Continuous batching: ``BatchGenerator`` (requests join and leave between cycles, each with
+its own settings, seed, stop strings and statistics) and ``batch_generate`` (mlx-lm style).
+
+Attention-only targets decode on ``batch.BatchDecoder``; hybrid (recurrent) targets cannot
+roll rows back in one shared cache, so they are decoded one request at a time, in arrival
+order, through ``stream_generate`` (same interface, no batching).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, replace
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .batch import BatchDecoder, Row
+from .decode import generation_stream
+from .generation import (
+    GenerationResponse,
+    Prompt,
+    _Stats,
+    _take,
+    _TextStream,
+    fit_prompt,
+    sampling_params,
+    stream_generate,
+)
+from .prompt import end_of_turn_ids
+from .settings import AUTO, GenerationConfig
+from .state import DFlashModel, PromptCache
+
+PROBE_START, PROBE_MAX = 8, 256  # cycles before re-trying the other block, doubling
+EMA = 0.3
+
+
+class BlockChooser:
+    """``block_size="auto"`` for a batch: of a plain step (1) and the checkpoint's block, the
+    one whose recent cycles committed the most tokens per second. It starts plain and tries
+    the block after 8 cycles; the losing one is re-tried after 8, 16, 32 ... cycles (a probe
+    of the slow block is expensive: a batch's block verify costs rows x block tokens), back
+    to 8 when it wins. Only past cycles are used: every choice is lossless.
+
+    Args:
+        block: the checkpoint's block size.
+    """
+
+    def __init__(self, block: int):
+        self.options = sorted({1, block})
+        self.rate: Dict[int, float] = {}
+        self.n, self.gap, self.probe_at, self.probing = 0, PROBE_START, PROBE_START, None
+
+    def best(self) -> int:
+        """The block with the higher measured rate (plain before anything is measured)."""
+        tried = [b for b in self.options if b in self.rate]
+        return max(tried, key=self.rate.get) if tried else self.options[0]
+
+    def choose(self) -> int:
+        """The block for the next cycle."""
+        self.n += 1
+        if self.n >= self.probe_at:
+            self.probing = next((b for b in self.options if b != self.best()), None)
+            if self.probing is not None:
+                return self.probing
+        return self.best()
+
+    def record(self, block: int, tokens: int, seconds: float) -> None:
+        """Fold in one cycle: tokens committed by all rows in seconds of wall time."""
+        r, old = tokens / max(seconds, 1e-9), self.rate.get(block)
+        self.rate[block] = r if old is None else (1 - EMA) * old + EMA * r
+        if self.probing is not None and block == self.probing:
+            won = self.best() == block
+            self.gap = PROBE_START if won else min(2 * self.gap, PROBE_MAX)
+            self.probe_at, self.probing = self.n + self.gap, None
+
+
+@dataclass
+class _Request:
+    """A request's per-row bookkeeping around its decoder row."""
+
+    row: Row
+    text: _TextStream
+    stats: _Stats
+    max_tokens: int
+
+
+class BatchGenerator:
+    """Decode many requests together; ``insert`` them at any time and ``step`` until done.
+
+    Args:
+        model, tokenizer: from ``load``.
+        max_batch: rows decoding at once; more requests wait, in arrival order.
+        prefill_step_size: prompt tokens per prefill chunk (a joining prompt stalls the
+            running rows for one chunk per cycle).
+    """
+
+    def __init__(self, model: DFlashModel, tokenizer, max_batch: int = 8, prefill_step_size=2048):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch = max(1, int(max_batch))
+        self.hybrid = model.adapter.is_hybrid
+        self.decoder = (
+            None if self.hybrid else BatchDecoder(model, model.block_size, prefill_step_size)
+        )
+        self.chooser = BlockChooser(model.block_size)
+        self.waiting: List[Tuple[Row, PromptCache, _Request]] = []
+        self.requests: Dict[int, _Request] = {}
+        self.solo: Dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time
+        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
+        self._uids = itertools.count()
+
+    def insert(
+        self,
+        prompt: Prompt,
+        config: Optional[GenerationConfig] = None,
+        *,
+        cache: Optional[PromptCache] = None,
+        raw: bool = False,
+        system: Optional[str] = None,
+        processors: Sequence = (),
+        **settings,
+    ) -> int:
+        """Queue a request; return its uid.
+
+        Args:
+            prompt, config, raw, system, settings: as for ``stream_generate``.
+            processors: extra logits processors of this row (e.g. a grammar,
+                ``dflash_mlx.grammar``), applied after the config's at every block row.
+            cache: a prompt cache whose prefix the prefill may reuse (it is copied into the
+                batch, then left holding this prompt).
+
+        Raises:
+            DFlashError: as ``stream_generate`` (bad settings, a prompt that does not fit).
+        """
+        uid = next(self._uids)
+        cfg = replace(config or GenerationConfig(), **settings).validate(self.model.block_size)
+        if self.hybrid:
+            self.solo[uid] = stream_generate(
+                self.model,
+                self.tokenizer,
+                prompt,
+                config=cfg,
+                raw=raw,
+                system=system,
+                prompt_cache=cache,
+                logits_processors=list(processors),
+            )
+            return uid
+        ids, cfg = fit_prompt(self.model, self.tokenizer, prompt, cfg, raw=raw, system=system)
+        block = None if cfg.block_size == AUTO else (cfg.block_size or self.model.block_size)
+        seed = cfg.seed if cfg.seed is not None else (time.time_ns() + uid) % 2**31
+        params = sampling_params(cfg, processors)
+        row = Row(uid, ids, params, cfg.max_tokens, block, cfg.use_selector, mx.random.key(seed))
+        stats = _Stats(len(ids), block or self.model.block_size)
+        req = _Request(
+            row, _TextStream(self.tokenizer.detokenizer, cfg.stop), stats, cfg.max_tokens
+        )
+        self.waiting.append((row, cache, req))
+        return uid
+
+    def remove(self, uid: int) -> None:
+        """Abort a request (waiting, joining or decoding); its row leaves the batch."""
+        self.waiting = [w for w in self.waiting if w[0].uid != uid]
+        self.requests.pop(uid, None)
+        gen = self.solo.pop(uid, None)
+        if gen is not None:
+            gen.close()
+        if self.decoder is not None:
+            self.decoder.remove(uid)
+
+    @property
+    def occupancy(self) -> int:
+        """Rows decoding or prefilling now."""
+        if self.hybrid:
+            return min(1, len(self.solo))
+        return len(self.decoder) + len(self.decoder.joining)
+
+    def __len__(self) -> int:
+        """Requests not finished yet (waiting included)."""
+        return len(self.solo) + len(self.waiting) + len(self.requests)
+
+    def step(self) -> List[Tuple[int, GenerationResponse]]:
+        """Admit waiting requests while there is room, run one prefill chunk of a joining
+        request and one cycle of the batch; return (uid, response) for every piece produced.
+        A response with ``finish_reason`` set is its request's last."""
+        if self.hybrid:
+            return self._solo_step()
+        dec = self.decoder
+        while self.waiting and self.occupancy < self.max_batch:
+            row, cache, req = self.waiting.pop(0)
+            req.stats.tic = time.perf_counter()
+            dec.join(row, cache)
+            self.requests[row.uid] = req
+        out = []
+        with mx.stream(generation_stream()):
+            got = dec.prefill_step()
+            if got is not None:
+                out += self._emit(*got)
+            auto = any(r.block is None for r in dec.rows)
+            block = self.chooser.choose() if auto else None
+            tic = time.perf_counter()
+            cycles = dec.step(block)
+            if auto and cycles:
+                n = sum(len(c.tokens) for _, c in cycles)
+                self.chooser.record(block, n, time.perf_counter() - tic)
+            for row, cyc in cycles:
+                out += self._emit(row, cyc)
+        return out
+
+    def _emit(self, row: Row, cyc) -> List[Tuple[int, GenerationResponse]]:
+        req = self.requests.get(row.uid)
+        if req is None:
+            return []
+        st = req.stats
+        st.add(cyc)
+        tokens, finish = _take(cyc.tokens, self.eos, st.generated, req.max_tokens)
+        st.generated += len(tokens)
+        piece, finish = req.text.add(tokens, finish)
+        if finish:
+            self.remove(row.uid)
+        return [(row.uid, st.response(piece, tokens, cyc.accepted, finish))]
+
+    def _solo_step(self) -> List[Tuple[int, GenerationResponse]]:
+        if not self.solo:
+            return []
+        uid = next(iter(self.solo))
+        r = next(self.solo[uid], None)
+        if r is None or r.finish_reason:
+            self.solo.pop(uid).close()
+        return [] if r is None else [(uid, r)]
+
+
+@dataclass
+class BatchResponse:
+    """What ``batch_generate`` returns.
+
+    Attributes:
+        texts: the completions, in prompt order. responses: each prompt's last
+            GenerationResponse (its statistics). seconds: wall time of the whole batch.
+    """
+
+    texts: List[str]
+    responses: List[GenerationResponse]
+    seconds: float
+
+
+def batch_generate(
+    model: DFlashModel,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    *,
+    config: Optional[GenerationConfig] = None,
+    configs: Optional[Sequence[Optional[GenerationConfig]]] = None,
+    max_batch: int = 8,
+    raw: bool = False,
+    system: Optional[str] = None,
+    verbose: bool = False,
+    **settings,
+) -> BatchResponse:
+    """Generate completions for many prompts at once with batched speculative decoding;
+    each completion is what ``generate`` returns for its prompt alone (greedy: token for token).
+
+    Args:
+        model, tokenizer: from ``load``. prompts: each as for ``stream_generate``.
+        config: settings for every prompt; configs: per prompt (None entries use config).
+        max_batch: rows decoding at once. raw, system: as for ``stream_generate``.
+        verbose: print the aggregate speed at the end.
+        settings: ``GenerationConfig`` fields that override config for every prompt.
+
+    Raises:
+        DFlashError: a bad setting or prompt (nothing is generated then).
+    """
+    gen = BatchGenerator(model, tokenizer, max_batch)
+    configs = list(configs) if configs is not None else [None] * len(prompts)
+    tic = time.perf_counter()
+    uids = [
+        gen.insert(p, c or config, raw=raw, system=system, **settings)
+        for p, c in zip(prompts, configs)
+    ]
+    texts: Dict[int, List[str]] = {u: [] for u in uids}
+    last: Dict[int, GenerationResponse] = {}
+    while len(gen):
+        for uid, r in gen.step():
+            texts[uid].append(r.text)
+            last[uid] = r
+    out = BatchResponse(
+        ["".join(texts[u]) for u in uids], [last[u] for u in uids], time.perf_counter() - tic
+    )
+    if verbose:
+        n = sum(r.generation_tokens for r in out.responses)
+        print(
+            f"{len(uids)} prompts, {n} tokens in {out.seconds:.1f} s "
+            f"({n / max(out.seconds, 1e-9):.1f} tok/s)"
+        )
+    return out

@@ -1,0 +1,70 @@
+"""The sampling law holds per row in a batch: rows with different settings (temperature,
+filters, penalties, selector, block) and so different acceptance, decoded together."""
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import make_logits_processors
+from test_acceptance import exact_law, small_vocab_pair, tv  # noqa: F401 - a fixture
+
+from dflash_mlx.acceptance import SamplingParams
+from dflash_mlx.batch import BatchDecoder, Row
+
+# (prompt, temperature, top_p, top_k, presence, selector, block) per row
+ROWS = [
+    ([2, 5, 1, 7], 1.0, 1.0, 0, 0.0, True, 4),
+    ([3, 3, 6], 0.8, 0.9, 5, 0.0, True, 2),
+    ([1, 7, 2, 2, 4], 1.0, 1.0, 0, 1.5, False, 3),
+    ([6], 0.6, 1.0, 4, 0.0, True, None),
+]
+
+
+def sample_batches(model, rows, n, trials, seed):
+    """trials batches of all rows; per row the n-token sequences and the drafts accepted."""
+    samples, accepted = [[] for _ in rows], [0] * len(rows)
+    key = mx.random.key(seed)
+    for _ in range(trials):
+        dec = BatchDecoder(model, 4)
+        out = {}
+        for i, (prompt, temp, top_p, top_k, pres, sel, block) in enumerate(rows):
+            procs = make_logits_processors(presence_penalty=pres or None)
+            key, sub = mx.random.split(key)
+            params = SamplingParams(temp, top_p, 0.0, top_k, procs)
+            dec.join(Row(i, prompt, params, n, block, sel, sub))
+            out[i] = []
+        while dec.joining or len(dec):
+            got = dec.prefill_step()
+            if got:
+                out[got[0].uid] += got[1].tokens
+            for row, cyc in dec.step():
+                out[row.uid] += cyc.tokens
+                accepted[row.uid] += cyc.accepted
+                if row.generated >= n:
+                    dec.remove(row.uid)
+        for i in out:
+            samples[i].append(tuple(out[i][:n]))
+    return samples, accepted
+
+
+def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair):  # noqa: F811
+    model = small_vocab_pair
+    n, trials = 4, 1000
+    samples, accepted = sample_batches(model, ROWS, n, trials, seed=3)
+    for i, (prompt, temp, top_p, top_k, pres, _, block) in enumerate(ROWS):
+        law = exact_law(model, prompt, n, temp, top_p, top_k, pres)
+        if block != 1:
+            assert accepted[i] > trials // 8, (i, accepted[i])  # drafts were accepted
+        for pos in range(n):
+            exact = np.zeros(8)
+            for seq, pr in law.items():
+                exact[seq[pos]] += pr
+            emp = np.bincount([s[pos] for s in samples[i]], minlength=8) / trials
+            assert tv(emp, exact) < 0.07, (i, pos, emp, exact)
+        pairs = {}
+        for seq, pr in law.items():
+            pairs[seq[1:3]] = pairs.get(seq[1:3], 0) + pr
+        seen = {s[1:3] for s in samples[i]}
+        keys = sorted(set(pairs) | seen)
+        emp2 = [sum(s[1:3] == k for s in samples[i]) / trials for k in keys]
+        assert tv(emp2, [pairs.get(k, 0) for k in keys]) < 0.12, i
+        assert seen <= set(pairs), i  # no impossible pair drawn
+    assert len(set(accepted)) > 1  # the rows' acceptance differed
