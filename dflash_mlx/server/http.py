@@ -1,11 +1,9 @@
 """The HTTP exchange of the OpenAI-compatible server: routes, authentication, and answers
 as one JSON object or as server-sent events.
 
-``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not), ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``. Each connection is answered in its own thread; the
-generation itself runs in the worker (``worker.Engine``), and a client that disconnects
-cancels its generation at the next cycle.
-"""
+``POST /v1/chat/completions``, ``/v1/completions``, ``GET /v1/models[/{id}]``, ``/health``.
+Each connection has its own thread; generation runs in the worker (``worker.Engine``), and a
+client that disconnects cancels its generation at the next cycle."""
 
 from __future__ import annotations
 
