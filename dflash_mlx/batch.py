@@ -14,7 +14,7 @@ into the batch between cycles; finished rows are filtered out between cycles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -113,7 +113,9 @@ class BatchDecoder:
         if row.prefilled < 0:
             row.prefilled = row.reused = cache.reuse(self.model, row.prompt)
         end = min(len(row.prompt), row.prefilled + self.step_size)
-        first, key = prefill(self.model, row.prompt[:end], cache, row.params, row.key)
+        # Only the last chunk's token is kept: processors (a grammar keeps state) see only it.
+        params = row.params if end == len(row.prompt) else replace(row.params, processors=[])
+        first, key = prefill(self.model, row.prompt[:end], cache, params, row.key)
         row.prefilled = end
         if end < len(row.prompt):
             return None

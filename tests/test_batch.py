@@ -148,3 +148,21 @@ def test_batch_with_a_draft_vocab_equals_mlx_lm_per_row(pairs):
         model.draft_head = None
     for i, p in enumerate(ids):
         assert got[i] == reference(model, p, 32)
+
+
+def test_a_chunked_join_shows_its_processors_the_whole_prompt_first(pairs):
+    """Stateful processors (a grammar) take the first call's tokens as the prompt: the
+    earlier chunks of a chunked prefill must not reach them."""
+    model, tok = pairs("qwen3", "d2")
+    seen = []
+
+    def proc(tokens, logits):
+        seen.append(int(tokens.size))
+        return logits
+
+    ids = tok.encode("import os\nfor i in range(10):\n    print(i)")
+    dec = BatchDecoder(model, 4, prefill_step_size=4)
+    dec.join(Row(0, ids, SamplingParams(processors=[proc]), 6, None, True, mx.random.key(0)))
+    while dec.joining:
+        dec.prefill_step()
+    assert len(ids) > 8 and seen[0] == len(ids)
