@@ -106,6 +106,30 @@ def exact_law(model, prompt, n, temp, top_p, top_k, presence):
     return law
 
 
+def draw(model, prompt, params, n, trials, selector, seed, scheduler=None):
+    """``trials`` speculative samples of n tokens (block 4): (samples, drafts accepted)."""
+    samples, accepted = [], 0
+    key = mx.random.key(seed)
+    for _ in range(trials):
+        key, sub = mx.random.split(key)
+        out = []
+        for c in decode(
+            model,
+            prompt,
+            model.make_cache(),
+            params,
+            max_tokens=n,
+            block_size=4,
+            use_selector=selector,
+            key=sub,
+            scheduler=None if scheduler is None else scheduler(),
+        ):
+            out += c.tokens
+            accepted += c.accepted
+        samples.append(tuple(out[:n]))
+    return samples, accepted
+
+
 @pytest.mark.parametrize(
     "selector,temp,top_p,top_k,presence,script",
     [
@@ -126,25 +150,8 @@ def test_end_to_end_sampling_matches_the_target_law(
     law = exact_law(model, prompt, n, temp, top_p, top_k, presence)
     procs = make_logits_processors(presence_penalty=presence or None)
     params = SamplingParams(temp, top_p, 0.0, top_k, procs)
-    samples, drafted_accepted = [], 0
-    key = mx.random.key(11)
-    for _ in range(trials):
-        key, sub = mx.random.split(key)
-        out = []
-        for c in decode(
-            model,
-            prompt,
-            model.make_cache(),
-            params,
-            max_tokens=n,
-            block_size=4,
-            use_selector=selector,
-            key=sub,
-            scheduler=None if script is None else Scripted(script, plain=1),
-        ):
-            out += c.tokens
-            drafted_accepted += c.accepted
-        samples.append(tuple(out[:n]))
+    sched = None if script is None else (lambda: Scripted(script, plain=1))
+    samples, drafted_accepted = draw(model, prompt, params, n, trials, selector, 11, sched)
     # drafts really were accepted along the way (scripts spend some steps drafting nothing)
     assert drafted_accepted > (trials // 4 if script is None else trials // 8)
     for pos in range(1, n):  # marginal law of each later position

@@ -12,14 +12,14 @@ from mlx_lm.utils import load_model
 
 from dflash_mlx.acceptance import SamplingParams
 from dflash_mlx.checkpoint import load_drafter, save_drafter
-from dflash_mlx.decode import _propose, decode
+from dflash_mlx.decode import _propose
 from dflash_mlx.draft_vocab import DraftHead, ranked_vocab
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.loading import set_draft_vocab
 from dflash_mlx.state import DFlashModel
 from dflash_mlx.target import TargetAdapter
 from oracle import OracleDrafter
-from test_acceptance import exact_law, tv
+from test_acceptance import draw, exact_law, tv
 from test_decode import reference, run
 from tiny_models import build_drafter, build_target
 
@@ -149,24 +149,7 @@ def test_sampling_law_is_exact_with_a_draft_vocab(
     law = exact_law(model, prompt, n, temp, 1.0, top_k, presence)
     procs = make_logits_processors(presence_penalty=presence or None)
     params = SamplingParams(temp, 1.0, 0.0, top_k, procs)
-    samples, accepted = [], 0
-    key = mx.random.key(13)
-    for _ in range(trials):
-        key, sub = mx.random.split(key)
-        out = []
-        for c in decode(
-            model,
-            prompt,
-            model.make_cache(),
-            params,
-            max_tokens=n,
-            block_size=4,
-            use_selector=selector,
-            key=sub,
-        ):
-            out += c.tokens
-            accepted += c.accepted
-        samples.append(tuple(out[:n]))
+    samples, accepted = draw(model, prompt, params, n, trials, selector, 13)
     assert accepted > trials // 4
     outside = {1, 4, 7}
     for pos in range(1, n):
