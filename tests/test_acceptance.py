@@ -4,15 +4,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-from mlx_lm.utils import load_model
 
 from dflash_mlx.acceptance import SamplingParams, accept_sampled, target_probs
-from dflash_mlx.checkpoint import load_drafter
 from dflash_mlx.decode import decode
-from dflash_mlx.state import DFlashModel
-from dflash_mlx.target import TargetAdapter
 from scripted import Scripted
-from tiny_models import build_drafter, build_target
+from tiny_models import eight_token_pair
 
 
 def tv(a, b):
@@ -78,12 +74,7 @@ def test_acceptance_rule_rejects_with_a_wrong_proposal_law():
 
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v8")
-    build_target(root / "t", "qwen3", tokenizer=False, vocab_size=8, seed=5)
-    build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)
-    target = load_model(root / "t")[0]
-    drafter = load_drafter(root / "d", mx.float32)
-    return DFlashModel(target, drafter, TargetAdapter(target, drafter.args.target_layer_ids))
+    return eight_token_pair(tmp_path_factory.mktemp("v8"))
 
 
 def exact_law(model, prompt, n, temp, top_p, top_k, presence):

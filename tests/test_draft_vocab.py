@@ -16,12 +16,11 @@ from dflash_mlx.decode import _propose
 from dflash_mlx.draft_vocab import DraftHead, ranked_vocab
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.loading import set_draft_vocab
-from dflash_mlx.state import DFlashModel
 from dflash_mlx.target import TargetAdapter
 from oracle import OracleDrafter
 from test_acceptance import draw, exact_law, tv
 from test_decode import reference, run
-from tiny_models import build_drafter, build_target
+from tiny_models import build_target, eight_token_pair
 
 
 def subset(vocab: int, n: int, seed: int = 0) -> np.ndarray:
@@ -126,12 +125,7 @@ def test_selector_codebooks_are_read_at_target_ids(pairs):
 
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("v8dv")
-    build_target(root / "t", "qwen3", tokenizer=False, vocab_size=8, seed=5)
-    build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)
-    target = load_model(root / "t")[0]
-    drafter = load_drafter(root / "d", mx.float32)
-    model = DFlashModel(target, drafter, TargetAdapter(target, drafter.args.target_layer_ids))
+    model = eight_token_pair(tmp_path_factory.mktemp("v8dv"))
     model.draft_head = DraftHead(model.adapter, np.array([0, 2, 3, 5, 6], np.int32))
     return model
 

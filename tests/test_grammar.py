@@ -157,19 +157,9 @@ def eight_processor():
 
 @pytest.fixture(scope="module")
 def small_vocab_pair(tmp_path_factory):
-    from mlx_lm.utils import load_model
-    from tiny_models import build_drafter, build_target
+    from tiny_models import eight_token_pair
 
-    from dflash_mlx.checkpoint import load_drafter
-    from dflash_mlx.state import DFlashModel
-    from dflash_mlx.target import TargetAdapter
-
-    root = tmp_path_factory.mktemp("v8g")
-    build_target(root / "t", "qwen3", tokenizer=False, vocab_size=8, seed=5)
-    build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)
-    target = load_model(root / "t")[0]
-    drafter = load_drafter(root / "d", mx.float32)
-    return DFlashModel(target, drafter, TargetAdapter(target, drafter.args.target_layer_ids))
+    return eight_token_pair(tmp_path_factory.mktemp("v8g"))
 
 
 def constrained_law(model, prompt, n, params):

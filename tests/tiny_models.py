@@ -158,3 +158,19 @@ def build_drafter(
         **kw,
     )
     return save_drafter(path, random_drafter(cfg, seed), cfg)
+
+
+def eight_token_pair(root: Path):
+    """A tiny qwen3 target with an 8-token vocabulary and its DFlash 2 drafter (block 4),
+    loaded as a DFlashModel: small enough to enumerate the exact sampling law."""
+    from mlx_lm.utils import load_model
+
+    from dflash_mlx.checkpoint import load_drafter
+    from dflash_mlx.state import DFlashModel
+    from dflash_mlx.target import TargetAdapter
+
+    build_target(root / "t", "qwen3", tokenizer=False, vocab_size=8, seed=5)
+    build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)
+    target = load_model(root / "t")[0]
+    drafter = load_drafter(root / "d", mx.float32)
+    return DFlashModel(target, drafter, TargetAdapter(target, drafter.args.target_layer_ids))
