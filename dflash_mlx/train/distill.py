@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import time
 from functools import partial
@@ -34,6 +35,7 @@ from dflash_mlx.train.prompts import build_prompts
 FP16_MAX = 65000.0
 PREFILL_CHUNK = 128
 MAX_PROMPT = 320  # tokens; a longer prompt (a huge docstring) would pad its whole batch
+MAX_CHAT = 640  # tokens of a replayed two-turn chat (its first answer is up to 300)
 TOPK = 32  # target log-probabilities kept per position (~200 bytes next to ~5.8 kB of features)
 
 
@@ -144,8 +146,9 @@ def featurize(adapter: TargetAdapter, seqs, batch: int = 4):
 def claim(path: Path, stale_s: float = 1800.0) -> bool:
     """Claim a shard for this process (several may generate one split at once).
 
-    The claim is the shard's temporary directory, created exclusively; one left by a dead
-    process (older than ``stale_s``) is taken over.
+    The claim is the shard's temporary directory, created exclusively; its owner touches it
+    after every batch (``heartbeat``), so one untouched for ``stale_s`` belongs to a dead
+    process and is taken over.
     """
     if path.exists():
         return False
@@ -160,9 +163,20 @@ def claim(path: Path, stale_s: float = 1800.0) -> bool:
         return claim(path, stale_s)
 
 
-def write_shard(path: Path, seqs, prompt_lens) -> None:
-    """Write one claimed shard atomically (into its temporary directory, then rename)."""
+def heartbeat(path: Path) -> None:
+    """Mark a claimed shard as alive (its temporary directory's mtime is the claim's age)."""
     tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        os.utime(tmp)
+
+
+def write_shard(path: Path, seqs, prompt_lens) -> None:
+    """Write one claimed shard atomically (into its temporary directory, then rename); a
+    shard another process finished meanwhile is kept and this copy dropped."""
+    tmp = path.with_name(path.name + ".tmp")
+    if path.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
     tmp.mkdir(parents=True, exist_ok=True)
     lens = [len(s[0]) for s in seqs]
     np.save(tmp / "tokens.npy", np.concatenate([s[0] for s in seqs]))
@@ -174,6 +188,15 @@ def write_shard(path: Path, seqs, prompt_lens) -> None:
     np.save(tmp / "starts.npy", np.cumsum([0] + lens[:-1]).astype(np.int64))
     np.save(tmp / "prompt_lens.npy", np.array(prompt_lens, np.int32))
     tmp.rename(path)
+
+
+def encode(tokenizer, prompt):
+    """A prompt's ids under the chat template (a text is one user turn, a list is the
+    messages), or None when it is too long to batch well."""
+    chat = isinstance(prompt, list)
+    messages = prompt if chat else [{"role": "user", "content": prompt}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return ids if len(ids) <= (MAX_CHAT if chat else MAX_PROMPT) else None
 
 
 def run(
@@ -207,11 +230,8 @@ def run(
     meta = {"layer_ids": list(layer_ids), "max_new": max_new}
     (out / "meta.json").write_text(json.dumps(meta))
     adapter = TargetAdapter(target, layer_ids)
-    encode = lambda p: tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], add_generation_prompt=True
-    )
     texts = (build_prompts(split) if prompts is None else prompts)[:limit]
-    prompts = [ids for ids in map(encode, texts) if len(ids) <= MAX_PROMPT]
+    prompts = [ids for ids in (encode(tokenizer, p) for p in texts) if ids is not None]
     eos = sorted(set(tokenizer.eos_token_ids))
     total = {"tokens": 0, "seconds": 0.0}
     for s0 in range(0, len(prompts), shard_size):
@@ -228,6 +248,7 @@ def run(
             pick = order[b0 : b0 + batch]
             for i, r in zip(pick, generate_batch(adapter, [ids[i] for i in pick], eos, max_new)):
                 seqs[i] = r
+            heartbeat(path)
             log(f"{path.name}: batch {b0 // batch + 1}, {time.time() - t0:.0f} s")
         write_shard(path, seqs, [len(i) for i in ids])
         n = sum(len(s[0]) for s in seqs)

@@ -188,7 +188,53 @@ def build_prompts(split: str = "train", seed: int = 0) -> list[str]:
     return out
 
 
-def pool(split: str = "train") -> list[str]:
+def pool(split: str = "train", tokenizer=None) -> list:
     """Every prompt of a split in a fixed order that only ever grows at its end, so the
-    slices that training rounds reserve (``rounds.round_prompts``) never move."""
-    return build_prompts(split)
+    slices that training rounds reserve (``rounds.round_prompts``) never move: the
+    standard-library and topic prompts, then code instructions and chat requests
+    (``instructions.extra_prompts``), then two-turn chats replaying each finished round's
+    answers (``instructions.follow_ups``; a message list instead of a text), in ledger order.
+
+    Args:
+        split: "train" or "heldout". tokenizer: the target's (loaded when needed and None).
+    """
+    from dflash_mlx.train.instructions import extra_prompts
+
+    held = split == "heldout"
+    base = build_prompts(split)
+    out = base + [p for p in extra_prompts(topics(), set(base)) if is_heldout(p) == held]
+    for path in finished_rounds():
+        if tokenizer is None:
+            from dflash_mlx.loading import load_target
+            from dflash_mlx.train.common import default_target
+
+            tokenizer = load_target(default_target(), quiet=True)[1]
+        out += [c for c in replayed_chats(path, tokenizer) if is_heldout(str(c)) == held]
+    return out
+
+
+def finished_rounds() -> list:
+    """The committed answer files of the rounds in the ledger, in ledger order (a round's
+    file is frozen once its ledger row is written)."""
+    import json
+
+    data = Path(__file__).resolve().parents[2] / "train_data"
+    ledger = data / "ledger.json"
+    rows = json.loads(ledger.read_text()) if ledger.exists() else []
+    rounds = dict.fromkeys(r["round"] for r in rows if r["round"] >= 1)
+    return [data / f"r{r:02d}.npz" for r in rounds if (data / f"r{r:02d}.npz").exists()]
+
+
+def replayed_chats(path: Path, tokenizer) -> list:
+    """The two-turn chats built on one committed answer file (``instructions.follow_ups``)."""
+    import numpy as np
+
+    from dflash_mlx.train.instructions import follow_ups
+
+    z = np.load(path)
+    ends = np.cumsum(z["lengths"])
+    seqs = []
+    for e, n, p in zip(ends, z["lengths"], z["prompt_lens"]):
+        t = z["tokens"][e - n : e]
+        seqs.append((t[:p], t[p:]))
+    return follow_ups(tokenizer, seqs, set(tokenizer.eos_token_ids))

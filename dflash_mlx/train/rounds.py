@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "train_data"
 LEDGER = DATA / "ledger.json"
 ROUND0_PROMPTS = 3000  # the first run (round 0) used the first ~2,700 training prompts
-ROUND_PROMPTS = 1200  # prompts reserved per round after it
+ROUND_PROMPTS = (1200, 2400)  # prompts reserved for round 1, and for each round after it
 MAX_NEW = 512  # answer budget of rounds >= 1 (round 0 capped answers at 192)
 HELDOUT_MAX_NEW = 192  # the fixed held-out set keeps round 0's budget, so tau stays comparable
 VOCAB_CAP = 8192  # draft vocabulary of a drafter that has none yet (docs/algorithm.md §2.6)
@@ -38,7 +38,7 @@ DEMO = REPO / "dflash_mlx" / "demo" / "drafter"
 HELDOUT_PROMPTS = 96  # held-out answers per evaluation (train.drafter.TrainConfig.eval_seqs)
 
 
-def round_prompts(r: int) -> list:
+def round_prompts(r: int, tokenizer=None) -> list:
     """The prompt texts reserved for round r (r >= 1); no two rounds share a prompt.
 
     The training pool is ``prompts.build_prompts("train")`` (a fixed shuffle) followed by
@@ -46,8 +46,9 @@ def round_prompts(r: int) -> list:
     """
     from dflash_mlx.train.prompts import pool
 
-    start = ROUND0_PROMPTS + (r - 1) * ROUND_PROMPTS
-    return pool("train")[start : start + ROUND_PROMPTS]
+    first, later = ROUND_PROMPTS
+    start = ROUND0_PROMPTS + (first + (r - 2) * later if r > 1 else 0)
+    return pool("train", tokenizer)[start : start + (later if r > 1 else first)]
 
 
 def round_dir(work: Path, r: int) -> Path:
@@ -56,8 +57,9 @@ def round_dir(work: Path, r: int) -> Path:
 
 
 def distill_worker(work: Path, r: int, deadline: float) -> None:
-    """One distillation process: helps finish the fixed held-out set, then claims shards of
-    round r until the deadline or until every shard is done."""
+    """One distillation process: helps finish the fixed held-out set (its first
+    ``HELDOUT_PROMPTS`` prompts), then claims shards of round r until the deadline or until
+    every shard is done."""
     from dflash_mlx.loading import load_target
     from dflash_mlx.train.common import default_layer_ids, default_target
     from dflash_mlx.train.distill import run
@@ -73,10 +75,19 @@ def distill_worker(work: Path, r: int, deadline: float) -> None:
         ids,
         "heldout",
         HELDOUT_MAX_NEW,
-        prompts=build_prompts("heldout"),
+        prompts=build_prompts("heldout")[:HELDOUT_PROMPTS],
         **common,
     )
-    run(target, tok, round_dir(work, r), ids, "train", MAX_NEW, prompts=round_prompts(r), **common)
+    run(
+        target,
+        tok,
+        round_dir(work, r),
+        ids,
+        "train",
+        MAX_NEW,
+        prompts=round_prompts(r, tok),
+        **common,
+    )
 
 
 def distill(work: Path, r: int, minutes: float, workers: int = 2) -> None:
