@@ -23,7 +23,7 @@ VOCAB.update({5: "Why", 6: " is", 7: " it", 8: "?", 9: " Because", 10: "```"})
 class FakeTokenizer:
     """ChatML-shaped decode over a tiny vocabulary; the template counts characters."""
 
-    eos_token_ids = [EOS]
+    eos_token_ids = (EOS,)
 
     def decode(self, ids):
         return "".join(VOCAB[i] for i in ids)
@@ -33,7 +33,7 @@ class FakeTokenizer:
 
 
 def test_the_pool_only_grows_at_its_end_and_rounds_never_share_a_prompt(monkeypatch):
-    monkeypatch.setattr(prompts, "finished_rounds", lambda: [])
+    monkeypatch.setattr(prompts, "finished_rounds", list)
     base = prompts.build_prompts("train")
     pool = prompts.pool("train")
     assert pool[: len(base)] == base and len(pool) > len(base)

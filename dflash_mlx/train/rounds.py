@@ -39,10 +39,10 @@ HELDOUT_PROMPTS = 96  # held-out answers per evaluation (train.drafter.TrainConf
 
 
 def round_prompts(r: int, tokenizer=None) -> list:
-    """The prompt texts reserved for round r (r >= 1); no two rounds share a prompt.
+    """The prompts reserved for round r (r >= 1); no two rounds share a prompt.
 
-    The training pool is ``prompts.build_prompts("train")`` (a fixed shuffle) followed by
-    ``prompts.extra_prompts("train")``; round r takes its own slice of it.
+    Round r takes its own slice of the training pool (``prompts.pool``, which only grows at
+    its end): 1,200 prompts for round 1, 2,400 for each later round.
     """
     from dflash_mlx.train.prompts import pool
 
