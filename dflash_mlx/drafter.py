@@ -7,27 +7,29 @@ The drafter owns no embedding and no LM head: both are borrowed from the target.
 
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple, Union
+from collections.abc import Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
+from mlx import nn
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DrafterArgs
 from .conv import TwoTapConv
 from .selector import PathSelector
 
-Offset = Union[int, mx.array]
+Offset = int | mx.array
 PENDING_MAX = 2048  # feature rows a context cache holds unprojected at most
+LOG2E = 1.4426950408889634
 
 
 def embed_block(
     embed: Callable[[mx.array], mx.array],
     ids: mx.array,
     args: DrafterArgs,
-    dtype: Optional[mx.Dtype] = None,
+    dtype: mx.Dtype | None = None,
 ) -> mx.array:
     """The drafter's block input (docs/algorithm.md §2.2), for decoding and training alike:
     the target's token embedding of the block ids, times ``input_embedding_scale``, in the
@@ -49,7 +51,7 @@ def embed_block(
     return emb if dtype is None else emb.astype(dtype)
 
 
-def block_mask(anchors: np.ndarray, context: int, block: int, window: Optional[int]) -> np.ndarray:
+def block_mask(anchors: np.ndarray, context: int, block: int, window: int | None) -> np.ndarray:
     """Attention mask for many blocks drafted at once over one shared context (training,
     teacher-forced evaluation): block j sees the context rows before its anchor (the last
     ``window - 1`` of them on sliding layers) and all of its own rows.
@@ -78,13 +80,25 @@ class ContextCache:
         window: rows to keep, or None to keep all.
     """
 
-    def __init__(self, window: Optional[int] = None):
+    def __init__(self, window: int | None = None):
         self.window = window
-        self.keys: Optional[mx.array] = None  # [1, n_kv, n, head_dim]
-        self.values: Optional[mx.array] = None
+        # Unwindowed rows live in an mlx-lm KVCache (grown in steps, written in place), so
+        # a cycle neither copies the whole context to append nor to attend to it.
+        self._rows = KVCache() if window is None else None
+        self._keys: mx.array | None = None  # windowed: [1, n_kv, n, head_dim]
+        self._values: mx.array | None = None
         self.offset = 0  # rows projected so far == absolute position of the next row
         # Target features [1, n, nT*H] not projected yet (``DFlashDrafter.append_context``)
-        self.pending: List[mx.array] = []
+        self.pending: list[mx.array] = []
+
+    def held(self) -> tuple:
+        """The held (keys, values) [1, n_kv, size, head_dim], or (None, None) when empty."""
+        if self._rows is None:
+            return self._keys, self._values
+        return self._rows.keys_and_values() if self._rows.offset else (None, None)
+
+    keys = property(lambda self: self.held()[0])
+    values = property(lambda self: self.held()[1])
 
     @property
     def pending_rows(self) -> int:
@@ -99,17 +113,37 @@ class ContextCache:
     @property
     def size(self) -> int:
         """Rows currently held."""
-        return 0 if self.keys is None else self.keys.shape[2]
+        if self._rows is not None:
+            return self._rows.offset
+        return 0 if self._keys is None else self._keys.shape[2]
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Add new context rows [1, n_kv, n, head_dim], dropping rows past the window."""
         self.offset += keys.shape[2]
-        if self.keys is not None:
-            keys = mx.concatenate([self.keys, keys], axis=2)
-            values = mx.concatenate([self.values, values], axis=2)
-        if self.window is not None and keys.shape[2] > self.window:
+        if self._rows is not None:
+            self._rows.update_and_fetch(keys, values)
+            return
+        if self._keys is not None:
+            keys = mx.concatenate([self._keys, keys], axis=2)
+            values = mx.concatenate([self._values, values], axis=2)
+        if keys.shape[2] > self.window:
             keys, values = keys[:, :, -self.window :], values[:, :, -self.window :]
-        self.keys, self.values = keys, values
+        self._keys, self._values = keys, values
+
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The held rows followed by a block's rows [1, n_kv, L, head_dim], for one
+        attention call; the block rows are not kept (they are written past the held rows
+        of the buffer and forgotten, so nothing is copied)."""
+        if self._rows is None:
+            if self._keys is None:
+                return keys, values
+            return (
+                mx.concatenate([self._keys, keys], 2),
+                mx.concatenate([self._values, values], 2),
+            )
+        out = self._rows.update_and_fetch(keys, values)
+        self._rows.trim(keys.shape[2])
+        return out
 
     def trim(self, n: int) -> None:
         """Drop the last n rows (pending ones first, then positions offset-n ..). Rows the
@@ -125,15 +159,37 @@ class ContextCache:
                 n = 0
         n = min(n, self.offset)
         self.offset -= n
-        if n >= self.size:
-            self.keys = self.values = None
+        if self._rows is not None:
+            self._rows.trim(n)
+        elif n >= self.size:
+            self._keys = self._values = None
         elif n:
-            self.keys, self.values = self.keys[:, :, :-n], self.values[:, :, :-n]
+            self._keys, self._values = self._keys[:, :, :-n], self._values[:, :, :-n]
 
     @property
     def state(self):
         """Arrays to evaluate."""
-        return [a for a in (self.keys, self.values) if a is not None] + self.pending
+        held = [self._rows.keys, self._rows.values] if self._rows is not None else []
+        held += [self._keys, self._values]
+        return [a for a in held if a is not None] + self.pending
+
+
+def attention(q, k, v, scale: float, mask=None) -> mx.array:
+    """Scaled dot-product attention, q [N, Hq, L, hd] over k, v [N, Hkv, S, hd].
+
+    MLX's fused kernel, except unmasked on the CPU backend: there the softmax's scalar exp
+    dominates at long contexts (28 ns an element, measured), so the query heads of each KV
+    head are grouped into one matmul and the softmax takes powers of 2 (~4x faster).
+    """
+    if mask is not None or mx.default_device() != mx.cpu:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    N, Hq, L, hd = q.shape
+    Hkv = k.shape[1]
+    qg = (q * (scale * LOG2E)).reshape(N, Hkv, (Hq // Hkv) * L, hd)
+    s = qg @ k.swapaxes(-1, -2)  # [N, Hkv, g * L, S], in units of log2
+    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    return (p @ v).reshape(N, Hq, L, hd)
 
 
 class Attention(nn.Module):
@@ -158,7 +214,7 @@ class Attention(nn.Module):
             max_position_embeddings=args.max_position_embeddings,
         )
 
-    def kv(self, x: mx.array, offset: Offset) -> Tuple[mx.array, mx.array]:
+    def kv(self, x: mx.array, offset: Offset) -> tuple[mx.array, mx.array]:
         """Keys and values of rows x [N, L, H] at positions offset.. -> [N, n_kv, L, hd]."""
         N, L, _ = x.shape
         k = self.k_norm(self.k_proj(x).reshape(N, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
@@ -169,7 +225,8 @@ class Attention(nn.Module):
         """Attend from block rows x [N, L, H] to context + block rows.
 
         Args:
-            ctx_kv: (keys, values) of the context [1 or N, n_kv, C, hd], or None.
+            ctx_kv: (keys, values) of the context [1 or N, n_kv, C, hd], its
+                ContextCache (inference: nothing is copied), or None.
             offset: absolute position of block row 0 (int or [N]).
             mask: None (every row sees everything) or [N, 1, L, C + L] bool / additive.
         """
@@ -177,13 +234,15 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(N, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=offset)
         k, v = self.kv(x, offset)
-        if ctx_kv is not None and ctx_kv[0] is not None:
+        if isinstance(ctx_kv, ContextCache):
+            k, v = ctx_kv.with_block(k, v)
+        elif ctx_kv is not None and ctx_kv[0] is not None:
             ck, cv = ctx_kv
             if ck.shape[0] != N:
                 ck = mx.broadcast_to(ck, (N,) + ck.shape[1:])
                 cv = mx.broadcast_to(cv, (N,) + cv.shape[1:])
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
 
 
@@ -249,14 +308,14 @@ class DFlashDrafter(nn.Module):
         if args.is_dflash2:
             self.candidate_selector = PathSelector(H, args.selector_rank, args.vocab_size)
         # Sorted target ids the drafter was trained to score (numpy int32), or None.
-        self.draft_vocab: Optional[np.ndarray] = None
+        self.draft_vocab: np.ndarray | None = None
 
     @property
     def has_selector(self) -> bool:
         """Whether this checkpoint carries a path selector (DFlash 2)."""
         return self.args.is_dflash2
 
-    def make_cache(self) -> List[ContextCache]:
+    def make_cache(self) -> list[ContextCache]:
         """One context cache per layer, windowed for sliding layers."""
         return [ContextCache(self.args.window(i)) for i in range(len(self.layers))]
 
@@ -269,7 +328,7 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.kv(x_ctx, offset) for layer in self.layers]
 
     def append_context(
-        self, features: mx.array, cache: List[ContextCache], lazy: bool = True
+        self, features: mx.array, cache: list[ContextCache], lazy: bool = True
     ) -> None:
         """Add the features [1, n, nT*H] of newly committed tokens to the context caches.
 
@@ -282,7 +341,7 @@ class DFlashDrafter(nn.Module):
         if not lazy or cache[0].pending_rows > PENDING_MAX:
             self.flush_context(cache)
 
-    def flush_context(self, cache: List[ContextCache]) -> None:
+    def flush_context(self, cache: list[ContextCache]) -> None:
         """Project the pending feature rows into every layer's context K/V."""
         if not cache[0].pending:
             return
@@ -295,17 +354,17 @@ class DFlashDrafter(nn.Module):
     def __call__(
         self,
         block_embeds: mx.array,
-        ctx_kv: List[Optional[Tuple[mx.array, mx.array]]],
+        ctx_kv: list,
         offset: Offset,
-        block_size: Optional[int] = None,
-        mask: Optional[mx.array] = None,
+        block_size: int | None = None,
+        mask: mx.array | None = None,
     ) -> mx.array:
         """Run the block rows [N, L, H] through the backbone.
 
         Args:
             block_embeds: embedded [anchor, mask, ...] rows (several blocks may be
                 concatenated along L for training, each block_size rows long).
-            ctx_kv: per layer (keys, values) of the context, or None.
+            ctx_kv: per layer (keys, values) of the context, its ContextCache, or None.
             offset: absolute position of block row 0 (int or [N]).
             block_size: rows per block for the conv taps (default: L).
             mask: optional attention mask [N, 1, L, C + L].
@@ -319,11 +378,10 @@ class DFlashDrafter(nn.Module):
             x = layer(x, kv, offset, block_size, mask)
         return self.norm(x)
 
-    def step(self, block_embeds: mx.array, cache: List[ContextCache]) -> mx.array:
+    def step(self, block_embeds: mx.array, cache: list[ContextCache]) -> mx.array:
         """Inference: one block after the cached context; returns hidden [1, L, H]."""
         self.flush_context(cache)
-        kv = [(c.keys, c.values) for c in cache]
-        return self(block_embeds, kv, cache[0].offset)
+        return self(block_embeds, cache, cache[0].offset)
 
     def logits(self, hidden: mx.array, lm_head) -> mx.array:
         """Target LM head, output multiplier and optional soft-capping; [.., H] -> [.., V]."""

@@ -44,3 +44,43 @@ def test_pending_features_are_bounded(pairs, monkeypatch):
     assert cache[0].pending_rows == 6 and cache[0].offset == 0
     model.drafter.append_context(feats(model, 6, 1), cache)
     assert cache[0].pending_rows == 0 and cache[0].offset == 12  # flushed past the bound
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows", [(4, 2, 1), (9, 3, 300), (4, 4, 37)])
+def test_cpu_attention_equals_the_fused_kernel(heads, kv_heads, rows):
+    k0, k1, k2 = mx.random.split(mx.random.key(3), 3)
+    q = mx.random.normal((1, heads, 8, 16), key=k0)
+    k = mx.random.normal((1, kv_heads, rows + 8, 16), key=k1)
+    v = mx.random.normal((1, kv_heads, rows + 8, 16), key=k2)
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25)
+    with mx.stream(mx.cpu):
+        out = drafter_mod.attention(q, k, v, 0.25)
+    assert mx.allclose(out, ref, atol=1e-5).item()
+
+
+def test_a_step_attends_in_place_and_keeps_no_block_rows(pairs):
+    model, _ = pairs("qwen3", "d2")
+    d = model.drafter
+    cache = d.make_cache()
+    emb = model.embed_block(mx.array([5], mx.uint32), 4)
+    for i, n in enumerate([250, 9, 3]):  # the second append crosses a buffer step
+        d.append_context(feats(model, n, i), cache, lazy=False)
+        size = cache[0].size
+        kv = [(mx.array(c.keys), mx.array(c.values)) for c in cache]
+        ref = d(emb, kv, cache[0].offset)  # the context passed as plain arrays
+        assert mx.allclose(d.step(emb, cache), ref, atol=1e-4).item()
+        assert cache[0].size == size and cache[0].offset == size  # block rows forgotten
+        for c in cache:
+            c.trim(2)
+
+
+def test_a_windowed_context_holds_only_its_window():
+    c = drafter_mod.ContextCache(window=5)
+    rows = lambda n, x: mx.full((1, 1, n, 2), x)
+    c.append(rows(4, 1.0), rows(4, 1.0))
+    c.append(rows(3, 2.0), rows(3, 2.0))
+    assert c.size == 5 and c.offset == 7
+    k, _ = c.with_block(rows(2, 3.0), rows(2, 3.0))
+    assert k.shape[2] == 7 and c.size == 5
+    c.trim(2)
+    assert c.size == 3 and c.offset == 5 and c.keys[0, 0, :, 0].tolist() == [1.0, 1.0, 2.0]
