@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from . import fastmath
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 MIN_TEMPERATURE = 1e-5  # a lower temperature samples as temperature 0 (greedy)
@@ -27,7 +29,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     top_k: int = 0
-    processors: List[LogitsProcessor] = field(default_factory=list)
+    processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self):
         # Below this, 1 / temperature overflows float32 near 1e-39 and the law turns NaN;
@@ -42,7 +44,7 @@ class SamplingParams:
 
 
 def process_rows(
-    logits: mx.array, history: mx.array, drafts: mx.array, processors: List[LogitsProcessor]
+    logits: mx.array, history: mx.array, drafts: mx.array, processors: list[LogitsProcessor]
 ) -> mx.array:
     """Apply logits processors per block row, each seeing the drafts before it.
 
@@ -76,17 +78,21 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
         probabilities [n, V] float32.
     """
     logits = logits.astype(mx.float32)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    filtered = 0 < params.top_p < 1.0 or params.min_p != 0.0
+    if not (filtered or 0 < params.top_k < logits.shape[-1]):
+        # softmax is shift-invariant: normalising the log-probs first changes nothing
+        return fastmath.softmax(logits * (1.0 / params.temperature))
+    logprobs = logits - fastmath.logsumexp(logits)
     if 0 < params.top_p < 1.0:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p)
     if 0 < params.top_k < logprobs.shape[-1]:  # top_k >= the vocabulary keeps every token
         logprobs = apply_top_k(logprobs, params.top_k)
-    return mx.softmax(logprobs * (1.0 / params.temperature), axis=-1, precise=True)
+    return fastmath.softmax(logprobs * (1.0 / params.temperature))
 
 
-def accept_greedy(logits: mx.array, drafts: mx.array) -> Tuple[mx.array, mx.array]:
+def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
     """Greedy verification.
 
     Args:
@@ -102,7 +108,7 @@ def accept_greedy(logits: mx.array, drafts: mx.array) -> Tuple[mx.array, mx.arra
 
 def accept_sampled(
     p: mx.array, drafts: mx.array, q: mx.array, key: mx.array
-) -> Tuple[mx.array, mx.array]:
+) -> tuple[mx.array, mx.array]:
     """Lossless rejection sampling over one block (vectorised, no host sync).
 
     Accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw from
@@ -145,6 +151,6 @@ def proposal_full(q: mx.array, cand: mx.array, vocab: int) -> mx.array:
     return mx.put_along_axis(rows, cand.astype(mx.int32), q.astype(mx.float32), axis=-1)
 
 
-def sample_rows(p: mx.array, key: Optional[mx.array] = None) -> mx.array:
+def sample_rows(p: mx.array, key: mx.array | None = None) -> mx.array:
     """Draw one token per row of probabilities [n, V]."""
     return mx.random.categorical(mx.log(p), key=key).astype(mx.uint32)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
 
 import mlx.core as mx
 
+from . import fastmath
 from .acceptance import (
     SamplingParams,
     accept_greedy,
@@ -46,11 +47,11 @@ class Cycle:
         timings: seconds per stage when profiling.
     """
 
-    tokens: List[int]
+    tokens: list[int]
     accepted: int = 0
     drafted: int = 0
     prompt_tokens: int = 0
-    timings: Dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 class _Clock:
@@ -82,7 +83,7 @@ def _propose(model, logits, hidden, anchor, params, use_selector, key):
         return toks[0].astype(mx.uint32), q_full
     if params.greedy:
         return model.to_target(mx.argmax(logits[0], axis=-1)), None
-    q = mx.softmax(logits[0].astype(mx.float32) / params.temperature, axis=-1, precise=True)
+    q = fastmath.softmax(logits[0].astype(mx.float32) / params.temperature)
     if head is None:
         return sample_rows(q, key), q
     ids = mx.broadcast_to(head.ids, q.shape)  # [L, V']
@@ -99,12 +100,12 @@ def prefill_chunk(step_size: int) -> int:
 
 def prefill(
     model: DFlashModel,
-    prompt: List[int],
+    prompt: list[int],
     cache: PromptCache,
     params: SamplingParams,
     key: mx.array,
     step_size: int = 2048,
-) -> Tuple[Cycle, mx.array]:
+) -> tuple[Cycle, mx.array]:
     """Run the uncached part of the prompt through the target, feed its features to the
     drafter's context, and choose the first token.
 
@@ -180,10 +181,10 @@ def cycle(
     model: DFlashModel,
     cache: PromptCache,
     params: SamplingParams,
-    history: List[int],
+    history: list[int],
     block_size: int,
     use_selector: bool,
-    keys: Tuple[mx.array, mx.array],
+    keys: tuple[mx.array, mx.array],
     profile: bool = False,
 ) -> Cycle:
     """One draft - select - verify - accept step after ``history`` (its last id is the anchor).
@@ -222,7 +223,7 @@ def plain_steps(
     model: DFlashModel,
     cache: PromptCache,
     params: SamplingParams,
-    history: List[int],
+    history: list[int],
     n: int,
     key: mx.array,
 ) -> Iterator[Cycle]:
@@ -238,7 +239,7 @@ def plain_steps(
         history: committed ids; the last is fed first. n: steps. key: PRNG key.
     """
     adapter = model.adapter
-    feats: List[mx.array] = []
+    feats: list[mx.array] = []
 
     def step(tok: mx.array, k) -> mx.array:
         logits, f = adapter(tok.reshape(1, 1), cache.target)
@@ -279,14 +280,14 @@ def plain_steps(
 
 def decode(
     model: DFlashModel,
-    prompt: List[int],
+    prompt: list[int],
     cache: PromptCache,
     params: SamplingParams,
     *,
     max_tokens: int,
     block_size: int,
     use_selector: bool = True,
-    key: Optional[mx.array] = None,
+    key: mx.array | None = None,
     prefill_step_size: int = 2048,
     profile: bool = False,
     scheduler=None,
@@ -374,7 +375,7 @@ def warm_up(model: DFlashModel, context: int = 48) -> Tuning:
     return model.tuning
 
 
-def warm_up_blocks(B: int) -> List[int]:
+def warm_up_blocks(B: int) -> list[int]:
     """The speculative blocks ``warm_up`` times: every one up to 8, then every other one
     (the live timings refine the rest), and always the checkpoint's block B."""
     return sorted({b for b in range(2, B + 1) if b <= 8 or b % 2 == 0} | {B})

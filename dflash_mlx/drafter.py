@@ -16,13 +16,13 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import fastmath
 from .config import DrafterArgs
 from .conv import TwoTapConv
 from .selector import PathSelector
 
 Offset = int | mx.array
 PENDING_MAX = 2048  # feature rows a context cache holds unprojected at most
-LOG2E = 1.4426950408889634
 
 
 def embed_block(
@@ -181,11 +181,11 @@ def attention(q, k, v, scale: float, mask=None) -> mx.array:
     dominates at long contexts (28 ns an element, measured), so the query heads of each KV
     head are grouped into one matmul and the softmax takes powers of 2 (~4x faster).
     """
-    if mask is not None or mx.default_device() != mx.cpu:
+    if mask is not None or not fastmath.on_cpu():
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     N, Hq, L, hd = q.shape
     Hkv = k.shape[1]
-    qg = (q * (scale * LOG2E)).reshape(N, Hkv, (Hq // Hkv) * L, hd)
+    qg = (q * (scale * fastmath.LOG2E)).reshape(N, Hkv, (Hq // Hkv) * L, hd)
     s = qg @ k.swapaxes(-1, -2)  # [N, Hkv, g * L, S], in units of log2
     p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
     p = p / p.sum(axis=-1, keepdims=True)
