@@ -134,7 +134,7 @@ def accept_sampled(
     p_row, q_row = p[n_acc], Q[n_acc]
     resid = mx.maximum(p_row - q_row, 0.0)
     resid = mx.where(resid.sum() > 0, resid, p_row)
-    bonus = mx.random.categorical(mx.log(resid), key=k_bonus).astype(mx.uint32)
+    bonus = sample_rows(resid, k_bonus)
     return n_acc, bonus
 
 
@@ -152,5 +152,12 @@ def proposal_full(q: mx.array, cand: mx.array, vocab: int) -> mx.array:
 
 
 def sample_rows(p: mx.array, key: mx.array | None = None) -> mx.array:
-    """Draw one token per row of probabilities [n, V]."""
-    return mx.random.categorical(mx.log(p), key=key).astype(mx.uint32)
+    """Draw one token per row of (possibly unnormalised) probabilities [.., V] by inverse
+    CDF: no log over the vocabulary (scalar on MLX's CPU backend), and a zero-probability
+    token is never drawn."""
+    p = p.astype(mx.float32)
+    cdf = mx.cumsum(p, axis=-1)  # [.., V]
+    x = mx.random.uniform(shape=p.shape[:-1] + (1,), key=key) * cdf[..., -1:]
+    # x rounds up to the total at most once in 2^24 draws: never past the last positive p
+    last = mx.max(mx.where(p > 0, mx.arange(p.shape[-1]), 0), axis=-1)
+    return mx.minimum((cdf <= x).sum(axis=-1), last).astype(mx.uint32)

@@ -4,11 +4,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-from dflash_mlx.acceptance import SamplingParams, accept_sampled, target_probs
-from dflash_mlx.decode import decode
 from scripted import Scripted
 from tiny_models import eight_token_pair
+
+from dflash_mlx.acceptance import SamplingParams, accept_sampled, sample_rows, target_probs
+from dflash_mlx.decode import decode
 
 
 def tv(a, b):
@@ -158,3 +158,15 @@ def test_end_to_end_sampling_matches_the_target_law(
     emp2 = [sum(s[1:3] == k for s in samples) / trials for k in keys]
     assert tv(emp2, [exact2.get(k, 0) for k in keys]) < 0.12
     assert all(k in exact2 for k in {s[1:3] for s in samples})  # no impossible pair drawn
+
+
+def test_inverse_cdf_draws_match_the_probabilities_and_skip_zeros():
+    # unnormalised (a residual), zeros inside and at the end
+    p = mx.array([[0.0, 1.0, 0.0, 0.5, 0.5, 0.0], [0.3, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    n = 100_000
+    draws = np.array(sample_rows(mx.repeat(p, n, axis=0), mx.random.key(7))).reshape(2, n)
+    want = np.array(p) / np.array(p).sum(-1, keepdims=True)
+    for row, w in zip(draws, want):
+        freq = np.bincount(row, minlength=6) / n
+        assert (freq[w == 0] == 0).all()
+        assert np.abs(freq - w).max() < 5 * np.sqrt(0.25 / n)
