@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from dflash_mlx import fastmath
 from dflash_mlx.target import TargetAdapter
 from dflash_mlx.train.prompts import build_prompts
 
@@ -49,12 +50,44 @@ def top_logprobs(logits: mx.array, k: int = TOPK):
         (ids [B, L, k] int32, log-probs [B, L, k] float16), best first.
     """
     logits = logits.astype(mx.float32)
-    lse = mx.logsumexp(logits, axis=-1, keepdims=True)
+    lse = fastmath.logsumexp(logits)
     part = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [B, L, k] unordered
     vals = mx.take_along_axis(logits, part, axis=-1)
     order = mx.argsort(-vals, axis=-1)
     ids = mx.take_along_axis(part, order, axis=-1).astype(mx.int32)
     return ids, (mx.take_along_axis(vals, order, axis=-1) - lse).astype(mx.float16)
+
+
+def _decode_rows(adapter: TargetAdapter, cache, first, eos, max_new: int):
+    """Greedy decoding after a batched prefill; a row leaves the batch (``filter``) once it
+    emits an EOS, so long answers never keep finished ones computing.
+
+    Returns:
+        (answers: B lists of ids, steps: per decode step (the rows it ran, in order, and
+        their features [n, D] float16, top-k ids [n, k], top-k log-probs [n, k])).
+    """
+    B = len(first)
+    gen = [[int(t)] for t in first]
+    active = np.arange(B)
+    tok, steps = mx.array(first.reshape(-1, 1)), []
+    for _ in range(max_new - 1):
+        keep = np.array([gen[b][-1] not in eos for b in active])
+        if not keep.all():
+            if not keep.any():
+                break
+            idx = mx.array(np.flatnonzero(keep))
+            for c in cache:
+                c.filter(idx)
+            active, tok = active[keep], tok[idx]
+        logits, feats = adapter(tok, cache)
+        tok = mx.argmax(logits[:, -1:], axis=-1)
+        ids, lp = top_logprobs(logits)
+        feats = mx.clip(feats, -FP16_MAX, FP16_MAX).astype(mx.float16)
+        mx.eval(tok, feats, ids, lp)
+        steps.append((active, np.array(feats[:, 0]), np.array(ids[:, 0]), np.array(lp[:, 0])))
+        for b, t in zip(active, np.array(tok)[:, 0].tolist()):
+            gen[b].append(t)
+    return gen, steps
 
 
 def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
@@ -68,7 +101,7 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
         list of (tokens, teacher, feats float16, topk ids, topk log-probs) per prompt,
         trimmed after its EOS.
     """
-    B, L = len(prompts), max(len(p) for p in prompts)
+    L = max(len(p) for p in prompts)
     pad = [L - len(p) for p in prompts]
     x = mx.array([[0] * n + p for n, p in zip(pad, prompts)])
     cache = [BatchKVCache(pad) for _ in adapter.inner.layers]
@@ -86,30 +119,24 @@ def generate_batch(adapter: TargetAdapter, prompts, eos, max_new: int):
         logits, feats = adapter(x[:, c : c + PREFILL_CHUNK], cache)
         teach.append(mx.argmax(logits, axis=-1))
         mx.eval(teach[-1], *record(logits, feats))
-    teach = mx.concatenate(teach, axis=1)  # [B, L]
-    tok = teach[:, -1:]
-    toks, done = [np.array(tok)], np.zeros(B, bool)
-    for _ in range(max_new - 1):
-        done |= np.isin(toks[-1][:, 0], eos)
-        if done.all():
-            break
-        logits, feats = adapter(tok, cache)
-        tok = mx.argmax(logits[:, -1:], axis=-1)
-        mx.async_eval(tok, *record(logits, feats))
-        toks.append(np.array(tok))
-    gen = np.concatenate(toks, axis=1)  # [B, steps]
-    F = np.array(mx.concatenate(feat_parts, axis=1))  # [B, L + steps - 1, D]
-    KI = np.array(mx.concatenate(tk_ids, axis=1))  # [B, L + steps - 1, k]
-    KL = np.array(mx.concatenate(tk_lp, axis=1))
-    T = np.concatenate([np.array(teach), gen[:, 1:]], axis=1)
+    teach = np.array(mx.concatenate(teach, axis=1))  # [B, L]
+    F, KI, KL = (np.array(mx.concatenate(a, axis=1)) for a in (feat_parts, tk_ids, tk_lp))
+    gen, steps = _decode_rows(adapter, cache, teach[:, -1], eos, max_new)
     out = []
     for b, p in enumerate(prompts):
-        g = gen[b].tolist()
+        g = gen[b]
         n = next((i + 1 for i, t in enumerate(g) if t in eos), len(g))
-        fed = len(p) + n - 1
         tokens = np.array(p + g[:n], np.int32)
-        rows = slice(pad[b], pad[b] + fed)
-        out.append((tokens, T[b, rows], F[b, rows], KI[b, rows], KL[b, rows]))
+        # rows fed: the prompt (from its padding on), then answer tokens 0 .. n-2
+        mine = [r for r in steps if b in r[0]][: n - 1]
+        at = [int(np.searchsorted(r[0], b)) for r in mine]
+        parts = [(F, KI, KL)[j][b, pad[b] :] for j in range(3)]
+        rows = [
+            np.concatenate([parts[j]] + [r[j + 1][i : i + 1] for r, i in zip(mine, at)])
+            for j in range(3)
+        ]
+        T = np.concatenate([teach[b, pad[b] :], np.array(g[1:n], teach.dtype)])
+        out.append((tokens, T, *rows))
     return out
 
 
