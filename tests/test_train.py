@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
+from tiny_models import build_target
 
 from dflash_mlx.bench_prompts import CHAT, CODE
 from dflash_mlx.checkpoint import load_drafter
@@ -15,7 +16,6 @@ from dflash_mlx.train import distill
 from dflash_mlx.train.data import ShardSet, build_batch
 from dflash_mlx.train.drafter import TrainConfig, train
 from dflash_mlx.train.prompts import build_prompts, chat_prompts, is_heldout
-from tiny_models import build_target
 
 PROMPTS = ["def parse_args(argv):", "Explain import os.", "class Foo:", "Hello world!"] * 3
 
@@ -66,7 +66,7 @@ def test_training_prompts_are_split_deterministically_and_exclude_the_bench_prom
 
 
 def test_distilled_shards_hold_the_targets_greedy_answers_and_their_features(tiny):
-    root, target, tok, data = tiny
+    _root, target, _tok, data = tiny
     shards = ShardSet(data / "train")
     assert len(shards.seqs) == len(PROMPTS)
     s = shards.seqs[0]
@@ -93,7 +93,7 @@ def test_batches_label_each_row_with_the_next_answer_token_and_mask_the_end(tiny
 
 
 def test_soft_labels_are_the_targets_top_k_at_each_label_position(tiny):
-    root, target, tok, data = tiny
+    _root, _target, _tok, data = tiny
     shards = ShardSet(data / "train")
     assert shards.has_soft
     blk = build_batch(shards, [0, 1], 3, 4, 1, np.random.default_rng(0), None, soft_k=8)
@@ -108,7 +108,7 @@ def test_soft_labels_are_the_targets_top_k_at_each_label_position(tiny):
 def test_warm_start_reproduces_a_released_drafter_on_standardized_features(tiny):
     from dflash_mlx.train.common import init_drafter, warm_start
 
-    root, target, tok, data = tiny
+    root, target, _tok, data = tiny
     out = root / "warm"
     train(
         target,
@@ -128,7 +128,7 @@ def test_warm_start_reproduces_a_released_drafter_on_standardized_features(tiny)
 
 
 def test_training_learns_saves_the_released_format_and_resumes(tiny):
-    root, target, tok, data = tiny
+    root, target, _tok, data = tiny
     out = root / "drafter"
     logs = []
     cfg = TrainConfig(steps=40, seqs=4, n_blocks=4, eval_seqs=4, lr=3e-3, warmup=5)
@@ -148,7 +148,7 @@ def test_training_learns_saves_the_released_format_and_resumes(tiny):
 
 
 def test_released_drafter_reads_raw_features_the_scale_is_folded_into_fc(tiny):
-    root, target, tok, data = tiny
+    root, target, _tok, data = tiny
     out = root / "scaled"
     cfg = TrainConfig(steps=3, seqs=2, n_blocks=2, eval_seqs=2, warmup=1)
     train(target, data, out, cfg, shape=dict(TINY_SHAPE), log=lambda m: None)
@@ -169,7 +169,7 @@ def test_committed_token_ids_rebuild_the_same_shards_by_prefill(tiny, tmp_path):
     from dflash_mlx.target import TargetAdapter
     from dflash_mlx.train import rounds
 
-    root, target, tok, data = tiny
+    _root, target, _tok, data = tiny
     n = rounds.export(data / "train", tmp_path / "r01.npz")
     shards = ShardSet(data / "train")
     assert n == shards.tokens  # answer tokens
@@ -203,7 +203,7 @@ def test_ledger_rows_render_into_the_model_card_table(tmp_path, monkeypatch):
 
 
 def test_a_round_warm_starts_trains_its_draft_vocab_and_reports_its_baseline(tiny):
-    root, target, tok, data = tiny
+    root, target, _tok, data = tiny
     base = root / "base"
     cfg = TrainConfig(steps=4, seqs=2, n_blocks=2, eval_seqs=4, warmup=1)
     train(target, data, base, cfg, shape=dict(TINY_SHAPE), log=lambda m: None)
@@ -226,3 +226,23 @@ def test_a_round_warm_starts_trains_its_draft_vocab_and_reports_its_baseline(tin
     adapter = TargetAdapter(target, load_drafter(base).args.target_layer_ids)
     ev = evaluate(load_drafter(base, mx.float32), adapter, held, picks, anchors, vocab)
     assert ev["tau_selector"] == pytest.approx(first["tau_selector"], abs=0.05)
+
+
+def test_the_best_evaluation_is_kept_with_its_drafter(tiny):
+    root, target, _tok, data = tiny
+    out = root / "best_run"
+    cfg = TrainConfig(steps=6, seqs=2, n_blocks=2, eval_seqs=4, warmup=1, eval_every_s=0.0)
+    summary = train(target, data, out, cfg, shape=dict(TINY_SHAPE), log=lambda m: None)
+    hist = json.loads((out / "train_state" / "state.json").read_text())["history"]
+    best = max(hist, key=lambda h: h["tau_selector"])  # the first of equals
+    assert summary["best"]["step"] == best["step"] and len(hist) > 2
+    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.train.data import eval_anchors
+    from dflash_mlx.train.evaluate import evaluate
+
+    held = ShardSet(data / "heldout")
+    picks, anchors = eval_anchors(held, 4, 4)
+    kept = load_drafter(out / "best", mx.float32)
+    adapter = TargetAdapter(target, kept.args.target_layer_ids)
+    ev = evaluate(kept, adapter, held, picks, anchors, load_drafter(out).draft_vocab)
+    assert ev["tau_selector"] == pytest.approx(best["tau_selector"], abs=0.05)

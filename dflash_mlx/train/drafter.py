@@ -268,24 +268,29 @@ class Trainer:
         return max(frac, self.st["step"] / c.steps if c.steps else 0.0)
 
     def evaluate(self) -> dict:
-        """Held-out teacher-forced tau, logged and kept in the run's history."""
+        """Held-out teacher-forced tau, logged and kept in the run's history; the best
+        drafter so far (selector tau) is also written to ``out/best``."""
         ev = evaluate(
             self.drafter, self.adapter, self.held, self.picks, self.anchors, self.vocab_ids
         )
         self.st["history"].append({"step": self.st["step"], **ev})
         self.log(f"eval step {self.st['step']}: " + json.dumps(ev))
+        if ev["tau_selector"] > self.st.get("best", {}).get("tau_selector", -1.0):
+            self.st["best"] = {"step": self.st["step"], **ev}
+            self.publish(self.out / "best", state=False)
         return ev
 
-    def publish(self) -> None:
+    def publish(self, dest: Path | None = None, state: bool = True) -> None:
         """Save the resumable state and the drafter in the released format (with the
         feature scale folded into ``fc``, so it reads raw target features)."""
         self.st["elapsed_s"] = time.time() - self.t0
-        save_checkpoint(self.out / "train_state", self.drafter, self.opt, self.st)
-        np.save(self.out / "train_state" / "feature_scale.npy", self.scale)
+        if state:
+            save_checkpoint(self.out / "train_state", self.drafter, self.opt, self.st)
+            np.save(self.out / "train_state" / "feature_scale.npy", self.scale)
         w = self.drafter.fc.weight
         self.drafter.fc.weight = w / mx.array(self.scale)[None, :]  # [H, D] / [1, D]
         try:
-            save_drafter(self.out, self.drafter, self.config, draft_vocab=self.vocab_ids)
+            save_drafter(dest or self.out, self.drafter, self.config, draft_vocab=self.vocab_ids)
         finally:
             self.drafter.fc.weight = w
 
@@ -313,8 +318,9 @@ def train(
             vocabulary to train and ship (default: the data's shortlist).
 
     Returns:
-        {"step", "final" (the last evaluation), "first" (the one at step 0, before any
-        update, when this run started there), "wall_s", "params", "vocab"}.
+        {"step", "final" (the last evaluation), "best" (the best one, its drafter in
+        ``out/best``), "first" (the one at step 0, before any update, when this run
+        started there), "wall_s", "params", "vocab"}.
     """
     run = Trainer(target, data_dir, out, cfg or TrainConfig(), shape, resume, log, init, vocab)
     st, losses, t_start, s_start = run.st, [], time.time(), run.st["step"]
@@ -341,6 +347,7 @@ def train(
     params = sum(v.size for _, v in tree_flatten(run.drafter.parameters()))
     first = next((h for h in st["history"] if h["step"] == 0), None)
     summary = {"step": st["step"], "final": final, "first": first, "wall_s": st["elapsed_s"]}
+    summary["best"] = st["best"]
     summary.update(
         params=params, vocab=len(run.vocab_ids), blocks_per_s=blocks_per_s(run, s_start, t_start)
     )
@@ -383,15 +390,8 @@ def main(argv=None) -> None:
         "mask_token_id": tok.convert_tokens_to_ids(a.mask_token),
         "rope_theta": target.args.rope_theta,
     }
-    cfg = TrainConfig(
-        minutes=a.minutes,
-        steps=a.steps,
-        lr=a.lr,
-        seqs=a.seqs,
-        n_blocks=a.blocks,
-        vocab_cap=a.vocab_cap,
-        eval_every_s=a.eval_every,
-    )
+    cfg = TrainConfig(a.minutes, a.steps, a.seqs, a.blocks, a.lr)
+    cfg.vocab_cap, cfg.eval_every_s = a.vocab_cap, a.eval_every
     train(target, a.data, a.out, cfg, shape, a.resume)
 
 

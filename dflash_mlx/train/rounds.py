@@ -203,7 +203,7 @@ def train_round(work: Path, r: int, minutes: float, log=print) -> dict:
         V = target.args.vocab_size
         vocab = calibrated_vocab(ShardSet(roots).label_counts(V), VOCAB_CAP, tok, V)
     out = round_dir(work, r) / "drafter"
-    cfg = TrainConfig(minutes=minutes, lr=1e-3, warmup=30, vocab_cap=VOCAB_CAP, eval_every_s=1e9)
+    cfg = TrainConfig(minutes=minutes, lr=1e-3, warmup=30, vocab_cap=VOCAB_CAP, eval_every_s=600)
     shape = {"mask_token_id": shipped.args.mask_token_id, "rope_theta": target.args.rope_theta}
     resume = (out / "train_state" / "state.json").exists()
     held = Path(work) / "heldout" / "heldout"
@@ -211,11 +211,12 @@ def train_round(work: Path, r: int, minutes: float, log=print) -> dict:
 
 
 def publish_if_better(work: Path, r: int, summary: dict) -> bool:
-    """Replace the shipped drafter with round r's when held-out selector tau improved."""
-    first, final = summary.get("first"), summary["final"]
-    if first is None or final["tau_selector"] <= first["tau_selector"]:
+    """Replace the shipped drafter with round r's best evaluated one when its held-out
+    selector tau beats the shipped drafter's."""
+    first, best = summary.get("first"), summary["best"]
+    if first is None or best["tau_selector"] <= first["tau_selector"]:
         return False
-    src = round_dir(work, r) / "drafter"
+    src = round_dir(work, r) / "drafter" / "best"
     for name in ("config.json", "model.safetensors"):
         shutil.copyfile(src / name, DEMO / name)
     return True
@@ -248,7 +249,8 @@ def run_round(
         "total_tokens": total,
         "steps": summary["step"],
         "cpu_minutes": round((d_proc + 2 * summary["wall_s"]) / 60, 1),
-        "heldout": summary["final"],
+        "heldout": summary["best"],
+        "best_step": summary["best"]["step"],
         "baseline": summary["first"],
         "shipped": shipped,
         "distill_tok_s": round(new / max(d_wall, 1e-9), 1),
