@@ -249,7 +249,8 @@ def run_round(
         "total_tokens": total,
         "steps": summary["step"],
         "cpu_minutes": round((d_proc + 2 * summary["wall_s"]) / 60, 1),
-        "heldout": summary["best"],
+        # the round's own drafter: its best evaluation after training started
+        "heldout": summary["best"] if summary["best"]["step"] else summary["final"],
         "best_step": summary["best"]["step"],
         "baseline": summary["first"],
         "shipped": shipped,
