@@ -6,7 +6,10 @@ MLX's Linux wheel bundles the reference BLAS, with which a forward of 8 tokens c
 MLX's ``cblas_sgemm`` calls resolve to it: about 9x faster, no LD_PRELOAD, no re-exec.
 ``OPENBLAS_CORETYPE`` is never set (forcing SkylakeX crashes CPUs without AVX-512).
 
-``DFLASH_SYSTEM_BLAS=0`` turns the loading off. Nothing here imports MLX except
+In front of whichever BLAS MLX gets, the few-row kernel (``small_gemm.py``) is loaded
+first, so decoding's 1-16-row matmuls are its own and every other call goes to that BLAS.
+
+``DFLASH_SYSTEM_BLAS=0`` turns the OpenBLAS loading off. Nothing here imports MLX except
 :func:`measure`, which reports the BLAS actually in use by timing a matmul.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import os
 import sys
 import time
@@ -50,7 +54,8 @@ def candidates() -> list[str]:
 
 
 def load_system_blas() -> str | None:
-    """Load the first system OpenBLAS found with RTLD_GLOBAL (Linux only, once).
+    """Load the first system OpenBLAS found with RTLD_GLOBAL (Linux only, once), with the
+    few-row kernel in front of it (or of the wheel's BLAS when there is none).
 
     Returns:
         the path loaded, or None (not Linux, turned off, none installed, or MLX was
@@ -59,19 +64,46 @@ def load_system_blas() -> str | None:
     if _loaded["tried"]:
         return _loaded["path"]
     _loaded["tried"] = True
-    if not sys.platform.startswith("linux") or os.environ.get(ENV, "1") == "0":
+    if not sys.platform.startswith("linux"):
+        return None
+    from . import small_gemm
+
+    if os.environ.get(ENV, "1") == "0":
+        _front_bundled_blas(small_gemm)
         return None
     for path in candidates():
         if path.startswith("/") and not Path(path).exists():
             continue
         try:
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            ctypes.CDLL(path)  # loadable? (local scope: the few-row kernel must come first)
         except OSError as e:
             _loaded["error"] = f"{path}: {e}"
             continue
+        small_gemm.load(path)
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
         _loaded["path"] = path
         return path
+    _front_bundled_blas(small_gemm)
     return None
+
+
+def bundled_blas() -> str | None:
+    """The reference BLAS the ``mlx[cpu]`` wheel ships (``mlx_cpu.libs/libblas-*.so*``),
+    found without importing MLX; None when absent."""
+    spec = importlib.util.find_spec("mlx")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted((Path(d).parent / "mlx_cpu.libs").glob("libblas*.so*"))
+        if found:
+            return str(found[0])
+    return None
+
+
+def _front_bundled_blas(small_gemm) -> None:
+    """Without OpenBLAS the few-row kernel still takes decoding's matmuls (the reference
+    BLAS costs ~M single-row products for M rows) and hands the rest to the wheel's BLAS."""
+    path = bundled_blas()
+    if path:
+        small_gemm.load(path)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -91,9 +123,11 @@ def measure(repeats: int = 5) -> dict:
 
     Returns:
         {"name", "matmul_ms" (an [8, 1024] x [1024, 4096] product), "ratio" (its time over
-        one row's), "fast", "library"}.
+        one row's), "fast", "library", "small_gemm" (the few-row kernel's path or None)}.
     """
     import mlx.core as mx
+
+    from . import small_gemm
 
     w = mx.random.normal((1024, 4096))
     a8, a1 = mx.random.normal((8, 1024)), mx.random.normal((1, 1024))
@@ -103,6 +137,7 @@ def measure(repeats: int = 5) -> dict:
     ratio = ms8 / max(ms1, 1e-6)
     fast = ratio < FAST_RATIO
     path = _loaded["path"]
+    kernel = small_gemm.status()["path"]
     if sys.platform == "darwin":
         name = "Accelerate"
     elif fast:
@@ -111,10 +146,13 @@ def measure(repeats: int = 5) -> dict:
         name = f"reference BLAS (mlx wheel): {path} was loaded after mlx; import dflash_mlx first"
     else:
         name = "reference BLAS (mlx wheel); install libopenblas0-pthread for ~9x faster matmuls"
+    if kernel:
+        name += " + dflash few-row kernel"
     return {
         "name": name,
         "matmul_ms": round(ms8, 2),
         "ratio": round(ratio, 2),
         "fast": fast,
         "library": path,
+        "small_gemm": kernel,
     }

@@ -21,24 +21,12 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-ENV_DIR, ENV_OFF = "DFLASH_CACHE_DIR", "DFLASH_CACHE"
+from .cachedir import ENV_DIR, ENV_OFF, cache_dir, enabled  # noqa: F401  (the public names)
+
 MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
 COSTS_VERSION = 2  # 2: every block width timed
 GGUF_LAYOUT = "f16+tokenizer.json"  # what an entry holds; a new layout makes new entries
-
-
-def enabled() -> bool:
-    """False when ``DFLASH_CACHE=0`` (or off / false / no) turns the caches off."""
-    return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
-
-
-def cache_dir() -> Path:
-    """The cache folder (see the module docstring); not created here."""
-    if os.environ.get(ENV_DIR):
-        return Path(os.path.expanduser(os.environ[ENV_DIR]))
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dflash-mlx"
 
 
 def identity(*paths, tag: str = "") -> str:
@@ -170,14 +158,28 @@ def _prune(entry: Path, source: str) -> None:
 # ------------------------------------------------------------------ warm-up step costs
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), so that a disk moved to another CPU measures afresh."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
 def _machine() -> str:
     import mlx.core as mx
 
+    from . import small_gemm
     from .blas import _loaded
 
     return "|".join(
-        [platform.node(), platform.machine(), platform.processor(), str(os.cpu_count())]
+        [platform.node(), platform.machine(), _cpu_model(), str(os.cpu_count())]
         + [str(mx.default_device()), mx.__version__, str(_loaded.get("path"))]
+        + [str(small_gemm.status()["path"])]
     )
 
 

@@ -22,6 +22,9 @@ _CACHE = tempfile.mkdtemp(prefix="dflash-test-cache-")
 os.environ["DFLASH_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
 
+# The package before MLX: MLX then binds the system OpenBLAS and the few-row kernel, so the
+# parity and sampling-law tests run through the same matmuls as a user's decode.
+import dflash_mlx  # noqa: E402,F401
 from tiny_models import build_drafter, build_target  # noqa: E402
 
 

@@ -152,6 +152,7 @@ def test_pyproject_lists_every_package():
     found = {n for n, f in _modules().items() if f.name == "__init__.py"}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
     assert cfg["package-dir"]["dflash_mlx.metal"] == "metal"
+    assert cfg["package-dir"]["dflash_mlx.cpu"] == "cpu"
 
 
 def _can_build_offline() -> bool:
@@ -164,14 +165,14 @@ def _can_build_offline() -> bool:
     return int(setuptools.__version__.split(".")[0]) >= 77  # PEP 639 license string
 
 
-def test_wheel_carries_the_metal_sources(tmp_path):
+def test_wheel_carries_the_metal_and_cpu_kernel_sources(tmp_path):
     """Build a wheel (a few seconds) from a copy of the sources and look inside."""
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("dflash_mlx", "metal"):
+    for name in ("dflash_mlx", "metal", "cpu"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     cmd = [
         sys.executable,
@@ -197,3 +198,4 @@ def test_wheel_carries_the_metal_sources(tmp_path):
     for body in bodies:
         assert f"dflash_mlx/metal/{body}" in names
     assert "dflash_mlx/metal_kernel.py" in names and "dflash_mlx/cli/app.py" in names
+    assert "dflash_mlx/cpu/small_gemm.c" in names and "dflash_mlx/small_gemm.py" in names

@@ -1,0 +1,154 @@
+"""A few-row float32 matmul in front of the system OpenBLAS (Linux), built on first use.
+
+Decoding multiplies 1-16 rows by each weight (a plain step, a verify, the drafter). OpenBLAS
+packs the whole weight for such an ``x @ W.T`` and reads it about three times: an
+[8, 576] x [576, 49152] head costs ~26 ms where one pass over the weight takes ~9. The kernel
+in ``cpu/small_gemm.c`` reads each weight row once for all rows and sums every dot product in
+an order that depends only on K, so a token's logits are the same bits in a plain step and in
+a verify. Loaded with RTLD_GLOBAL before MLX, its ``cblas_sgemm`` is the one MLX binds to;
+it takes row-major ``A @ B^T`` products with at most :data:`MAX_ROWS` rows and hands every
+other call to the real OpenBLAS.
+
+It is compiled once per source, compiler and CPU (``cc -O3 -march=native``, the CPU it runs
+on) into the cache folder. No compiler, a failed build or ``DFLASH_SMALL_GEMM=0``: MLX uses
+OpenBLAS directly, as before. Nothing here imports MLX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from . import cachedir
+
+ENV = "DFLASH_SMALL_GEMM"
+MAX_ROWS = 16  # above this OpenBLAS's packed kernel wins (measured: benchmarks/small_gemm.py)
+FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
+
+_state: dict = {"path": None, "error": None, "lib": None}
+
+
+def source_path() -> Path:
+    """``cpu/small_gemm.c``: ``dflash_mlx/cpu`` in a wheel, the top-level ``cpu/`` of a checkout."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "cpu", here.parent / "cpu"):
+        if (d / "small_gemm.c").is_file():
+            return d / "small_gemm.c"
+    raise FileNotFoundError(f"no cpu/small_gemm.c next to {here}; reinstall dflash-mlx")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: ``$CC``, else ``cc`` or ``gcc`` on PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _key(src: bytes, cc: str) -> str:
+    st = os.stat(shutil.which(cc))
+    parts = [
+        src,
+        cc.encode(),
+        str(st.st_size).encode(),
+        _cpu_flags().encode(),
+        " ".join(FLAGS).encode(),
+    ]
+    return hashlib.sha256(b"\n".join(parts)).hexdigest()[:16]
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernel (or find it already built) and return the shared library's path.
+
+    Args:
+        out_dir: where to put it; the cache folder (``cpu/``) by default, a fresh temporary
+            folder when the caches are off.
+
+    Raises:
+        RuntimeError: no compiler, or it failed (its last line is in the message).
+    """
+    cc = compiler()
+    if not cc:
+        raise RuntimeError("no C compiler (cc); install gcc for the fast few-row matmul")
+    if shutil.which(cc) is None:
+        raise RuntimeError(f"C compiler {cc} not found; install gcc or set CC")
+    src = source_path()
+    key = _key(src.read_bytes(), cc)
+    if out_dir is None:
+        out_dir = cachedir.cache_dir() / "cpu" if cachedir.enabled() else Path(tempfile.mkdtemp())
+    lib = Path(out_dir) / f"small_gemm-{key}.so"
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
+    for flags in (FLAGS, FLAGS[:-1]):  # without OpenMP when libgomp is missing: one thread
+        cmd = [cc, *flags, "-o", str(tmp), str(src), "-ldl"]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+        if proc.returncode == 0:
+            os.replace(tmp, lib)
+            return lib
+    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    raise RuntimeError(f"{cc} could not build {src.name}: {tail}")
+
+
+def load(blas_path: str, max_rows: int = MAX_ROWS) -> str | None:
+    """Build and load the kernel in front of the BLAS at ``blas_path`` (before MLX loads).
+
+    Args:
+        blas_path: the system OpenBLAS; the kernel loads it and forwards to its
+            ``cblas_sgemm``.
+        max_rows: products with more rows than this go to OpenBLAS.
+
+    Returns:
+        the kernel's path, or None (turned off, or it could not be built: see :func:`status`).
+    """
+    if _state["lib"] is not None:
+        return _state["path"]
+    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        _state["error"] = f"turned off ({ENV}=0)"
+        return None
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        rc = lib.dflash_small_gemm_init(blas_path.encode(), int(max_rows))
+    except (OSError, RuntimeError, FileNotFoundError, subprocess.SubprocessError) as e:
+        _state["error"] = str(e)
+        return None
+    if rc != 0:
+        _state["error"] = f"could not bind cblas_sgemm in {blas_path} (code {rc})"
+        return None
+    lib.dflash_small_gemm_counter.restype = ctypes.c_long
+    _state.update(path=str(path), lib=lib, error=None)
+    return str(path)
+
+
+def status() -> dict:
+    """The loaded kernel: {"active", "path", "error"} and, since loading, the calls it took
+    and handed to OpenBLAS with the milliseconds spent ("small_calls", "small_ms",
+    "forwarded_calls", "forwarded_ms")."""
+    lib = _state["lib"]
+    out = {"active": lib is not None, "path": _state["path"], "error": _state["error"]}
+    for fwd, name in ((0, "small"), (1, "forwarded")):
+        out[f"{name}_calls"] = lib.dflash_small_gemm_counter(fwd, 0) if lib is not None else 0
+        ns = lib.dflash_small_gemm_counter(fwd, 1) if lib is not None else 0
+        out[f"{name}_ms"] = round(ns / 1e6, 3)
+    return out
+
+
+def set_max_rows(rows: int) -> None:
+    """Send products with more than ``rows`` rows to OpenBLAS (0: all of them)."""
+    if _state["lib"] is not None:
+        _state["lib"].dflash_small_gemm_set_rows(int(rows))

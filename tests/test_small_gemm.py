@@ -1,0 +1,177 @@
+"""The few-row matmul kernel in front of OpenBLAS: right answers, row results that do not
+depend on how many rows share a call, MLX bound to it, and a clean fallback."""
+
+import ctypes
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import dflash_mlx  # noqa: F401  (loads the system BLAS and the kernel before MLX)
+from dflash_mlx import blas, small_gemm
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or small_gemm.compiler() is None,
+    reason="the kernel is built on Linux with a C compiler (macOS uses Accelerate)",
+)
+P = ctypes.c_void_p
+ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    lib = ctypes.CDLL(str(small_gemm.build(tmp_path_factory.mktemp("kernel"))))
+    lib.dflash_small_gemm.restype = None
+    return lib
+
+
+def _run(lib, a, b, lda=None, ldb=None):
+    """C = a @ b.T through the bare kernel; a and b may be column slices (ld > K)."""
+    m, k = a.shape
+    n = b.shape[0]
+    c = np.full((m, n), np.nan, np.float32)  # beta = 0 must not read C
+    lib.dflash_small_gemm(
+        m,
+        n,
+        k,
+        a.ctypes.data_as(P),
+        lda or k,
+        b.ctypes.data_as(P),
+        ldb or k,
+        c.ctypes.data_as(P),
+        n,
+    )
+    return c
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("n,k", [(1, 1), (3, 7), (5, 17), (64, 576), (129, 100), (1000, 33)])
+def test_kernel_equals_float64_product(kernel, m, n, k):
+    rng = np.random.default_rng(m * 1000 + n + k)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k)).astype(np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64).T
+    got = _run(kernel, a, b)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()) * np.sqrt(k)
+
+
+def test_kernel_reads_strided_rows(kernel):
+    rng = np.random.default_rng(0)
+    big_a = rng.standard_normal((4, 50)).astype(np.float32)
+    big_b = rng.standard_normal((37, 60)).astype(np.float32)
+    a, b = big_a[:, :40], big_b[:, :40]
+    m, k = a.shape
+    c = np.zeros((m, 37), np.float32)
+    kernel.dflash_small_gemm(
+        m, 37, k, big_a.ctypes.data_as(P), 50, big_b.ctypes.data_as(P), 60, c.ctypes.data_as(P), 37
+    )
+    np.testing.assert_allclose(c, a @ b.T, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_gets_the_same_bits_alone_or_with_others(kernel):
+    rng = np.random.default_rng(1)
+    b = rng.standard_normal((515, 576)).astype(np.float32)
+    for m in (2, 7, 8, 13, 16):
+        a = rng.standard_normal((m, 576)).astype(np.float32)
+        together = _run(kernel, a, b)
+        for i in range(m):
+            alone = _run(kernel, np.ascontiguousarray(a[i : i + 1]), b)
+            assert np.array_equal(alone[0], together[i]), (m, i)
+
+
+def test_shim_applies_alpha_and_beta_and_forwards_other_layouts():
+    if not small_gemm.status()["active"]:
+        pytest.skip(f"kernel not active in this process: {small_gemm.status()['error']}")
+    lib = small_gemm._state["lib"]
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((3, 20)).astype(np.float32)
+    b = rng.standard_normal((11, 20)).astype(np.float32)
+    c0 = rng.standard_normal((3, 11)).astype(np.float32)
+    for ta, tb, bmat, want in (
+        (NO_TRANS, TRANS, b, 0.5 * a @ b.T + 2.0 * c0),  # the kernel's case
+        (NO_TRANS, NO_TRANS, np.ascontiguousarray(b.T), 0.5 * a @ b.T + 2.0 * c0),  # OpenBLAS
+    ):
+        c = c0.copy()
+        ldb = bmat.shape[1]
+        lib.cblas_sgemm(
+            ROW_MAJOR,
+            ta,
+            tb,
+            3,
+            11,
+            20,
+            ctypes.c_float(0.5),
+            a.ctypes.data_as(P),
+            20,
+            bmat.ctypes.data_as(P),
+            ldb,
+            ctypes.c_float(2.0),
+            c.ctypes.data_as(P),
+            11,
+        )
+        np.testing.assert_allclose(c, want, rtol=1e-5, atol=1e-5)
+
+
+def test_mlx_few_row_matmuls_go_through_the_kernel_and_many_rows_do_not():
+    import mlx.core as mx
+
+    if not small_gemm.status()["active"]:
+        pytest.skip(f"kernel not active in this process: {small_gemm.status()['error']}")
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((300, 64)).astype(np.float32)
+    for rows, counter in ((4, "small_calls"), (small_gemm.MAX_ROWS + 40, "forwarded_calls")):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        before = small_gemm.status()[counter]
+        with mx.stream(mx.cpu):
+            y = mx.array(x) @ mx.array(w).T
+            mx.eval(y)
+        assert small_gemm.status()[counter] > before, counter
+        np.testing.assert_allclose(np.array(y), x @ w.T, rtol=1e-4, atol=1e-4)
+    assert blas.measure(repeats=2)["fast"]
+
+
+def test_no_compiler_is_a_one_line_error_and_no_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises((RuntimeError, OSError)) as e:
+        small_gemm.build(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_turned_off_by_environment(monkeypatch):
+    monkeypatch.setenv(small_gemm.ENV, "0")
+    monkeypatch.setitem(small_gemm._state, "lib", None)
+    monkeypatch.setitem(small_gemm._state, "error", None)
+    assert small_gemm.load("/nonexistent/libopenblas.so.0") is None
+    assert "turned off" in small_gemm._state["error"]
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path):
+    first = small_gemm.build(tmp_path)
+    mtime = os.stat(first).st_mtime_ns
+    assert small_gemm.build(tmp_path) == first and os.stat(first).st_mtime_ns == mtime
+
+
+def test_without_openblas_the_kernel_fronts_the_wheels_blas(tmp_path):
+    """DFLASH_SYSTEM_BLAS=0: few-row products are the kernel's, the rest the wheel's BLAS."""
+    import subprocess
+
+    code = (
+        "import numpy as np, dflash_mlx\n"
+        "from dflash_mlx import blas, small_gemm\n"
+        "import mlx.core as mx\n"
+        "w = np.random.default_rng(0).standard_normal((200, 48)).astype(np.float32)\n"
+        "for rows in (3, 40):\n"
+        "    x = np.random.default_rng(rows).standard_normal((rows, 48)).astype(np.float32)\n"
+        "    y = mx.array(x) @ mx.array(w).T\n"
+        "    assert np.allclose(np.array(y), x @ w.T, atol=1e-4), rows\n"
+        "s = small_gemm.status()\n"
+        "assert blas._loaded['path'] is None, blas._loaded\n"
+        "assert s['small_calls'] >= 1 and s['forwarded_calls'] >= 1, s\n"
+        "print('ok', blas.measure(repeats=1)['name'])\n"
+    )
+    env = dict(os.environ, DFLASH_SYSTEM_BLAS="0", DFLASH_CACHE_DIR=str(tmp_path))
+    cmd = [sys.executable, "-c", code]
+    p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "reference BLAS" in p.stdout and "few-row kernel" in p.stdout, p.stdout
