@@ -127,6 +127,37 @@ static void block(int M, int n0, int n1, int K, float alpha, const float *A, int
     for (; n < n1; n++) column(M, n, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+/* C = A @ B with B [K, N] row-major (attention's probabilities @ values): rows of C are
+ * built NW vectors wide, summing over k in order, so again a row's bits do not depend on M. */
+#define NW 4
+static void small_gemm_nn(int M, int N, int K, float alpha, const float *A, int lda,
+                          const float *B, int ldb, float beta, float *C, int ldc) {
+    int n0 = 0;
+    for (; n0 + NW * VL <= N; n0 += NW * VL) {
+        for (int m = 0; m < M; m++) {
+            const float *a = A + (size_t)m * lda;
+            vf acc[NW];
+            for (int j = 0; j < NW; j++) acc[j] = (vf){0};
+            for (int k = 0; k < K; k++) {
+                const float *b = B + (size_t)k * ldb + n0;
+                const vf x = (vf){0} + a[k];
+                for (int j = 0; j < NW; j++) acc[j] += x * *(const vf *)(b + j * VL);
+            }
+            float *c = C + (size_t)m * ldc + n0;
+            for (int j = 0; j < NW; j++)
+                for (int l = 0; l < VL; l++) store(c + j * VL + l, acc[j][l], alpha, beta);
+        }
+    }
+    for (int m = 0; m < M; m++) { /* the last N % (NW * VL) columns, same order over k */
+        const float *a = A + (size_t)m * lda;
+        for (int n = n0; n < N; n++) {
+            float s = 0.0f;
+            for (int k = 0; k < K; k++) s += a[k] * B[(size_t)k * ldb + n];
+            store(C + (size_t)m * ldc + n, s, alpha, beta);
+        }
+    }
+}
+
 static void small_gemm(int M, int N, int K, float alpha, const float *A, int lda,
                        const float *B, int ldb, float beta, float *C, int ldc) {
     const int tiles = (N + NT - 1) / NT;
@@ -147,6 +178,15 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
         N >= 1 && K >= 1) {
         const long t0 = now_ns();
         small_gemm(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        ns_small += now_ns() - t0;
+        calls_small++;
+        return;
+    }
+    /* Small A @ B only (these weights are never large): no threads, one pass. */
+    if (order == ROW_MAJOR && ta == NO_TRANS && tb == NO_TRANS && M >= 1 && M <= max_rows &&
+        N >= 1 && K >= 1 && (long)N * K <= (1L << 16)) {
+        const long t0 = now_ns();
+        small_gemm_nn(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
         ns_small += now_ns() - t0;
         calls_small++;
         return;
@@ -176,7 +216,13 @@ long dflash_small_gemm_counter(int forwarded, int what) {
     return forwarded ? calls_forwarded : calls_small;
 }
 
-/* The kernel alone, for tests that compare it with the real BLAS on the same inputs. */
+/* The A @ B kernel alone (B [K, N] row-major), for tests. */
+void dflash_small_gemm_nn(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
+                          float *C, int ldc) {
+    small_gemm_nn(M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
+}
+
+/* The A @ B^T kernel alone, for tests that compare it with the real BLAS on the same inputs. */
 void dflash_small_gemm(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                        float *C, int ldc) {
     small_gemm(M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);

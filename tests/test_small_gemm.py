@@ -56,6 +56,27 @@ def test_kernel_equals_float64_product(kernel, m, n, k):
     assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()) * np.sqrt(k)
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+@pytest.mark.parametrize("n,k", [(1, 1), (64, 208), (70, 5), (200, 33)])
+def test_nn_kernel_equals_float64_product_and_rows_do_not_depend_on_batch(kernel, m, n, k):
+    """A @ B with B [K, N] (attention's probabilities @ values)."""
+    rng = np.random.default_rng(m * 7 + n + k)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+
+    def run(x):
+        c = np.full((x.shape[0], n), np.nan, np.float32)
+        args = (x.ctypes.data_as(P), k, b.ctypes.data_as(P), n, c.ctypes.data_as(P), n)
+        kernel.dflash_small_gemm_nn(x.shape[0], n, k, *args)
+        return c
+
+    got = run(a)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max()) * np.sqrt(k)
+    for i in range(m):
+        assert np.array_equal(run(np.ascontiguousarray(a[i : i + 1]))[0], got[i])
+
+
 def test_kernel_reads_strided_rows(kernel):
     rng = np.random.default_rng(0)
     big_a = rng.standard_normal((4, 50)).astype(np.float32)
@@ -80,7 +101,7 @@ def test_a_row_gets_the_same_bits_alone_or_with_others(kernel):
             assert np.array_equal(alone[0], together[i]), (m, i)
 
 
-def test_shim_applies_alpha_and_beta_and_forwards_other_layouts():
+def test_shim_applies_alpha_and_beta_in_both_kernels_and_forwards_other_layouts():
     if not small_gemm.status()["active"]:
         pytest.skip(f"kernel not active in this process: {small_gemm.status()['error']}")
     lib = small_gemm._state["lib"]
@@ -88,12 +109,14 @@ def test_shim_applies_alpha_and_beta_and_forwards_other_layouts():
     a = rng.standard_normal((3, 20)).astype(np.float32)
     b = rng.standard_normal((11, 20)).astype(np.float32)
     c0 = rng.standard_normal((3, 11)).astype(np.float32)
-    for ta, tb, bmat, want in (
-        (NO_TRANS, TRANS, b, 0.5 * a @ b.T + 2.0 * c0),  # the kernel's case
-        (NO_TRANS, NO_TRANS, np.ascontiguousarray(b.T), 0.5 * a @ b.T + 2.0 * c0),  # OpenBLAS
+    want = 0.5 * a @ b.T + 2.0 * c0
+    for ta, tb, amat, bmat in (
+        (NO_TRANS, TRANS, a, b),  # the A @ B^T kernel
+        (NO_TRANS, NO_TRANS, a, np.ascontiguousarray(b.T)),  # the A @ B kernel
+        (TRANS, NO_TRANS, np.ascontiguousarray(a.T), np.ascontiguousarray(b.T)),  # forwarded
     ):
         c = c0.copy()
-        ldb = bmat.shape[1]
+        lda, ldb = amat.shape[1], bmat.shape[1]
         lib.cblas_sgemm(
             ROW_MAJOR,
             ta,
@@ -102,8 +125,8 @@ def test_shim_applies_alpha_and_beta_and_forwards_other_layouts():
             11,
             20,
             ctypes.c_float(0.5),
-            a.ctypes.data_as(P),
-            20,
+            amat.ctypes.data_as(P),
+            lda,
             bmat.ctypes.data_as(P),
             ldb,
             ctypes.c_float(2.0),
