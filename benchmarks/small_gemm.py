@@ -9,9 +9,9 @@ the drafter's 8,192-id head. Prints a table of median milliseconds and the ratio
 
 import argparse
 import json
-import time
 
 from dflash_mlx import small_gemm  # first: loads OpenBLAS and the kernel before MLX
+from dflash_mlx.blas import _median_ms
 
 SHAPES = [
     ("q/o 576->576", 576, 576),
@@ -21,18 +21,6 @@ SHAPES = [
     ("draft head 576->8192", 576, 8192),
     ("lm head 576->49152", 576, 49152),
 ]
-
-
-def _median_ms(fn, reps):
-    import mlx.core as mx
-
-    mx.eval(fn())
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        mx.eval(fn())
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2] * 1e3
 
 
 def main():

@@ -25,7 +25,7 @@ PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each po
 FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
 PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to the max
 PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
-DEFAULT_PRIOR = 0.7  # acceptance assumed per position before a model has decoded anything
+DEFAULT_PRIOR = 0.25  # acceptance assumed per position before a model has decoded anything
 
 
 class CostTable:

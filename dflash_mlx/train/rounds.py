@@ -94,7 +94,7 @@ def distill(work: Path, r: int, minutes: float, workers: int = 2) -> None:
     """Run ``workers`` single-threaded, niced distillation processes for ``minutes`` and
     wait for them (shards are claimed, so the processes share the work)."""
     deadline = time.time() + minutes * 60
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")  # one thread each
     cmd = [
         sys.executable,
         "-m",
