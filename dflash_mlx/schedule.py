@@ -25,6 +25,9 @@ PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each po
 FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
 PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to the max
 PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
+# Speculate only when the expected speedup clears this: estimates near 1.0x are coin flips
+# that cost more in the losers than they win in the winners.
+GAIN_MARGIN = 1.1
 DEFAULT_PRIOR = 0.25  # acceptance assumed per position before a model has decoded anything
 
 
@@ -171,18 +174,18 @@ class Scheduler:
         if top < self.min_block:
             return Choice(1, 1.0, reason="one token left")
         b, s = self._best(self.acc.rates(), top)
-        if s > 1.0:
+        if s > GAIN_MARGIN:
             self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
             choice = Choice(b, s, reason=f"block {b}: expected {s:.2f}x plain decoding")
         else:
             ob, os_ = self._best(self.acc.rates(optimistic=True), top)
-            if os_ <= 1.0:
+            if os_ <= GAIN_MARGIN:
                 why = f"no block beats plain decoding (best, block {b}: {s:.2f}x; even "
                 why += f"optimistically {os_:.2f}x)"
             else:
                 why = f"best block {b} expected {s:.2f}x plain; re-probing with backoff"
             self.last_reason = "plain: " + why
-            if os_ > 1.0 and self.since_spec >= self.probe_after:
+            if os_ > GAIN_MARGIN and self.since_spec >= self.probe_after:
                 self.probe_after = min(self.probe_after * 2, PROBE_MAX)
                 choice = Choice(ob, os_, probe=True, reason=f"probe block {ob}")
             else:
