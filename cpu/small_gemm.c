@@ -1,11 +1,12 @@
-/* cblas_sgemm for the few-row products of decoding, in front of the system OpenBLAS.
+/* cblas_sgemm for the few-row products of decoding, in front of OpenBLAS (or the wheel's BLAS).
  *
  * OpenBLAS packs the whole weight for C = A @ B^T even when A has 1-16 rows, so an
  * [8, 576] x [576, 49152] product reads and writes it twice (~4x a plain gemv here). This
  * kernel reads each weight row once for all rows of A. Every C[m][n] is one dot product
  * whose summation order depends only on K, never on M: a row's result is the same whether
  * it is multiplied alone (a decode step) or with others (a verify). Every other call goes
- * to the real cblas_sgemm. Built at run time by dflash_mlx/small_gemm.py.
+ * to the real cblas_sgemm, except small A @ B products (small_gemm_nn below). Built at run
+ * time by dflash_mlx/small_gemm.py.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

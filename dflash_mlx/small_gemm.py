@@ -1,4 +1,4 @@
-"""A few-row float32 matmul in front of the system OpenBLAS (Linux), built on first use.
+"""A few-row float32 matmul in front of MLX's BLAS (Linux), built on first use.
 
 Decoding multiplies 1-16 rows by each weight (a plain step, a verify, the drafter). OpenBLAS
 packs the whole weight for such an ``x @ W.T`` and reads it about three times: an
@@ -6,8 +6,9 @@ packs the whole weight for such an ``x @ W.T`` and reads it about three times: a
 in ``cpu/small_gemm.c`` reads each weight row once for all rows and sums every dot product in
 an order that depends only on K, so a token's logits are the same bits in a plain step and in
 a verify. Loaded with RTLD_GLOBAL before MLX, its ``cblas_sgemm`` is the one MLX binds to;
-it takes row-major ``A @ B^T`` products with at most :data:`MAX_ROWS` rows and hands every
-other call to the real OpenBLAS.
+it takes row-major ``A @ B^T`` products with at most :data:`MAX_ROWS` rows and small
+``A @ B`` ones (attention's probabilities @ values), and hands every other call to the BLAS
+behind it: the system OpenBLAS, or the wheel's reference BLAS when there is none.
 
 It is compiled once per source, compiler and CPU (``cc -O3 -march=native``, the CPU it runs
 on) into the cache folder. No compiler, a failed build or ``DFLASH_SMALL_GEMM=0``: MLX uses
@@ -27,7 +28,7 @@ from pathlib import Path
 from . import cachedir
 
 ENV = "DFLASH_SMALL_GEMM"
-MAX_ROWS = 16  # above this OpenBLAS's packed kernel wins (measured: benchmarks/small_gemm.py)
+MAX_ROWS = 16  # decode widths (block <= 16); more rows (prefill) go to the BLAS behind it
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 
 _state: dict = {"path": None, "error": None, "lib": None}
