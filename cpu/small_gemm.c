@@ -5,8 +5,8 @@
  * kernel reads each weight row once for all rows of A. Every C[m][n] is one dot product
  * whose summation order depends only on K, never on M: a row's result is the same whether
  * it is multiplied alone (a decode step) or with others (a verify). Every other call goes
- * to the real cblas_sgemm, except small A @ B products (small_gemm_nn below). Built at run
- * time by dflash_mlx/small_gemm.py.
+ * to the real cblas_sgemm, except small A @ B products (small_gemm_nn below); small ones
+ * among those run on one OpenBLAS thread. Built at run time by dflash_mlx/small_gemm.py.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -29,6 +29,13 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
 
 static sgemm_fn real_sgemm = 0;
 static int max_rows = 16;
+/* OpenBLAS's thread count is set per forwarded call: products of fewer than one_thread_macs
+ * multiply-adds run on one thread. Threaded, OpenBLAS's workers spin on after each call and
+ * take the cores this kernel's OpenMP team needs (a drafter step ran 2x slower, measured). */
+typedef void (*set_threads_fn)(int);
+static set_threads_fn set_threads = 0;
+static int blas_threads = 1, cur_threads = 0;
+static long one_thread_macs = 1L << 21;
 static long calls_small = 0, calls_forwarded = 0;
 static long ns_small = 0, ns_forwarded = 0;
 
@@ -40,10 +47,23 @@ static inline long now_ns(void) {
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 
+/* The lanes of v summed as a fixed tree (halves added until one lane is left): the same
+ * order for every output, whatever the tile, in a few vector adds instead of VL - 1 chained
+ * scalar ones. */
 static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int l = 0; l < VL; l++) s += v[l];
-    return s;
+#if VL == 16
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    typedef float v8 __attribute__((vector_size(32)));
+    v8 h = v;
+#endif
+    typedef float v4 __attribute__((vector_size(16)));
+    v4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    typedef float v2 __attribute__((vector_size(8)));
+    v2 d = __builtin_shufflevector(q, q, 0, 1) + __builtin_shufflevector(q, q, 2, 3);
+    return d[0] + d[1];
 }
 
 static inline void store(float *c, float s, float alpha, float beta) {
@@ -193,6 +213,10 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
         return;
     }
     if (!real_sgemm) real_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    if (set_threads) {
+        const int want = (long)M * N * K < one_thread_macs ? 1 : blas_threads;
+        if (want != cur_threads) set_threads(cur_threads = want);
+    }
     const long t0 = now_ns();
     real_sgemm(order, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     ns_forwarded += now_ns() - t0;
@@ -205,11 +229,22 @@ int dflash_small_gemm_init(const char *blas_path, int rows) {
     if (!h) return 1;
     real_sgemm = (sgemm_fn)dlsym(h, "cblas_sgemm");
     if (!real_sgemm) return 2;
+    set_threads = (set_threads_fn)dlsym(h, "openblas_set_num_threads");
+    int (*get_threads)(void) = (int (*)(void))dlsym(h, "openblas_get_num_threads");
+    if (!get_threads) set_threads = 0;
+    if (set_threads) blas_threads = cur_threads = get_threads();
     max_rows = rows;
     return 0;
 }
 
 void dflash_small_gemm_set_rows(int rows) { max_rows = rows; }
+
+/* Forwarded products of fewer multiply-adds than macs run on one OpenBLAS thread (0: never).
+ * Returns OpenBLAS's own thread count, or 0 when the BLAS cannot set one. */
+int dflash_small_gemm_set_one_thread(long macs) {
+    one_thread_macs = macs;
+    return set_threads ? blas_threads : 0;
+}
 
 /* Calls (what 0) or nanoseconds (what 1) spent in the kernel (forwarded 0) or OpenBLAS. */
 long dflash_small_gemm_counter(int forwarded, int what) {

@@ -8,7 +8,9 @@ an order that depends only on K, so a token's logits are the same bits in a plai
 a verify. Loaded with RTLD_GLOBAL before MLX, its ``cblas_sgemm`` is the one MLX binds to;
 it takes row-major ``A @ B^T`` products with at most :data:`MAX_ROWS` rows and small
 ``A @ B`` ones (attention's probabilities @ values), and hands every other call to the BLAS
-behind it: the system OpenBLAS, or the wheel's reference BLAS when there is none.
+behind it: the system OpenBLAS, or the wheel's reference BLAS when there is none. Handed-on
+products under :data:`ONE_THREAD_MACS` multiply-adds run on one OpenBLAS thread: threaded,
+its workers spin on after the call and take the cores the kernel's OpenMP team needs.
 
 It is compiled once per source, compiler and CPU (``cc -O3 -march=native``, the CPU it runs
 on) into the cache folder. No compiler, a failed build or ``DFLASH_SMALL_GEMM=0``: MLX uses
@@ -29,6 +31,7 @@ from . import cachedir
 
 ENV = "DFLASH_SMALL_GEMM"
 MAX_ROWS = 16  # decode widths (block <= 16); more rows (prefill) go to the BLAS behind it
+ONE_THREAD_MACS = 1 << 21  # forwarded products smaller than this run on one OpenBLAS thread
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 
 _state: dict = {"path": None, "error": None, "lib": None}
@@ -147,6 +150,19 @@ def status() -> dict:
         ns = lib.dflash_small_gemm_counter(fwd, 1) if lib is not None else 0
         out[f"{name}_ms"] = round(ns / 1e6, 3)
     return out
+
+
+def set_one_thread(macs: int) -> int:
+    """Run forwarded products of fewer than ``macs`` multiply-adds on one OpenBLAS thread
+    (0: never; the default is ``ONE_THREAD_MACS``).
+
+    Returns:
+        OpenBLAS's own thread count, or 0 when the kernel is off or its BLAS (the wheel's)
+        has no thread setting.
+    """
+    if _state["lib"] is None:
+        return 0
+    return int(_state["lib"].dflash_small_gemm_set_one_thread(ctypes.c_long(int(macs))))
 
 
 def set_max_rows(rows: int) -> None:

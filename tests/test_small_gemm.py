@@ -198,3 +198,36 @@ def test_without_openblas_the_kernel_fronts_the_wheels_blas(tmp_path):
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "reference BLAS" in p.stdout and "few-row kernel" in p.stdout, p.stdout
+
+
+def test_small_forwarded_products_run_on_one_openblas_thread():
+    """A product too big for the kernel but too small to pay for threads runs on one
+    OpenBLAS thread (threaded, OpenBLAS's spinning workers take the kernel's cores); a large
+    one gets OpenBLAS's threads back; ``set_one_thread(0)`` keeps them for every product."""
+    import subprocess
+
+    if blas._loaded["path"] is None:
+        pytest.skip("no system OpenBLAS here (the wheel's reference BLAS has no threads)")
+    code = (
+        "import ctypes, numpy as np, dflash_mlx\n"
+        "from dflash_mlx import blas, small_gemm\n"
+        "import mlx.core as mx\n"
+        "assert blas._loaded['path'], blas._loaded\n"
+        "ob = ctypes.CDLL(blas._loaded['path'])\n"
+        "assert small_gemm.set_one_thread(small_gemm.ONE_THREAD_MACS) == 2\n"
+        "def mm(m, k, n):\n"
+        "    x, w = mx.random.normal((m, k)), mx.random.normal((n, k))\n"
+        "    mx.eval(x @ w.T)\n"
+        "    return ob.openblas_get_num_threads()\n"
+        "assert mm(40, 48, 200) == 1  # 384k multiply-adds, forwarded (40 rows)\n"
+        "assert mm(256, 512, 512) == 2  # 67M\n"
+        "assert mm(40, 48, 200) == 1\n"
+        "small_gemm.set_one_thread(0)\n"
+        "assert mm(256, 512, 512) == 2 and mm(40, 48, 200) == 2\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="2")
+    p = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env
+    )
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
