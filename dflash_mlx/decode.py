@@ -6,6 +6,7 @@ accepted count is needed to roll the caches back.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from .schedule import CostTable, Tuning
 from .state import DFlashModel, Interrupted, PromptCache
 
 _local = threading.local()
+WARM_ROUNDS = 3  # timings per block width at warm-up (their median stands)
 
 
 def generation_stream() -> mx.Stream:
@@ -344,33 +346,41 @@ def _timed(scheduler, block: int, accepted: int, since: float) -> float:
     return now
 
 
-def warm_up(model: DFlashModel, context: int = 48) -> Tuning:
+def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) -> Tuning:
     """Measure what a step costs on this machine: plain (block 1) and every speculative
     block the scheduler may choose (``warm_up_blocks``; verify cost by width is not
     monotone on a CPU BLAS, so interpolating would misjudge some), on a throwaway cache;
     sets and returns ``model.tuning``.
 
+    Every width is timed once per round, round after round, and its median stands: one
+    timing each put block 2 anywhere from 1.1 to 2.1 plain steps on a noisy machine.
+
     Args:
         model: the loaded pair. context: tokens of dummy context before the timed steps.
+        rounds: timings per width.
     """
     B = model.block_size
     table, params = CostTable(B), SamplingParams()
     cache = model.make_cache()
     ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
+    samples: dict[int, list[float]] = {}
     with mx.stream(generation_stream()):
         first, key = prefill(model, ids, cache, params, mx.random.key(0))
         history = ids + first.tokens
-        for b in [B] + warm_up_blocks(B):  # the first block-B cycle warms the kernels up
-            t = time.perf_counter()
-            step = cycle(model, cache, params, history, b, True, (key, key))
-            mx.eval(cache.state)
-            table.seconds[b] = time.perf_counter() - t  # the last measurement stands
-            history += step.tokens
-        t = None
-        for i, step in enumerate(plain_steps(model, cache, params, history, 5, key)):
-            t = time.perf_counter() if i == 0 else t  # time steps 2..5 (the pipeline is full)
-            history += step.tokens
-        table.seconds[1] = (time.perf_counter() - t) / 4
+        history += cycle(model, cache, params, history, B, True, (key, key)).tokens  # warms up
+        for _ in range(max(1, rounds)):
+            for b in warm_up_blocks(B):
+                t = time.perf_counter()
+                step = cycle(model, cache, params, history, b, True, (key, key))
+                mx.eval(cache.state)
+                samples.setdefault(b, []).append(time.perf_counter() - t)
+                history += step.tokens
+            t = None
+            for i, step in enumerate(plain_steps(model, cache, params, history, 5, key)):
+                t = time.perf_counter() if i == 0 else t  # steps 2..5 (the pipeline is full)
+                history += step.tokens
+            samples.setdefault(1, []).append((time.perf_counter() - t) / 4)
+    table.seconds = {b: statistics.median(v) for b, v in samples.items()}
     model.tuning = Tuning(table)
     return model.tuning
 

@@ -25,7 +25,7 @@ from .cachedir import ENV_DIR, ENV_OFF, cache_dir, enabled  # noqa: F401  (the p
 
 MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
-COSTS_VERSION = 2  # 2: every block width timed
+COSTS_VERSION = 3  # 2: every block width timed; 3: the median of WARM_ROUNDS rounds
 GGUF_LAYOUT = "f16+tokenizer.json"  # what an entry holds; a new layout makes new entries
 
 

@@ -3,10 +3,10 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
+from oracle import OracleDrafter
 
 from dflash_mlx.acceptance import SamplingParams
 from dflash_mlx.decode import decode
-from oracle import OracleDrafter
 
 PROMPTS = ["def parse_args(", "import os\nfor i in"]
 
@@ -90,7 +90,7 @@ def test_greedy_with_penalties_matches_mlx_lm_processors_per_position(pairs, kin
 
     model, tok = pairs(kind, "d2")
     ids = tok.encode(PROMPTS[0])
-    kw = dict(presence_penalty=0.8, repetition_penalty=1.3, frequency_penalty=0.4)
+    kw = {"presence_penalty": 0.8, "repetition_penalty": 1.3, "frequency_penalty": 0.4}
     ref = [
         t
         for t, _ in generate_step(
@@ -154,3 +154,27 @@ def test_warm_up_times_every_block_the_scheduler_may_choose(pairs):
     tuning = warm_up(model)
     assert sorted(tuning.measured.seconds) == [1] + warm_up_blocks(model.block_size)
     assert all(s > 0 for s in tuning.measured.seconds.values())
+
+
+def test_warm_up_keeps_the_median_of_its_rounds_per_block(pairs, monkeypatch):
+    """Each width is timed once per round and its median stands, so one slow timing (a
+    noisy machine) does not decide what the scheduler thinks a block costs."""
+    import time
+
+    from dflash_mlx import decode
+    from dflash_mlx.decode import warm_up, warm_up_blocks
+
+    model, _ = pairs("qwen3", "d2")
+    real, calls = decode.cycle, {}
+
+    def cycle(model, cache, params, history, b, *a, **k):
+        calls[b] = calls.get(b, 0) + 1
+        if b == 2 and calls[b] == 3:
+            time.sleep(0.5)  # one outlier among block 2's three timings, the last one
+        return real(model, cache, params, history, b, *a, **k)
+
+    monkeypatch.setattr(decode, "cycle", cycle)
+    tuning = warm_up(model, rounds=3)
+    B = model.block_size
+    assert calls == {b: 3 + (b == B) for b in warm_up_blocks(B)}  # B once more, untimed
+    assert tuning.measured.seconds[2] < 0.1  # the median: not the last (0.5 s), not a mean
