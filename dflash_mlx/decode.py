@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from . import fastmath
+from . import draft_step, fastmath
 from .acceptance import (
     SamplingParams,
     accept_greedy,
@@ -160,7 +160,7 @@ def _draft(model, cache, anchor, b, params, use_selector, key, clock):
     if b < 2:
         return mx.array([], dtype=mx.uint32), None
     drafter = model.drafter
-    hidden = drafter.step(model.embed_block(anchor, b), cache.drafter)
+    hidden = draft_step.step(drafter, model.embed_block(anchor, b), cache.drafter)
     d_logits = model.draft_logits(hidden[:, 1:])  # [1, b-1, V'] (V' = V without a draft vocab)
     clock.lap("drafter", d_logits)
     drafts, q_full = _propose(model, d_logits, hidden[:, 1:], anchor, params, use_selector, key)

@@ -22,8 +22,10 @@ class OracleDrafter:
         return getattr(self.real, name)
 
     def step(self, block_embeds, cache):
+        from dflash_mlx import draft_step
+
         self.pos = cache[0].position  # absolute position of the anchor
-        return self.real.step(block_embeds, cache)
+        return draft_step.step(self.real, block_embeds, cache)  # compiled, as decoding runs
 
     def logits(self, hidden, lm_head):
         L = hidden.shape[1]
