@@ -4,13 +4,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from oracle import OracleDrafter
+from test_decode import reference
 
 from dflash_mlx.acceptance import SamplingParams
 from dflash_mlx.decode import decode
 from dflash_mlx.errors import UnsupportedModelError
 from dflash_mlx.target import TargetAdapter
-from oracle import OracleDrafter
-from test_decode import reference
 
 
 def test_captured_features_are_the_tapped_layer_outputs(pairs):
@@ -67,3 +67,26 @@ def test_unsupported_architecture_is_named():
 
     with pytest.raises(UnsupportedModelError, match="'mamba' is not supported"):
         TargetAdapter(Fake(), [0])
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_compiled_target_modules_give_mlx_lms_bits(tiny_dir, kind):
+    """On the CPU the adapter compiles RoPE, the RMSNorms and the MLP of every layer; the
+    target's logits stay the bits of the untouched mlx-lm model, prefill and decode steps."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    from dflash_mlx import target as target_mod
+
+    plain, _ = mlx_lm_load(str(tiny_dir / kind))
+    wrapped, _ = mlx_lm_load(str(tiny_dir / kind))
+    with mx.stream(mx.cpu):
+        n = target_mod.compile_layers(wrapped.model.layers)
+        assert n >= 2 * len(wrapped.model.layers)  # the norms at least; RoPE where there is one
+        ids = mx.array([[5, 17, 3, 99, 42, 7, 11, 64, 2]])
+        c_plain, c_wrapped = make_prompt_cache(plain), make_prompt_cache(wrapped)
+        for chunk in (ids, ids[:, :1], ids[:, 1:9], ids[:, 4:5]):  # prefill, 1 row, 8 rows
+            a, b = plain(chunk, cache=c_plain), wrapped(chunk, cache=c_wrapped)
+            assert mx.array_equal(a, b).item(), mx.abs(a - b).max().item()
+        wrapped.model.layers[0].input_layernorm.inner.weight *= 2.0  # updates are seen
+        plain.model.layers[0].input_layernorm.weight *= 2.0
+        assert mx.array_equal(plain(ids), wrapped(ids)).item()
