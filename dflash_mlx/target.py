@@ -11,9 +11,8 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from . import fastmath
 from .errors import UnsupportedModelError
-
-COMPILE = True  # compile the target's block-only modules on the CPU backend (same bits)
 
 # Architectures whose layer loop, caches and heads the adapter has been checked against.
 SUPPORTED = {
@@ -80,12 +79,12 @@ class _Compiled(_Wrapper):
         return self._fn(x)
 
 
-class _CompiledRope(_Compiled):
+class _CompiledRope(_Wrapper):
     """A compiled ``nn.RoPE`` whose int offsets become arrays: one trace per shape, not one
     per position."""
 
     def __init__(self, inner: nn.Module):
-        _Wrapper.__init__(self, inner)
+        super().__init__(inner)
         fn = mx.compile(lambda x, offset: inner(x, offset=offset))
         object.__setattr__(self, "_fn", fn)
 
@@ -164,7 +163,7 @@ class TargetAdapter:
                 mixer = base.linear_attn = _Recorder(mixer)
             self.recorders.append(mixer)
         self.is_hybrid = any(r is not None for r in self.recorders)
-        if mx.default_device() == mx.cpu and COMPILE:
+        if fastmath.on_cpu():
             compile_layers(layers)
 
     def tap(self, layer_ids: list[int]) -> None:
