@@ -30,21 +30,22 @@ def timed(fn, reps: int) -> float:
 
 def stages(model, cache, block: int, reps: int) -> dict:
     """Seconds of each drafter stage for one block after the cached context."""
-    from dflash_mlx.decode import _propose
+    from dflash_mlx import draft_step
     from dflash_mlx.acceptance import SamplingParams
+    from dflash_mlx.decode import _propose
 
     d = model.drafter
     anchor = mx.array([17], mx.uint32)
     emb = model.embed_block(anchor, block)
     mx.eval(emb)
-    hidden = d.step(emb, cache.drafter)
+    hidden = draft_step.step(d, emb, cache.drafter)
     mx.eval(hidden)
     logits = model.draft_logits(hidden[:, 1:])
     mx.eval(logits)
     params = SamplingParams()
     out = {
         "embed": timed(lambda: mx.eval(model.embed_block(anchor, block)), reps),
-        "layers": timed(lambda: mx.eval(d.step(emb, cache.drafter)), reps),
+        "layers": timed(lambda: mx.eval(draft_step.step(d, emb, cache.drafter)), reps),
         "head": timed(lambda: mx.eval(model.draft_logits(hidden[:, 1:])), reps),
         "selector": timed(
             lambda: mx.eval(_propose(model, logits, hidden[:, 1:], anchor, params, True, None)[0]),
@@ -53,7 +54,7 @@ def stages(model, cache, block: int, reps: int) -> dict:
     }
 
     def whole():
-        h = d.step(model.embed_block(anchor, block), cache.drafter)
+        h = draft_step.step(d, model.embed_block(anchor, block), cache.drafter)
         lg = model.draft_logits(h[:, 1:])
         mx.eval(_propose(model, lg, h[:, 1:], anchor, params, True, None)[0])
 
