@@ -28,7 +28,7 @@ from .generation import encode_prompt
 from .selector import top_candidates
 from .settings import AUTO, check_block_size
 
-METHODS = ("autoregressive", "dflash1", "dflash2", "auto")
+METHODS = ("autoregressive", "dflash1", "dflash2", "dflash2+lookup", "auto")
 
 
 def load_prompts(
@@ -121,6 +121,7 @@ class PromptResult:
     seconds: Dict[str, float] = field(default_factory=dict)  # decode time after prefill
     cycles: Dict[str, int] = field(default_factory=dict)
     committed: Dict[str, int] = field(default_factory=dict)
+    copied: Dict[str, int] = field(default_factory=dict)  # cycles verifying copied drafts
     reached: Dict[str, np.ndarray] = field(default_factory=dict)
     accepted: Dict[str, np.ndarray] = field(default_factory=dict)
     recall: Dict[str, np.ndarray] = field(default_factory=dict)  # hits per position
@@ -149,13 +150,14 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
     res.continuation = out
 
 
-def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: PromptResult):
+def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False):
     key = mx.random.key(seed if seed is not None else 0)
     reached, accepted = np.zeros(block - 1), np.zeros(block - 1)
     n, cycles, committed, t_first = 0, 0, 0, None
     sched = None
     if name == "auto":
-        sched = model.tuning.scheduler(temp == 0, selector and model.drafter.has_selector)
+        sel = selector and model.drafter.has_selector
+        sched = model.tuning.scheduler(temp == 0, sel, lookup=lookup)
     for c in decode(
         model,
         ids,
@@ -166,6 +168,7 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
         use_selector=selector,
         key=key,
         scheduler=sched,
+        lookup=lookup,
     ):
         n += len(c.tokens)
         if t_first is None:
@@ -173,6 +176,7 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res: Prom
             continue
         cycles += 1
         committed += len(c.tokens)
+        res.copied[name] = res.copied.get(name, 0) + (c.lookup > 0)
         res.blocks[name][c.drafted + 1] = res.blocks[name].get(c.drafted + 1, 0) + 1
         k = min(c.accepted + 1, c.drafted)
         reached[:k] += 1
@@ -240,6 +244,7 @@ def run_bench(
     seed: Optional[int] = 0,
     raw: bool = True,
     progress=None,
+    lookup: bool = True,
 ) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
 
@@ -248,6 +253,8 @@ def run_bench(
         block_size: runtime block size (default: the checkpoint's). temperature: sampling.
         seed: makes sampling reproducible. raw: skip the chat template (code prompts).
         progress: optional callable(done, total) after each prompt.
+        lookup: also run DFlash 2 with copied drafts ("dflash2+lookup"), and ``auto`` with
+            them; False: neither.
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
@@ -259,16 +266,21 @@ def run_bench(
         ids = encode_prompt(tokenizer, text, raw)
         res = PromptResult()
         _autoregressive(model, ids, max_tokens, temperature, seed, res)
-        _dflash(model, ids, max_tokens, block, temperature, seed, False, "dflash1", res)
+        args = (model, ids, max_tokens, block, temperature, seed)
+        _dflash(*args, False, "dflash1", res)
         if model.drafter.has_selector:
-            _dflash(model, ids, max_tokens, block, temperature, seed, True, "dflash2", res)
+            _dflash(*args, True, "dflash2", res)
+        if lookup:
+            _dflash(*args, True, "dflash2+lookup", res, lookup=True)
         if model.tuning is not None:
-            _dflash(model, ids, max_tokens, block, temperature, seed, True, "auto", res)
+            _dflash(*args, True, "auto", res, lookup=lookup)
         _recall(model, ids, block, top_k, res)
         results.append(res)
         if progress:
             progress(i + 1, len(prompts))
-    return summarize(results, block, top_k, model, prompts, max_tokens, temperature)
+    rep = summarize(results, block, top_k, model, prompts, max_tokens, temperature)
+    rep["config"]["lookup"] = lookup
+    return rep
 
 
 def conv_seconds(drafter, block: int, reps: int = 10) -> float:
@@ -310,6 +322,7 @@ def latency_split(model, ids, max_tokens, block, temperature, selector=True) -> 
         use_selector=selector,
         key=key,
         profile=True,
+        lookup=False,  # the drafter's own cycle
     ):
         if t0 is None:
             t0 = time.perf_counter()
@@ -362,6 +375,8 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
                     blocks[b] = blocks.get(b, 0) + n
             row["blocks"] = {str(b): n for b, n in sorted(blocks.items())}
             row["plain_share"] = blocks.get(1, 0) / max(sum(blocks.values()), 1)
+            copied = sum(r.copied.get(m, 0) for r in results)
+            row["copied_share"] = copied / max(sum(blocks.values()), 1)
         rep["methods"][m] = row
     base = rep["methods"]["autoregressive"]["tok_per_s"]
     for m, row in rep["methods"].items():

@@ -6,7 +6,6 @@ accepted count is needed to roll the caches back.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -24,11 +23,10 @@ from .acceptance import (
     sample_rows,
     target_probs,
 )
-from .schedule import CostTable, Tuning
+from .lookup import FIXED_MIN_MATCH, Lookup
 from .state import DFlashModel, Interrupted, PromptCache
 
 _local = threading.local()
-WARM_ROUNDS = 3  # timings per block width at warm-up (their median stands)
 
 
 def generation_stream() -> mx.Stream:
@@ -47,6 +45,8 @@ class Cycle:
         accepted: drafts accepted. drafted: drafts proposed.
         prompt_tokens: prompt tokens run through the target (prefill event only).
         timings: seconds per stage when profiling.
+        lookup: length of the context-lookup match the drafts were copied after (0: the
+            drafter drafted them, or a plain step).
     """
 
     tokens: list[int]
@@ -54,6 +54,7 @@ class Cycle:
     drafted: int = 0
     prompt_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    lookup: int = 0
 
 
 class _Clock:
@@ -168,6 +169,14 @@ def _draft(model, cache, anchor, b, params, use_selector, key, clock):
     return drafts, q_full
 
 
+def _copied(tokens: list[int], vocab: int, params) -> tuple[mx.array, mx.array | None]:
+    """Copied drafts [L] and their point-mass proposal rows [L, V] (None when greedy)."""
+    drafts = mx.array(tokens, dtype=mx.uint32)
+    if params.greedy:
+        return drafts, None
+    return drafts, (mx.arange(vocab)[None] == drafts[:, None]).astype(mx.float32)
+
+
 def _accept(v_logits, history, drafts, q_full, params, key):
     """(accepted count [], the token committed after them []) from the verify logits."""
     history = mx.array(history) if params.processors else None
@@ -188,6 +197,7 @@ def cycle(
     use_selector: bool,
     keys: tuple[mx.array, mx.array],
     profile: bool = False,
+    copied: list[int] | None = None,
 ) -> Cycle:
     """One draft - select - verify - accept step after ``history`` (its last id is the anchor).
 
@@ -196,12 +206,19 @@ def cycle(
         block_size: tokens to verify (the anchor and block_size - 1 drafts).
         use_selector: walk the DFlash 2 lattice. keys: (drafting, acceptance) PRNG keys.
         profile: time each stage (adds syncs).
+        copied: block_size - 1 drafts to verify instead of drafting (a context-lookup
+            draft, ``lookup.py``); their proposal law is a point mass on each.
     """
     adapter, drafter = model.adapter, model.drafter
     clock = _Clock(profile)
     anchor = history[-1]
     a_arr = mx.array([anchor], dtype=mx.uint32)
-    drafts, q_full = _draft(model, cache, a_arr, block_size, params, use_selector, keys[0], clock)
+    if copied is not None:
+        drafts, q_full = _copied(copied[: block_size - 1], adapter.vocab_size, params)
+    else:
+        drafts, q_full = _draft(
+            model, cache, a_arr, block_size, params, use_selector, keys[0], clock
+        )
     cache.busy = True
     snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
     v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
@@ -228,6 +245,7 @@ def plain_steps(
     history: list[int],
     n: int,
     key: mx.array,
+    until=None,
 ) -> Iterator[Cycle]:
     """``n`` plain target steps (no drafting) after ``history``, pipelined like mlx-lm's
     ``generate_step``: the next step is queued before the current token is read.
@@ -239,6 +257,9 @@ def plain_steps(
     Args:
         model, cache, params: as for ``decode`` (params without processors).
         history: committed ids; the last is fed first. n: steps. key: PRNG key.
+        until: called before each next step is queued (the tokens read so far are
+            consumed); True ends the run after the step already queued, so stopping early
+            wastes no step.
     """
     adapter = model.adapter
     feats: list[mx.array] = []
@@ -266,13 +287,15 @@ def plain_steps(
         cache.tokens.append(history[-1])
         for i in range(n):
             nxt = None
-            if i + 1 < n:
+            if i + 1 < n and not (until is not None and until()):
                 nxt = step(y, keys[i + 1])
                 mx.async_eval(nxt)
             tok = y.item()
             if nxt is not None:
                 cache.tokens.append(tok)  # queued for feeding already
             yield Cycle([tok])
+            if nxt is None:
+                break
             y = nxt
     except GeneratorExit:  # closed between steps: the caches are consistent, tidy them up
         tidy()
@@ -293,6 +316,7 @@ def decode(
     prefill_step_size: int = 2048,
     profile: bool = False,
     scheduler=None,
+    lookup: bool = True,
 ) -> Iterator[Cycle]:
     """Generate from a prompt with speculative decoding; yields one Cycle per step.
 
@@ -305,87 +329,64 @@ def decode(
         key: PRNG key for sampling. profile: time each stage (adds syncs).
         scheduler: a ``schedule.Scheduler`` (``block_size="auto"``) choosing each cycle's
             block from the past only, so every schedule is lossless; None: fixed blocks.
+        lookup: verify context-lookup drafts (``lookup.py``) when the committed tokens have
+            a match: with a scheduler when it expects them to pay, else for a match of at
+            least ``FIXED_MIN_MATCH`` tokens.
     """
     key = mx.random.key(int(time.time_ns() % 2**31)) if key is None else key
     with mx.stream(generation_stream()):
         first, key = prefill(model, prompt, cache, params, key, prefill_step_size)
         yield first
         history = list(prompt) + first.tokens
+        index = Lookup(history) if lookup else None
         n_gen, t_last = 1, time.perf_counter()
         while n_gen < max_tokens:
             budget = max_tokens - n_gen
-            choice = scheduler.choose(budget) if scheduler is not None else None
+            copied, match = index.propose(model.block_size - 1) if index else ([], 0)
+            choice = scheduler.choose(budget, match) if scheduler is not None else None
             b = choice.block if choice else max(1, min(block_size, budget))
+            use = choice.lookup if choice else match >= FIXED_MIN_MATCH and b > 1
             key, k_draft, k_acc = mx.random.split(key, 3)
             if b == 1 and choice and not params.processors:
-                steps = plain_steps(
-                    model, cache, params, history, min(budget, scheduler.plain_run()), k_draft
-                )
+                n = min(budget, scheduler.plain_run())
+                until = None if index is None else lambda: scheduler.copy_pays(index.match()[0])
+                steps = plain_steps(model, cache, params, history, n, k_draft, until)
                 try:
                     for step in steps:
                         t_last = _timed(scheduler, 1, 0, t_last)
                         history += step.tokens
+                        if index is not None:
+                            index.extend(step.tokens)
                         n_gen += 1
                         yield step
                 finally:
                     steps.close()  # closed early: its caches are tidied before ours are read
                 continue
-            step = cycle(model, cache, params, history, b, use_selector, (k_draft, k_acc), profile)
-            t_last = _timed(scheduler, b, step.accepted, t_last)
+            keys = (k_draft, k_acc)
+            step = cycle(
+                model,
+                cache,
+                params,
+                history,
+                b,
+                use_selector,
+                keys,
+                profile,
+                copied if use else None,
+            )
+            step.lookup = match if use else 0
+            t_last = _timed(scheduler, b, step.accepted, t_last, step.lookup)
             history += step.tokens
+            if index is not None:
+                index.extend(step.tokens)
             n_gen += len(step.tokens)
             yield step
 
 
-def _timed(scheduler, block: int, accepted: int, since: float) -> float:
+def _timed(scheduler, block: int, accepted: int, since: float, match: int = 0) -> float:
     """Give the scheduler a step's wall time (from the previous step's result to this one,
     consumer time included, as it is for every block size); return now."""
     now = time.perf_counter()
     if scheduler is not None:
-        scheduler.record(block, accepted, now - since)
+        scheduler.record(block, accepted, now - since, match)
     return now
-
-
-def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) -> Tuning:
-    """Measure what a step costs on this machine: plain (block 1) and every speculative
-    block the scheduler may choose (``warm_up_blocks``; verify cost by width is not
-    monotone on a CPU BLAS, so interpolating would misjudge some), on a throwaway cache;
-    sets and returns ``model.tuning``.
-
-    Every width is timed once per round, round after round, and its median stands: one
-    timing each put block 2 anywhere from 1.1 to 2.1 plain steps on a noisy machine.
-
-    Args:
-        model: the loaded pair. context: tokens of dummy context before the timed steps.
-        rounds: timings per width.
-    """
-    B = model.block_size
-    table, params = CostTable(B), SamplingParams()
-    cache = model.make_cache()
-    ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
-    samples: dict[int, list[float]] = {}
-    with mx.stream(generation_stream()):
-        first, key = prefill(model, ids, cache, params, mx.random.key(0))
-        history = ids + first.tokens
-        history += cycle(model, cache, params, history, B, True, (key, key)).tokens  # warms up
-        for _ in range(max(1, rounds)):
-            for b in warm_up_blocks(B):
-                t = time.perf_counter()
-                step = cycle(model, cache, params, history, b, True, (key, key))
-                mx.eval(cache.state)
-                samples.setdefault(b, []).append(time.perf_counter() - t)
-                history += step.tokens
-            t = None
-            for i, step in enumerate(plain_steps(model, cache, params, history, 5, key)):
-                t = time.perf_counter() if i == 0 else t  # steps 2..5 (the pipeline is full)
-                history += step.tokens
-            samples.setdefault(1, []).append((time.perf_counter() - t) / 4)
-    table.seconds = {b: statistics.median(v) for b, v in samples.items()}
-    model.tuning = Tuning(table)
-    return model.tuning
-
-
-def warm_up_blocks(B: int) -> list[int]:
-    """The speculative blocks ``warm_up`` times: every one up to 8, then every other one
-    (the live timings refine the rest), and always the checkpoint's block B."""
-    return sorted({b for b in range(2, B + 1) if b <= 8 or b % 2 == 0} | {B})

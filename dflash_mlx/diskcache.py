@@ -25,7 +25,7 @@ from .cachedir import ENV_DIR, ENV_OFF, cache_dir, enabled  # noqa: F401  (the p
 
 MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
-COSTS_VERSION = 3  # 2: every block width timed; 3: the median of WARM_ROUNDS rounds
+COSTS_VERSION = 4  # 2: every width timed; 3: median of WARM_ROUNDS rounds; 4: lookup costs
 GGUF_LAYOUT = "f16+tokenizer.json"  # what an entry holds; a new layout makes new entries
 
 
@@ -202,9 +202,9 @@ def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Optional
 
 def warm_up(pair) -> None:
     """Set ``pair.tuning`` from the stored step costs of this pair on this machine, or
-    measure them (``decode.warm_up``) and store them; stored costs older than a week are
+    measure them (``warmup.warm_up``) and store them; stored costs older than a week are
     measured afresh. The costs steer only the block schedule, never the tokens."""
-    from .decode import warm_up as measure
+    from .warmup import warm_up as measure
     from .schedule import CostTable, Tuning
 
     head = getattr(pair, "draft_head", None)
@@ -218,16 +218,20 @@ def warm_up(pair) -> None:
     )
     if fresh:
         try:
-            table = CostTable(pair.block_size)
-            table.seconds = {int(b): float(s) for b, s in stored["seconds"].items()}
-            if table.seconds and all(s > 0 for s in table.seconds.values()):
-                pair.tuning = Tuning(table)
+            tables = []
+            for name in ("seconds", "lookup_seconds"):
+                table = CostTable(pair.block_size)
+                table.seconds = {int(b): float(s) for b, s in stored[name].items()}
+                tables.append(table)
+            if all(t.seconds and all(s > 0 for s in t.seconds.values()) for t in tables):
+                pair.tuning = Tuning(*tables)
                 return
         except (AttributeError, KeyError, TypeError, ValueError):
             pass
     tuning = measure(pair)
     if path is not None:
         seconds = {str(b): s for b, s in tuning.measured.seconds.items()}
+        lookup = {str(b): s for b, s in tuning.measured_lookup.seconds.items()}
         write_json(
             path,
             {
@@ -235,5 +239,6 @@ def warm_up(pair) -> None:
                 "max_block": pair.block_size,
                 "measured": time.time(),
                 "seconds": seconds,
+                "lookup_seconds": lookup,
             },
         )

@@ -14,7 +14,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .acceptance import SamplingParams
-from .decode import Cycle, decode, warm_up
+from .decode import Cycle, decode
+from .warmup import warm_up
 from .errors import DFlashError
 from .prompt import (
     chat_ids,
@@ -278,6 +279,15 @@ def _take(tokens: List[int], eos: set, generated: int, max_tokens: int):
     return out, None
 
 
+def _scheduler(model, cfg: GenerationConfig, params):
+    """The ``block_size="auto"`` scheduler of one request (warming the model up first if
+    it never was)."""
+    tuning = model.tuning or warm_up(model)
+    selector = cfg.use_selector and model.drafter.has_selector
+    seeded = cfg.seed is not None
+    return tuning.scheduler(params.greedy, selector, seeded=seeded, lookup=cfg.lookup)
+
+
 def stream_generate(
     model: DFlashModel,
     tokenizer,
@@ -305,7 +315,7 @@ def stream_generate(
             ``(tokens, logits) -> logits`` processors, e.g. a ``grammar.GrammarProcessor``.
         settings: ``GenerationConfig`` fields that override config: max_tokens,
             temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
-            repetition_penalty, logit_bias, block_size, use_selector, seed, stop.
+            repetition_penalty, logit_bias, block_size, use_selector, lookup, seed, stop.
 
     Yields:
         GenerationResponse per committed piece; the last has finish_reason set.
@@ -318,11 +328,7 @@ def stream_generate(
     cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
     ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
     params = sampling_params(cfg, logits_processors or ())
-    sched = None
-    if cfg.block_size == AUTO:
-        tuning = model.tuning or warm_up(model)
-        selector = cfg.use_selector and model.drafter.has_selector
-        sched = tuning.scheduler(params.greedy, selector, seeded=cfg.seed is not None)
+    sched = _scheduler(model, cfg, params) if cfg.block_size == AUTO else None
     block_size = model.block_size if cfg.block_size in (None, AUTO) else cfg.block_size
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
     stats = _Stats(len(ids), block_size)
@@ -342,6 +348,7 @@ def stream_generate(
         prefill_step_size=prefill_step_size,
         profile=profile,
         scheduler=sched,
+        lookup=cfg.lookup,
     )
     try:
         for cyc in cycles:

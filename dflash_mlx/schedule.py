@@ -12,6 +12,10 @@ the current draft, so every schedule is lossless.
 While decoding plainly nothing is learnt about acceptance, so the scheduler re-probes with a
 speculative cycle after 8, 16, 32, ... plain steps, and only when an optimistic estimate
 (acceptance given the benefit of the doubt) says speculation could win at all.
+
+A context-lookup draft (``lookup.py``) is a third choice when the committed tokens have one:
+its cycle skips the drafter, so it has costs of its own, and its acceptance is learnt per
+class of match length, since a 4-token match is accepted far more often than a 1-token one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+
+from . import lookup
 
 EMA = 0.25  # weight of a new cost observation
 PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each position
@@ -126,6 +132,7 @@ class Choice:
     speedup: float  # expected tokens/s over plain decoding
     probe: bool = False
     reason: str = ""
+    lookup: bool = False  # verify the context-lookup draft instead of drafting
 
 
 class Scheduler:
@@ -137,12 +144,25 @@ class Scheduler:
         min_block: smallest speculative block considered (2).
         frozen: never update the costs (a seeded request's schedule must not depend on
             timings taken during it).
+        lookup_costs: seconds per lookup cycle by block (None: lookup drafts are never
+            chosen). lookup_priors: acceptance per position for each ``lookup.match_class``.
     """
 
     def __init__(
-        self, costs: CostTable, prior: list[float], min_block: int = 2, frozen: bool = False
+        self,
+        costs: CostTable,
+        prior: list[float],
+        min_block: int = 2,
+        frozen: bool = False,
+        lookup_costs: CostTable | None = None,
+        lookup_priors: dict[int, list[float]] | None = None,
     ):
         self.costs, self.frozen = costs, frozen
+        self.lookup_costs = lookup_costs
+        if lookup_costs is not None and lookup_priors is None:
+            lookup_priors = lookup.priors(costs.max_block - 1)
+        self.lookup_acc = {c: Acceptance(list(p)) for c, p in (lookup_priors or {}).items()}
+        self.lookup_history: Counter = Counter()
         self.max_block = costs.max_block
         self.min_block = min_block
         self.acc = Acceptance(list(prior))
@@ -164,16 +184,41 @@ class Scheduler:
                 best_b, best = b, s
         return best_b, best
 
-    def choose(self, budget: int | None = None) -> Choice:
+    def _lookup_best(self, match: int, top: int) -> tuple[int, float]:
+        """The best block for the lookup draft of a match of length ``match`` (0, 0.0:
+        none)."""
+        acc = self.lookup_acc.get(lookup.match_class(match))
+        if acc is None or self.lookup_costs is None:
+            return 0, 0.0
+        plain, rates = 1.0 / self.costs(1), acc.rates()
+        best_b, best = 0, 0.0
+        for b in range(self.min_block, top + 1):
+            s = expected_tokens(rates, b) / self.lookup_costs(b) / plain
+            if s > best:
+                best_b, best = b, s
+        return best_b, best
+
+    def copy_pays(self, match: int) -> bool:
+        """Whether the lookup draft of a match of this length is expected to beat plain
+        decoding (a plain run then ends, to verify it)."""
+        return self._lookup_best(match, self.max_block)[1] > GAIN_MARGIN
+
+    def choose(self, budget: int | None = None, match: int = 0) -> Choice:
         """The block size for the next cycle (1: a plain step).
 
         Args:
             budget: tokens still to generate (a block never drafts past it).
+            match: length of the context-lookup match after the committed tokens (0: none).
         """
         top = self.max_block if budget is None else max(1, min(self.max_block, budget))
         if top < self.min_block:
             return Choice(1, 1.0, reason="one token left")
         b, s = self._best(self.acc.rates(), top)
+        lb, ls = self._lookup_best(match, top)
+        if ls > max(s, GAIN_MARGIN):
+            choice = Choice(lb, ls, reason=f"lookup block {lb}: expected {ls:.2f}x", lookup=True)
+            self._note(choice)
+            return choice
         if s > GAIN_MARGIN:
             self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
             choice = Choice(b, s, reason=f"block {b}: expected {s:.2f}x plain decoding")
@@ -209,12 +254,19 @@ class Scheduler:
         left = self.probe_after - self.since_spec
         return min(PLAIN_RUN_MAX, left) if left > 0 else PLAIN_RUN_MAX
 
-    def record(self, b: int, accepted: int, seconds: float | None) -> None:
+    def record(self, b: int, accepted: int, seconds: float | None, match: int = 0) -> None:
         """Fold in a finished cycle of block b.
 
         Args:
             accepted: drafts accepted. seconds: the cycle's wall time, or None if unknown.
+            match: the lookup match length the drafts were copied from (0: drafted).
         """
+        if match:
+            self.lookup_history[b] += 1
+            if seconds is not None and seconds > 0 and not self.frozen:
+                self.lookup_costs.observe(b, seconds)
+            self.lookup_acc[lookup.match_class(match)].update(b - 1, accepted)
+            return
         self.history[b] += 1
         if seconds is not None and seconds > 0 and not self.frozen:
             self.costs.observe(b, seconds)
@@ -229,10 +281,11 @@ class Scheduler:
         return self.acc.rates()
 
     def summary(self) -> dict:
-        """Block-size histogram and the share of plain steps."""
-        n = sum(self.history.values())
+        """Block-size histograms (drafted, copied by lookup) and the share of plain steps."""
+        n = sum(self.history.values()) + sum(self.lookup_history.values())
         return {
             "blocks": dict(sorted(self.history.items())),
+            "lookup_blocks": dict(sorted(self.lookup_history.items())),
             "plain_share": self.history.get(1, 0) / n if n else 0.0,
         }
 
@@ -243,39 +296,57 @@ class Tuning:
 
     Args:
         measured: the CostTable of the warm-up at load (kept as measured).
+        measured_lookup: the same for cycles verifying a lookup draft (no drafter pass);
+            None: lookup drafts are not scheduled.
     """
 
-    def __init__(self, measured: CostTable):
+    def __init__(self, measured: CostTable, measured_lookup: CostTable | None = None):
         self.max_block = measured.max_block
-        self.measured = measured
+        self.measured, self.measured_lookup = measured, measured_lookup
         self.costs: dict[str, CostTable] = {}
+        self.lookup_costs: dict[str, CostTable] = {}
         self.priors: dict[tuple, list[float]] = {}
+        self.lookup_priors: dict[str, dict[int, list[float]]] = {}  # per mode
         # (probe_after, plain steps since the last speculative cycle) per (mode, selector):
         # the probe backoff carries across requests, so short requests on a pair that
         # cannot win do not each pay for fresh probes.
         self.backoff: dict[tuple, tuple[int, int]] = {}
 
-    def _copy(self) -> CostTable:
+    def _copy(self, measured: CostTable | None = None) -> CostTable:
+        measured = self.measured if measured is None else measured
         table = CostTable(self.max_block)
-        table.seconds = dict(self.measured.seconds)
+        table.seconds = dict(measured.seconds)
         return table
 
-    def scheduler(self, greedy: bool, selector: bool, seeded: bool = False) -> Scheduler:
+    def scheduler(
+        self, greedy: bool, selector: bool, seeded: bool = False, lookup: bool = False
+    ) -> Scheduler:
         """A scheduler for one request.
 
         Args:
             greedy: temperature 0. selector: the path selector is on.
+            lookup: context-lookup drafts may be chosen (needs ``measured_lookup``).
             seeded: seeded sampling: the schedule must depend on the seed alone, so it uses
                 the costs measured at load, frozen, and the default prior (two runs with the
                 same seed on the same loaded model then draw the same sample).
         """
         mode = "greedy" if greedy else "sampled"
         default = [DEFAULT_PRIOR] * (self.max_block - 1)
+        lookup = lookup and self.measured_lookup is not None
         if seeded and not greedy:
-            sched = Scheduler(self._copy(), default, frozen=True)
+            lk = self._copy(self.measured_lookup) if lookup else None
+            sched = Scheduler(self._copy(), default, frozen=True, lookup_costs=lk)
         else:
             table = self.costs.setdefault(mode, self._copy())
-            sched = Scheduler(table, self.priors.get((mode, selector), default))
+            lk = None
+            if lookup:
+                lk = self.lookup_costs.setdefault(mode, self._copy(self.measured_lookup))
+            sched = Scheduler(
+                table,
+                self.priors.get((mode, selector), default),
+                lookup_costs=lk,
+                lookup_priors=self.lookup_priors.get(mode) if lookup else None,
+            )
             sched.probe_after, sched.since_spec = self.backoff.get(
                 (mode, selector), (PROBE_START, 0)
             )
@@ -286,4 +357,7 @@ class Tuning:
         """Carry a finished request's acceptance into the prior of its mode."""
         if not sched.key[2]:
             self.priors[sched.key[:2]] = sched.posterior()
+            if sched.lookup_acc:
+                rates = {c: a.rates() for c, a in sched.lookup_acc.items()}
+                self.lookup_priors[sched.key[0]] = rates
             self.backoff[sched.key[:2]] = (sched.probe_after, sched.since_spec)

@@ -64,6 +64,8 @@ class GenerationConfig:
             plain decoding included, from measured costs and live acceptance; None is the
             drafter checkpoint's block; an int in 2 .. the checkpoint's is fixed.
         use_selector: walk the DFlash 2 path selector; False drafts each row's top token.
+        lookup: also verify drafts copied from the context (after the latest earlier
+            occurrence of the committed tokens' last n-gram) when they are expected to pay.
         seed: 0 .. 2**32 - 1 makes sampling reproducible; None draws a fresh one.
         stop: strings that end the completion (not included in the text).
     """
@@ -79,6 +81,7 @@ class GenerationConfig:
     logit_bias: Optional[Dict[int, float]] = None
     block_size: Union[int, str, None] = AUTO
     use_selector: bool = True
+    lookup: bool = True
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
 
@@ -113,6 +116,7 @@ class GenerationConfig:
         c.logit_bias(self.logit_bias)
         check_block_size(self.block_size, max_block_size, flags)
         c.boolean("use_selector", self.use_selector)
+        c.boolean("lookup", self.lookup)
         if self.seed is not None:
             c.integer("seed", self.seed, 0, SEED_MAX, f"must be in 0..{SEED_MAX}")
         c.stop(self.stop)

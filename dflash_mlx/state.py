@@ -20,7 +20,7 @@ class DFlashModel:
         target: the mlx-lm model. drafter: the DFlash drafter. adapter: capture/rollback.
         target_path, drafter_path: where they were loaded from.
         name: what to call the pair (a registry alias, a Hub id or a directory name).
-        tuning: the ``block_size="auto"`` scheduler's costs and priors (``decode.warm_up``).
+        tuning: the ``block_size="auto"`` scheduler's costs and priors (``warmup.warm_up``).
     """
 
     target: object

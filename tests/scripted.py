@@ -10,18 +10,24 @@ class Scripted:
     """Chooses blocks from ``script`` in turn (1 = a run of ``plain`` plain steps).
 
     Args:
-        script: block sizes. plain: steps per plain run.
+        script: block sizes. plain: steps per plain run. copy: verify the context-lookup
+            draft of every block that has one (else the drafter's), and end a plain run at
+            a match.
     """
 
-    def __init__(self, script, plain=3):
-        self.script, self.plain, self.used = cycle(script), plain, []
+    def __init__(self, script, plain=3, copy=False):
+        self.script, self.plain, self.copy, self.used = cycle(script), plain, copy, []
 
-    def choose(self, budget=None):
+    def choose(self, budget=None, match=0):
         b = next(self.script)
-        return Choice(b if budget is None else max(1, min(b, budget)), 1.0)
+        b = b if budget is None else max(1, min(b, budget))
+        return Choice(b, 1.0, lookup=self.copy and match > 0 and b > 1)
 
     def plain_run(self):
         return self.plain
 
-    def record(self, b, accepted, seconds):
+    def copy_pays(self, match):
+        return self.copy and match > 0  # with copy, a match ends a plain run
+
+    def record(self, b, accepted, seconds, match=0):
         self.used.append(b)

@@ -34,9 +34,11 @@ def test_report_has_every_method_position_and_figure(pairs, tmp_path):
 
     model, tok = pairs("qwen3", "d2")
     rep = run_bench(model, tok, ["def parse_args(", "import os\n"], max_tokens=24, block_size=8)
-    assert set(rep["methods"]) == {"autoregressive", "dflash1", "dflash2", "auto"}
+    assert set(rep["methods"]) == {"autoregressive", "dflash1", "dflash2", "dflash2+lookup", "auto"}
     assert rep["methods"]["autoregressive"]["speedup"] == pytest.approx(1.0)
-    for m in ("dflash1", "dflash2", "auto"):
+    assert rep["methods"]["dflash2"]["copied_share"] == 0  # the drafter's own drafts only
+    assert 0 < rep["methods"]["dflash2+lookup"]["copied_share"] <= 1  # the tiny target loops
+    for m in ("dflash1", "dflash2", "dflash2+lookup", "auto"):
         assert rep["methods"][m]["tau"] >= 1.0 and rep["methods"][m]["tokens"] == 48
         assert len(rep["positions"][f"acceptance_{m}"]) == 7
     auto = rep["methods"]["auto"]
@@ -53,6 +55,7 @@ def test_report_has_every_method_position_and_figure(pairs, tmp_path):
     shares = [v for k, v in rep["latency_split"].items() if k != "cycle_ms"]
     assert abs(sum(shares) - 1.0) < 0.05
     print_report(rep, Console(file=open(tmp_path / "out.txt", "w"), width=120))
+    assert "copied" in (tmp_path / "out.txt").read_text()
     write_json(rep, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["config"]["block_size"] == 8
     pytest.importorskip("matplotlib")
@@ -214,3 +217,10 @@ def test_plot_without_a_suffix_reports_the_file_it_wrote(tiny_dir, tmp_path, mon
     assert "wrote curves.png" in res.stderr and (tmp_path / "curves.png").is_file()
     assert "wrote rep\n" in res.stderr and json.loads((tmp_path / "rep").read_text())
     assert not (tmp_path / "curves").exists()
+
+
+def test_bench_without_lookup_runs_no_copied_drafts(pairs):
+    model, tok = pairs("qwen3", "d2")
+    rep = run_bench(model, tok, ["def parse_args("], max_tokens=24, block_size=8, lookup=False)
+    assert "dflash2+lookup" not in rep["methods"] and not rep["config"]["lookup"]
+    assert rep["methods"]["auto"]["copied_share"] == 0

@@ -16,7 +16,8 @@ def reference(model, ids, n):
     return [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=n)]
 
 
-def run(model, ids, n, block, selector=True):
+def run(model, ids, n, block, selector=True, lookup=False):
+    """Decode with the drafter's drafts only (copied drafts: tests/test_lookup.py)."""
     out, stats = [], []
     for c in decode(
         model,
@@ -26,6 +27,7 @@ def run(model, ids, n, block, selector=True):
         max_tokens=n,
         block_size=block,
         use_selector=selector,
+        lookup=lookup,
     ):
         out += c.tokens
         if c.drafted:
@@ -126,7 +128,7 @@ def test_greedy_matches_mlx_lm_under_any_schedule_of_plain_and_speculative_steps
     real = model.drafter
     if oracle:  # drafts get accepted, so blocks commit several tokens between plain runs
         model.drafter = OracleDrafter(real, ids + ref, wrong_at=(4,))
-    sched = Scripted(script)
+    sched = Scripted(script, copy=not oracle)  # copied drafts, where there is a match
     try:
         out = []
         for c in decode(
@@ -146,14 +148,15 @@ def test_greedy_matches_mlx_lm_under_any_schedule_of_plain_and_speculative_steps
 
 
 def test_warm_up_times_every_block_the_scheduler_may_choose(pairs):
-    from dflash_mlx.decode import warm_up, warm_up_blocks
+    from dflash_mlx.warmup import warm_up, warm_up_blocks
 
     assert warm_up_blocks(8) == [2, 3, 4, 5, 6, 7, 8]
     assert warm_up_blocks(16) == [2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
     model, _ = pairs("qwen3", "d2")
     tuning = warm_up(model)
-    assert sorted(tuning.measured.seconds) == [1] + warm_up_blocks(model.block_size)
-    assert all(s > 0 for s in tuning.measured.seconds.values())
+    for table in (tuning.measured, tuning.measured_lookup):  # drafted and copied blocks
+        assert sorted(table.seconds) == [1] + warm_up_blocks(model.block_size)
+        assert all(s > 0 for s in table.seconds.values())
 
 
 def test_warm_up_keeps_the_median_of_its_rounds_per_block(pairs, monkeypatch):
@@ -162,16 +165,17 @@ def test_warm_up_keeps_the_median_of_its_rounds_per_block(pairs, monkeypatch):
     import time
 
     from dflash_mlx import decode
-    from dflash_mlx.decode import warm_up, warm_up_blocks
+    from dflash_mlx.warmup import warm_up, warm_up_blocks
 
     model, _ = pairs("qwen3", "d2")
     real, calls = decode.cycle, {}
 
-    def cycle(model, cache, params, history, b, *a, **k):
-        calls[b] = calls.get(b, 0) + 1
-        if b == 2 and calls[b] == 3:
-            time.sleep(0.5)  # one outlier among block 2's three timings, the last one
-        return real(model, cache, params, history, b, *a, **k)
+    def cycle(model, cache, params, history, b, *a, copied=None, **k):
+        if copied is None:  # drafted blocks (copied ones are timed the same way, apart)
+            calls[b] = calls.get(b, 0) + 1
+            if b == 2 and calls[b] == 3:
+                time.sleep(0.5)  # one outlier among block 2's three timings, the last one
+        return real(model, cache, params, history, b, *a, copied=copied, **k)
 
     monkeypatch.setattr(decode, "cycle", cycle)
     tuning = warm_up(model, rounds=3)

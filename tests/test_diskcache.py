@@ -85,12 +85,12 @@ def test_caching_off_or_unwritable_loads_all_the_same(cache, tmp_path, monkeypat
 
 
 def test_warm_up_costs_are_measured_once_per_pair_and_machine(cache, tiny_dir, monkeypatch):
-    from dflash_mlx import decode, generate, load
+    from dflash_mlx import generate, load, warmup
 
     target, drafter = str(tiny_dir / "qwen3"), str(tiny_dir / "d2_qwen3")
     calls = []
-    real = decode.warm_up
-    monkeypatch.setattr(decode, "warm_up", lambda m: calls.append(1) or real(m))
+    real = warmup.warm_up
+    monkeypatch.setattr(warmup, "warm_up", lambda m: calls.append(1) or real(m))
     m1, tok = load(target, drafter=drafter)
     m2, _ = load(target, drafter=drafter)
     assert len(calls) == 1 and m2.tuning.measured.seconds == m1.tuning.measured.seconds

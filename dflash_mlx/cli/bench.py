@@ -46,9 +46,11 @@ def bench(
     ),
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the curves."),
+    no_lookup: bool = c.NO_LOOKUP,
     offline: bool = c.OFFLINE,
 ):
-    """Benchmark autoregressive vs DFlash 1 vs DFlash 2: tau, speedup, Recall@k, latency."""
+    """Benchmark autoregressive vs DFlash 1 vs DFlash 2 (also with copied drafts) vs auto:
+    tau, speedup, Recall@k, latency."""
     require_stdout("bench")
     if max_samples < 1:
         raise DFlashError(f"--max-samples must be at least 1 (got {max_samples})")
@@ -60,6 +62,7 @@ def bench(
         max_tokens=max_tokens,
         temperature=temp,
         block_size=c.parse_block_size(block_size),
+        lookup=not no_lookup,
         seed=seed,
     )
     cfg.validate(flags=True)
@@ -146,6 +149,7 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
             seed=cfg.seed,
             raw=raw,
             progress=lambda done, total: bar.update(task, completed=done),
+            lookup=cfg.lookup,
         )
         ids = encode_prompt(tok, prompts[0], raw)
         rep["latency_split"] = latency_split(m, ids, cfg.max_tokens, block, cfg.temperature)
@@ -169,6 +173,8 @@ def print_report(rep: dict, console) -> None:
         if m == "auto":
             hist = {int(b): n for b, n in row["blocks"].items()}
             blocks = f"{blocks_text(hist)} ({100 * row['plain_share']:.0f}%)"
+        if row.get("copied_share"):
+            blocks += f"{' · ' if blocks else ''}copied {100 * row['copied_share']:.0f}%"
         t.add_row(m, tau, f"{row['tok_per_s']:.1f}", f"{row['speedup']:.2f}x", blocks)
     console.print(t)
     pos = rep["positions"]

@@ -54,6 +54,11 @@ NO_SELECTOR = typer.Option(
     "--no-selector",
     help="Draft each position's top token (DFlash 1 behaviour).",
 )
+NO_LOOKUP = typer.Option(
+    not D.lookup,
+    "--no-lookup",
+    help="Verify only the drafter's drafts, never ones copied from the context.",
+)
 DRAFT_VOCAB = typer.Option(
     None,
     "--draft-vocab",
@@ -84,12 +89,13 @@ def settings(
     seed: Optional[int],
     block_size: Optional[str],
     no_selector: bool,
+    no_lookup: bool = False,
 ) -> GenerationConfig:
     """The decoding settings of a command line, checked before anything is loaded.
 
     Args:
         max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size: the flags'
-            values. no_selector: ``--no-selector``.
+            values. no_selector: ``--no-selector``. no_lookup: ``--no-lookup``.
 
     Raises:
         SettingError: a flag out of range, named as typed (``--temp``).
@@ -103,6 +109,7 @@ def settings(
         presence_penalty=presence_penalty,
         block_size=parse_block_size(block_size),
         use_selector=not no_selector,
+        lookup=not no_lookup,
         seed=seed,
     )
     return cfg.validate(flags=True)

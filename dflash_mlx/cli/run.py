@@ -32,6 +32,7 @@ def run(
     seed: Optional[int] = c.SEED,
     block_size: Optional[str] = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
+    no_lookup: bool = c.NO_LOOKUP,
     system: Optional[str] = c.SYSTEM,
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Use the prompt as-is, without the chat template."
@@ -44,9 +45,8 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the text: no stats, no notices."),
 ):
     """Generate a completion: stream the text to stdout, then stats to stderr."""
-    cfg = c.settings(
-        max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
-    )
+    flags = (max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size)
+    cfg = c.settings(*flags, no_selector, no_lookup)
     require_stdout("run")
     if system is not None and ignore_chat_template:
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")

@@ -37,6 +37,7 @@ def serve(
     seed: Optional[int] = c.SEED,
     block_size: Optional[str] = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
+    no_lookup: bool = c.NO_LOOKUP,
     offline: bool = c.OFFLINE,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No download notices."),
@@ -45,9 +46,8 @@ def serve(
 
     The decoding options are the defaults of requests that do not set them.
     """
-    cfg = c.settings(
-        max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size, no_selector
-    )
+    flags = (max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size)
+    cfg = c.settings(*flags, no_selector, no_lookup)
     if not 0 <= port < 65536:
         raise DFlashError(f"--port must be in 0..65535 (got {port}); 0 picks a free port")
     if api_key is not None and not (api_key.isascii() and api_key.isprintable()):

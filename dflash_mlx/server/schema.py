@@ -36,6 +36,7 @@ SETTINGS = {
     "logit_bias": "logit_bias",
     "block_size": "block_size",
     "use_selector": "use_selector",
+    "lookup": "lookup",
     "seed": "seed",
     "stop": "stop",
 }
