@@ -352,8 +352,10 @@ def decode(
                 until = None if index is None else lambda: scheduler.copy_pays(index.match()[0])
                 steps = plain_steps(model, cache, params, history, n, k_draft, until)
                 try:
-                    for step in steps:
-                        t_last = _timed(scheduler, 1, 0, t_last)
+                    for i, step in enumerate(steps):
+                        # a run's first step is not overlapped: its cost is the switch's,
+                        # not a plain step's (the warm-up times pipelined steps too)
+                        t_last = _timed(scheduler, 1, 0, t_last, pipelined=i > 0)
                         history += step.tokens
                         if index is not None:
                             index.extend(step.tokens)
@@ -383,10 +385,11 @@ def decode(
             yield step
 
 
-def _timed(scheduler, block: int, accepted: int, since: float, match: int = 0) -> float:
+def _timed(scheduler, block, accepted, since, match=0, pipelined=True) -> float:
     """Give the scheduler a step's wall time (from the previous step's result to this one,
-    consumer time included, as it is for every block size); return now."""
+    consumer time included, as it is for every block size; none for a plain step that was
+    not pipelined); return now."""
     now = time.perf_counter()
     if scheduler is not None:
-        scheduler.record(block, accepted, now - since, match)
+        scheduler.record(block, accepted, now - since if pipelined else None, match)
     return now
