@@ -9,7 +9,7 @@ proposal law is a point mass, ``acceptance.accept_sampled`` handles it unchanged
 
 from __future__ import annotations
 
-MAX_N = 4  # longest suffix n-gram matched (longer ones add little, measured)
+MAX_N = 4  # longest suffix n-gram matched (the one length measured; longer not tried)
 
 
 class Lookup:

@@ -174,12 +174,14 @@ class Scheduler:
         self._plain = False
         self.last_reason = ""
 
-    def _best(self, rates: list[float], top: int) -> tuple[int, float]:
-        """The speculative block (<= top) with the highest expected speedup over plain."""
+    def _best(self, rates: list[float], top: int, costs: CostTable | None = None):
+        """The speculative block (<= top) with the highest expected speedup over plain,
+        as (block, speedup); ``costs``: the cycles' cost table (default: drafted ones)."""
+        costs = self.costs if costs is None else costs
         plain = 1.0 / self.costs(1)
         best_b, best = self.min_block, 0.0
         for b in range(self.min_block, top + 1):
-            s = expected_tokens(rates, b) / self.costs(b) / plain
+            s = expected_tokens(rates, b) / costs(b) / plain
             if s > best:
                 best_b, best = b, s
         return best_b, best
@@ -190,13 +192,7 @@ class Scheduler:
         acc = self.lookup_acc.get(lookup.match_class(match))
         if acc is None or self.lookup_costs is None:
             return 0, 0.0
-        plain, rates = 1.0 / self.costs(1), acc.rates()
-        best_b, best = 0, 0.0
-        for b in range(self.min_block, top + 1):
-            s = expected_tokens(rates, b) / self.lookup_costs(b) / plain
-            if s > best:
-                best_b, best = b, s
-        return best_b, best
+        return self._best(acc.rates(), top, self.lookup_costs)
 
     def copy_pays(self, match: int) -> bool:
         """Whether the lookup draft of a match of this length is expected to beat plain
