@@ -77,10 +77,10 @@ def _propose(model, logits, hidden, anchor, params, use_selector, key):
     drafter, head = model.drafter, model.draft_head
     vocab = logits.shape[-1] if head is None else head.vocab
     if use_selector and drafter.has_selector:
-        T = params.temperature
+        T, ids = params.temperature, None if head is None else head.ids
         u = None if params.greedy else mx.random.uniform(shape=hidden.shape[:2], key=key)
         toks, cand, q, _ = drafter.candidate_selector(
-            logits, hidden, anchor.reshape(1), drafter.args.selector_top_k, T, u, model.to_target
+            logits, hidden, anchor.reshape(1), drafter.args.selector_top_k, T, u, ids
         )
         q_full = None if q is None else proposal_full(q[0], cand[0], vocab)
         return toks[0].astype(mx.uint32), q_full

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import metal_kernel
+from . import metal_kernel, select_host
 from .metal_kernel import KernelSpec
 
 KERNEL = KernelSpec(
@@ -161,6 +161,13 @@ def select_path_kernel(
     return path, (q if sample else None)
 
 
+def host_path(codebook: mx.array) -> bool:
+    """Whether ``PathSelector`` runs on the host (``select_host``): on the CPU backend, with
+    no Metal kernel in use and float32 codebooks, unless ``DFLASH_HOST_SELECT=0``."""
+    cpu = select_host.enabled() and not metal_kernel.use_metal()
+    return cpu and codebook.dtype == mx.float32
+
+
 def select_path(U, cand, anchor, g, A, Bc, temperature=0.0, uniforms=None):
     """Path selection: the fused kernel on a Metal GPU, else ``select_path_ops``.
 
@@ -206,25 +213,21 @@ class PathSelector(nn.Module):
         Args:
             logits: drafter logits [B, L, V] (V may be a draft vocabulary); hidden: final
                 normed hidden [B, L, H]; anchor: [B]; top_k: K; temperature: T;
-                uniforms: [B, L] when T > 0; to_target: maps indices of ``logits``' last
-                axis to target ids (a draft vocabulary), since the codebooks are indexed
-                by target ids.
+                uniforms: [B, L] when T > 0; to_target: the target ids of ``logits``' last
+                axis (a draft vocabulary), as an array [V'] or a function of indices, since
+                the codebooks are indexed by target ids.
 
         Returns:
             (tokens [B, L], cand [B, L, K], q [B, L, K] or None, path [B, L]).
         """
-        U, cand = top_candidates(logits, top_k)
-        cand = cand if to_target is None else to_target(cand)
         g = self.hidden_projection(hidden)
-        path, q = select_path(
-            U,
-            cand,
-            anchor,
-            g,
-            self.predecessor_codebook,
-            self.successor_codebook,
-            temperature,
-            uniforms,
-        )
+        A, Bc = self.predecessor_codebook, self.successor_codebook
+        if host_path(A):
+            ids = to_target(mx.arange(logits.shape[-1])) if callable(to_target) else to_target
+            return select_host.select(logits, g, anchor, A, Bc, top_k, temperature, uniforms, ids)
+        U, cand = top_candidates(logits, top_k)
+        if to_target is not None:
+            cand = to_target(cand) if callable(to_target) else to_target[cand].astype(mx.uint32)
+        path, q = select_path(U, cand, anchor, g, A, Bc, temperature, uniforms)
         tokens = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), axis=-1)[..., 0]
         return tokens, cand, q, path
