@@ -192,15 +192,25 @@ static void small_gemm(int M, int N, int K, float alpha, const float *A, int lda
     }
 }
 
+/* Split products with more rows than max_rows into max_rows-row pieces for the kernel
+ * instead of forwarding them (set when the BLAS behind is the wheel's reference one, which
+ * costs ~M one-row products: 359 ms for the drafter's context projection of 200 rows,
+ * against 11 ms in pieces). */
+static int split_rows = 0;
+
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C,
                  int ldc) {
-    if (order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && M >= 1 && M <= max_rows &&
-        N >= 1 && K >= 1) {
+    if (order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && M >= 1 &&
+        (M <= max_rows || (split_rows && max_rows > 0)) && N >= 1 && K >= 1) {
         const long t0 = now_ns();
-        small_gemm(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        for (int m0 = 0; m0 < M; m0 += max_rows) {
+            const int m = M - m0 < max_rows ? M - m0 : max_rows;
+            small_gemm(m, N, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta,
+                       C + (size_t)m0 * ldc, ldc);
+            calls_small++;
+        }
         ns_small += now_ns() - t0;
-        calls_small++;
         return;
     }
     /* Small A @ B only (these weights are never large): no threads, one pass. */
@@ -238,6 +248,9 @@ int dflash_small_gemm_init(const char *blas_path, int rows) {
 }
 
 void dflash_small_gemm_set_rows(int rows) { max_rows = rows; }
+
+/* 1: split A @ B^T products of more than max_rows rows into pieces for the kernel. */
+void dflash_small_gemm_set_split(int on) { split_rows = on; }
 
 /* Forwarded products of fewer multiply-adds than macs run on one OpenBLAS thread (0: never).
  * Returns OpenBLAS's own thread count, or 0 when the BLAS cannot set one. */

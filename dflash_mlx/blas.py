@@ -100,10 +100,12 @@ def bundled_blas() -> str | None:
 
 def _front_bundled_blas(small_gemm) -> None:
     """Without OpenBLAS the few-row kernel still takes decoding's matmuls (the reference
-    BLAS costs ~M single-row products for M rows) and hands the rest to the wheel's BLAS."""
+    BLAS costs ~M single-row products for M rows), larger ``A @ B^T`` products in pieces
+    of 16 rows (the drafter's context projection, prefill), and hands the rest to the
+    wheel's BLAS."""
     path = bundled_blas()
-    if path:
-        small_gemm.load(path)
+    if path:  # its M-row products cost ~M one-row ones: the kernel takes them in pieces
+        small_gemm.load(path, split=True)
 
 
 def _median_ms(fn, repeats: int) -> float:

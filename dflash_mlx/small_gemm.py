@@ -8,7 +8,8 @@ an order that depends only on K, so a token's logits are the same bits in a plai
 a verify. Loaded with RTLD_GLOBAL before MLX, its ``cblas_sgemm`` is the one MLX binds to;
 it takes row-major ``A @ B^T`` products with at most :data:`MAX_ROWS` rows and small
 ``A @ B`` ones (attention's probabilities @ values), and hands every other call to the BLAS
-behind it: the system OpenBLAS, or the wheel's reference BLAS when there is none. Handed-on
+behind it: the system OpenBLAS, or the wheel's reference BLAS when there is none (then it
+also takes larger ``A @ B^T`` products, in :data:`MAX_ROWS`-row pieces). Handed-on
 products under :data:`ONE_THREAD_MACS` multiply-adds run on one OpenBLAS thread: threaded,
 its workers spin on after the call and take the cores the kernel's OpenMP team needs.
 
@@ -34,7 +35,7 @@ MAX_ROWS = 16  # decode widths (block <= 16); more rows (prefill) go to the BLAS
 ONE_THREAD_MACS = 1 << 21  # forwarded products smaller than this run on one OpenBLAS thread
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 
-_state: dict = {"path": None, "error": None, "lib": None}
+_state: dict = {"path": None, "error": None, "lib": None, "split": False}
 
 
 def source_path() -> Path:
@@ -108,13 +109,15 @@ def build(out_dir: Path | None = None) -> Path:
     raise RuntimeError(f"{cc} could not build {src.name}: {tail}")
 
 
-def load(blas_path: str, max_rows: int = MAX_ROWS) -> str | None:
+def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str | None:
     """Build and load the kernel in front of the BLAS at ``blas_path`` (before MLX loads).
 
     Args:
         blas_path: the system OpenBLAS; the kernel loads it and forwards to its
             ``cblas_sgemm``.
         max_rows: products with more rows than this go to OpenBLAS.
+        split: instead, multiply ``A @ B^T`` products of more rows in ``max_rows``-row
+            pieces (for the wheel's reference BLAS, which costs ~M one-row products).
 
     Returns:
         the kernel's path, or None (turned off, or it could not be built: see :func:`status`).
@@ -135,16 +138,18 @@ def load(blas_path: str, max_rows: int = MAX_ROWS) -> str | None:
         _state["error"] = f"could not bind cblas_sgemm in {blas_path} (code {rc})"
         return None
     lib.dflash_small_gemm_counter.restype = ctypes.c_long
-    _state.update(path=str(path), lib=lib, error=None)
+    lib.dflash_small_gemm_set_split(int(split))
+    _state.update(path=str(path), lib=lib, error=None, split=bool(split))
     return str(path)
 
 
 def status() -> dict:
-    """The loaded kernel: {"active", "path", "error"} and, since loading, the calls it took
-    and handed to OpenBLAS with the milliseconds spent ("small_calls", "small_ms",
+    """The loaded kernel: {"active", "path", "error", "split"} and, since loading, the calls
+    it took and handed to OpenBLAS with the milliseconds spent ("small_calls", "small_ms",
     "forwarded_calls", "forwarded_ms")."""
     lib = _state["lib"]
     out = {"active": lib is not None, "path": _state["path"], "error": _state["error"]}
+    out["split"] = _state["split"]
     for fwd, name in ((0, "small"), (1, "forwarded")):
         out[f"{name}_calls"] = lib.dflash_small_gemm_counter(fwd, 0) if lib is not None else 0
         ns = lib.dflash_small_gemm_counter(fwd, 1) if lib is not None else 0
