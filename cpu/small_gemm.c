@@ -6,12 +6,15 @@
  * whose summation order depends only on K, never on M: a row's result is the same whether
  * it is multiplied alone (a decode step) or with others (a verify). Every other call goes
  * to the real cblas_sgemm, except small A @ B products (small_gemm_nn below); small ones
- * among those run on one OpenBLAS thread. Built at run time by dflash_mlx/small_gemm.py.
+ * among those run on one OpenBLAS thread. Weights registered with exact 16-bit words are
+ * read as those words: half the bytes, the same sums. Built at run time by
+ * dflash_mlx/small_gemm.py.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stddef.h>
 #include <time.h>
+#include <immintrin.h>
 
 #ifdef __AVX512F__
 #define VL 16
@@ -24,6 +27,14 @@
 #define PREFETCH 64 /* floats ahead in the next tile's rows */
 
 typedef float vf __attribute__((vector_size(VL * 4), aligned(4)));
+typedef unsigned short vh __attribute__((vector_size(VL * 2), aligned(2)));
+typedef unsigned int vu __attribute__((vector_size(VL * 4)));
+#ifdef __FLT16_MAX__ /* the compiler has _Float16 */
+#define HAS_F16 1
+typedef _Float16 vhf __attribute__((vector_size(VL * 2), aligned(2)));
+#else
+#define HAS_F16 0
+#endif
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
                          const float *, int, float, float *, int);
 
@@ -70,15 +81,47 @@ static inline void store(float *c, float s, float alpha, float beta) {
     *c = beta == 0.0f ? alpha * s : alpha * s + beta * *c;
 }
 
+/* A weight's element type: float32, or 16-bit words that widen exactly to the float32
+ * values MLX holds (registered below). kind is a constant at every call site. */
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+
+static inline __attribute__((always_inline)) vf wvec(const void *b, size_t k, const int kind) {
+    if (kind == F32) return *(const vf *)((const float *)b + k);
+#if VL == 16 && defined(__AVX512F__)
+    if (kind == F16) return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const unsigned short *)b + k)));
+#elif VL == 8 && defined(__F16C__)
+    if (kind == F16) return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const unsigned short *)b + k)));
+#elif HAS_F16
+    if (kind == F16) return __builtin_convertvector(*(const vhf *)((const _Float16 *)b + k), vf);
+#endif
+    /* bfloat16: the top half of a float32 */
+    vu u = __builtin_convertvector(*(const vh *)((const unsigned short *)b + k), vu) << 16;
+    return (vf)u;
+}
+
+static inline __attribute__((always_inline)) float wone(const void *b, size_t k, const int kind) {
+    if (kind == F32) return ((const float *)b)[k];
+#if HAS_F16
+    if (kind == F16) return (float)((const _Float16 *)b)[k];
+#endif
+    union { unsigned int u; float f; } v = {(unsigned int)((const unsigned short *)b)[k] << 16};
+    return v.f;
+}
+
+static inline const void *wrow(const void *B, size_t n, int ldb, const int kind) {
+    return kind ? (const void *)((const unsigned short *)B + n * ldb)
+                : (const void *)((const float *)B + n * ldb);
+}
+
 /* C[m0 .. m0+mt) x [n, n+NT): mt is a constant at each call site, so the accumulators
  * stay in registers. */
 static inline __attribute__((always_inline)) void tile(const int mt, int m0, int n, int K,
                                                        float alpha, const float *A, int lda,
-                                                       const float *B, int ldb, float beta,
-                                                       float *C, int ldc) {
+                                                       const void *B, int ldb, float beta,
+                                                       float *C, int ldc, const int kind) {
     const int kv = K - K % VL;
-    const float *b[NT];
-    for (int j = 0; j < NT; j++) b[j] = B + (size_t)(n + j) * ldb;
+    const void *b[NT];
+    for (int j = 0; j < NT; j++) b[j] = wrow(B, (size_t)(n + j), ldb, kind);
     const float *a[MT];
     for (int i = 0; i < mt; i++) a[i] = A + (size_t)(m0 + i) * lda;
     vf acc[MT][NT];
@@ -87,65 +130,73 @@ static inline __attribute__((always_inline)) void tile(const int mt, int m0, int
     for (int k = 0; k < kv; k += VL) {
         vf w[NT];
         for (int j = 0; j < NT; j++) {
-            w[j] = *(const vf *)(b[j] + k);
+            w[j] = wvec(b[j], k, kind);
             /* The next tile's rows, a little ahead: without it the loads of each new tile
              * stall the FMAs (8 rows: 24 -> 12 ms on one core for the 49k head). A prefetch
              * past the end of B never faults. */
-            __builtin_prefetch(b[j] + (size_t)NT * ldb + k + PREFETCH);
+            const char *ahead = (const char *)wrow(b[j], (size_t)NT, ldb, kind);
+            __builtin_prefetch(ahead + (size_t)(k + PREFETCH) * (kind ? 2 : 4));
         }
         for (int i = 0; i < mt; i++) {
             const vf x = *(const vf *)(a[i] + k);
             for (int j = 0; j < NT; j++) acc[i][j] += x * w[j];
         }
     }
+    /* The last K % VL terms as explicit FMAs (here and in column()): contraction left to
+     * the compiler could differ between the specializations, and so would the bits. */
     for (int i = 0; i < mt; i++)
         for (int j = 0; j < NT; j++) {
             float s = hsum(acc[i][j]);
-            for (int k = kv; k < K; k++) s += a[i][k] * b[j][k];
+            for (int k = kv; k < K; k++) s = __builtin_fmaf(a[i][k], wone(b[j], k, kind), s);
             store(C + (size_t)(m0 + i) * ldc + n + j, s, alpha, beta);
         }
 }
 
 /* One column of C, summed in the same order as in a tile (the last N % NT columns). */
-static void column(int M, int n, int K, float alpha, const float *A, int lda, const float *B,
-                   int ldb, float beta, float *C, int ldc) {
+static inline __attribute__((always_inline)) void column(int M, int n, int K, float alpha,
+                                                         const float *A, int lda, const void *B,
+                                                         int ldb, float beta, float *C, int ldc,
+                                                         const int kind) {
     const int kv = K - K % VL;
-    const float *b = B + (size_t)n * ldb;
+    const void *b = wrow(B, (size_t)n, ldb, kind);
     for (int m = 0; m < M; m++) {
         const float *a = A + (size_t)m * lda;
         vf acc = {0};
-        for (int k = 0; k < kv; k += VL) acc += *(const vf *)(a + k) * *(const vf *)(b + k);
+        for (int k = 0; k < kv; k += VL) acc += *(const vf *)(a + k) * wvec(b, k, kind);
         float s = hsum(acc);
-        for (int k = kv; k < K; k++) s += a[k] * b[k];
+        for (int k = kv; k < K; k++) s = __builtin_fmaf(a[k], wone(b, k, kind), s);
         store(C + (size_t)m * ldc + n, s, alpha, beta);
     }
 }
 
 /* Columns [n0, n1) of C for all M rows; B row n is weight row n (length K). */
-static void block(int M, int n0, int n1, int K, float alpha, const float *A, int lda,
-                  const float *B, int ldb, float beta, float *C, int ldc) {
+static inline __attribute__((always_inline)) void block(int M, int n0, int n1, int K,
+                                                        float alpha, const float *A, int lda,
+                                                        const void *B, int ldb, float beta,
+                                                        float *C, int ldc, const int kind) {
     int n = n0;
     for (; n + NT <= n1; n += NT) {
         int m0 = 0;
-        for (; m0 + MT <= M; m0 += MT) tile(MT, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        for (; m0 + MT <= M; m0 += MT)
+            tile(MT, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind);
         switch (M - m0) {
 #if MT > 7
-        case 7: tile(7, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc); break;
-        case 6: tile(6, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc); break;
-        case 5: tile(5, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc); break;
-        case 4: tile(4, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc); break;
+        case 7: tile(7, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind); break;
+        case 6: tile(6, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind); break;
+        case 5: tile(5, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind); break;
+        case 4: tile(4, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind); break;
 #endif
 #if MT > 3
-        case 3: tile(3, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc); break;
+        case 3: tile(3, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind); break;
 #endif
 #if MT > 2
-        case 2: tile(2, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc); break;
+        case 2: tile(2, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind); break;
 #endif
-        case 1: tile(1, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc); break;
+        case 1: tile(1, m0, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind); break;
         default: break;
         }
     }
-    for (; n < n1; n++) column(M, n, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    for (; n < n1; n++) column(M, n, K, alpha, A, lda, B, ldb, beta, C, ldc, kind);
 }
 
 /* C = A @ B with B [K, N] row-major (attention's probabilities @ values): rows of C are
@@ -179,17 +230,56 @@ static void small_gemm_nn(int M, int N, int K, float alpha, const float *A, int 
     }
 }
 
+/* Threads only pay for products of at least ~256k weights (1 MB in float32). */
 static void small_gemm(int M, int N, int K, float alpha, const float *A, int lda,
-                       const float *B, int ldb, float beta, float *C, int ldc) {
+                       const void *B, int ldb, float beta, float *C, int ldc, const int kind) {
     const int tiles = (N + NT - 1) / NT;
-    /* Threads only pay for products that read at least ~1 MB of weights. */
     const int parallel = (long)N * K >= (1L << 18);
 #pragma omp parallel for schedule(static) if (parallel)
     for (int t = 0; t < tiles; t += 32) {
         int n0 = t * NT, n1 = (t + 32) * NT;
         if (n1 > N) n1 = N;
-        block(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
+        block(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc, kind);
     }
+}
+
+/* Weights registered with 16-bit words that widen exactly to their float32 values (a
+ * bfloat16 checkpoint loaded as float32; weights dequantized in float16): a product with
+ * one of them reads the words, half the bytes, and gives the same bits. Keyed by the float32
+ * buffer, which the caller keeps alive (and unchanged) for as long as it is registered. */
+#define MAX_HALF 512
+static struct {
+    const float *w;
+    const void *words;
+    int n, k, kind;
+} halves[MAX_HALF];
+static int n_halves = 0, use_halves = 1;
+static long calls_half = 0;
+
+static const void *half_words(const float *B, int N, int K, int ldb, int *kind) {
+    for (int i = 0; i < n_halves; i++)
+        if (halves[i].w == B && halves[i].n == N && halves[i].k == K && ldb == K) {
+            *kind = halves[i].kind;
+            return halves[i].words;
+        }
+    return 0;
+}
+
+/* One product of at most max_rows rows, from the weight's registered words if it has any. */
+static void few_rows(int M, int N, int K, float alpha, const float *A, int lda, const float *B,
+                     int ldb, float beta, float *C, int ldc) {
+    int kind = F32;
+    const void *words = n_halves && use_halves ? half_words(B, N, K, ldb, &kind) : 0;
+    if (words && kind == BF16) {
+        small_gemm(M, N, K, alpha, A, lda, words, ldb, beta, C, ldc, BF16);
+        calls_half++;
+    } else if (words) {
+        small_gemm(M, N, K, alpha, A, lda, words, ldb, beta, C, ldc, F16);
+        calls_half++;
+    } else {
+        small_gemm(M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, F32);
+    }
+    calls_small++;
 }
 
 /* Split products with more rows than max_rows into max_rows-row pieces for the kernel
@@ -206,9 +296,8 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
         const long t0 = now_ns();
         for (int m0 = 0; m0 < M; m0 += max_rows) {
             const int m = M - m0 < max_rows ? M - m0 : max_rows;
-            small_gemm(m, N, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta,
-                       C + (size_t)m0 * ldc, ldc);
-            calls_small++;
+            few_rows(m, N, K, alpha, A + (size_t)m0 * lda, lda, B, ldb, beta,
+                     C + (size_t)m0 * ldc, ldc);
         }
         ns_small += now_ns() - t0;
         return;
@@ -265,6 +354,27 @@ long dflash_small_gemm_counter(int forwarded, int what) {
     return forwarded ? calls_forwarded : calls_small;
 }
 
+/* Register words [n, k] (kind 1: bfloat16, 2: float16) for the float32 weight w [n, k];
+ * 0 on success, 1 when the table is full or the compiler had no float16. Call it before
+ * any product uses w. */
+int dflash_small_gemm_register(const float *w, int n, int k, const void *words, int kind) {
+    for (int i = 0; i < n_halves; i++)
+        if (halves[i].w == w && halves[i].n == n && halves[i].k == k) return 0;
+    if (n_halves == MAX_HALF || !(kind == BF16 || (kind == F16 && HAS_F16))) return 1;
+    halves[n_halves].w = w;
+    halves[n_halves].words = words;
+    halves[n_halves].n = n;
+    halves[n_halves].k = k;
+    halves[n_halves].kind = kind;
+    __atomic_store_n(&n_halves, n_halves + 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+long dflash_small_gemm_half_calls(void) { return calls_half; }
+
+/* 0: read registered weights as float32 again (A/B timing, tests); 1: as their words. */
+void dflash_small_gemm_use_halves(int on) { use_halves = on; }
+
 /* The A @ B kernel alone (B [K, N] row-major), for tests. */
 void dflash_small_gemm_nn(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                           float *C, int ldc) {
@@ -274,5 +384,5 @@ void dflash_small_gemm_nn(int M, int N, int K, const float *A, int lda, const fl
 /* The A @ B^T kernel alone, for tests that compare it with the real BLAS on the same inputs. */
 void dflash_small_gemm(int M, int N, int K, const float *A, int lda, const float *B, int ldb,
                        float *C, int ldc) {
-    small_gemm(M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc);
+    small_gemm(M, N, K, 1.0f, A, lda, B, ldb, 0.0f, C, ldc, F32);
 }

@@ -369,6 +369,8 @@ def set_draft_vocab(pair, tokenizer, n: Optional[int]) -> None:
         n: None (the checkpoint's own), 0 (the full vocabulary) or a size.
     """
     from .draft_vocab import DraftHead, ranked_vocab
+    from .fastmath import on_cpu
+    from .half_weights import register_drafter
 
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise DFlashError(f"draft_vocab must be None, 0 or a positive integer (got {n!r})")
@@ -377,3 +379,5 @@ def set_draft_vocab(pair, tokenizer, n: Optional[int]) -> None:
     if n and n < vocab:
         ids = ranked_vocab(tokenizer, n, vocab)
     pair.draft_head = None if ids is None else DraftHead(pair.adapter, ids)
+    if on_cpu():  # the few-row kernel reads its exact 16-bit weights: half the bytes
+        register_drafter(pair)

@@ -100,7 +100,7 @@ def build(out_dir: Path | None = None) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
     for flags in (FLAGS, FLAGS[:-1]):  # without OpenMP when libgomp is missing: one thread
-        cmd = [cc, *flags, "-o", str(tmp), str(src), "-ldl"]
+        cmd = [cc, *flags, "-o", str(tmp), str(src), "-ldl", "-lm"]
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
         if proc.returncode == 0:
             os.replace(tmp, lib)
@@ -138,6 +138,7 @@ def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str |
         _state["error"] = f"could not bind cblas_sgemm in {blas_path} (code {rc})"
         return None
     lib.dflash_small_gemm_counter.restype = ctypes.c_long
+    lib.dflash_small_gemm_half_calls.restype = ctypes.c_long
     lib.dflash_small_gemm_set_split(int(split))
     _state.update(path=str(path), lib=lib, error=None, split=bool(split))
     return str(path)
@@ -174,3 +175,79 @@ def set_max_rows(rows: int) -> None:
     """Send products with more than ``rows`` rows to OpenBLAS (0: all of them)."""
     if _state["lib"] is not None:
         _state["lib"].dflash_small_gemm_set_rows(int(rows))
+
+
+BF16, F16 = 1, 2  # kinds of 16-bit words (cpu/small_gemm.c)
+_held: list = []  # (owner, view, words) of every registered weight, kept for the process
+_registered: set = set()  # their buffers' addresses
+
+
+def exact_words(a):
+    """The 16-bit words [N, K] that hold a float32 array's values exactly, and their kind:
+    bfloat16 (a bfloat16 checkpoint loaded as float32) or float16 (weights dequantized in
+    float16); None when neither does, since rounding would change the products.
+
+    Args:
+        a: a C-contiguous float32 numpy array [N, K].
+
+    Returns:
+        (uint16 words [N, K], BF16 or F16), or None.
+    """
+    import numpy as np
+
+    bits = a.view(np.uint32)
+    if not np.any(bits & 0xFFFF):
+        return (bits >> 16).astype(np.uint16), BF16
+    h = a.astype(np.float16)
+    if np.array_equal(h.astype(np.float32).view(np.uint32), bits):
+        return h.view(np.uint16), F16
+    return None
+
+
+def register(owner, a) -> bool:
+    """Let the kernel read the float32 weight ``a`` [N, K] as exact 16-bit words: its
+    few-row products then read half the bytes and give the same bits.
+
+    The kernel keys the words by ``a``'s buffer, so ``owner`` (the object that owns that
+    buffer, e.g. an MLX array) and the words are kept alive for the rest of the process:
+    the buffer is then never freed, reused or written while registered.
+
+    Args:
+        owner: what keeps ``a``'s memory alive. a: a C-contiguous float32 numpy view [N, K].
+
+    Returns:
+        whether it was registered (False: no kernel, not exact, or the table is full).
+    """
+    lib = _state["lib"]
+    if lib is None or a.ndim != 2 or a.dtype.str != "<f4" or not a.flags.c_contiguous:
+        return False
+    if a.ctypes.data in _registered:
+        return True
+    found = exact_words(a)
+    if found is None:
+        return False
+    words, kind = found
+    p = ctypes.c_void_p
+    n, k = a.shape
+    if lib.dflash_small_gemm_register(p(a.ctypes.data), n, k, p(words.ctypes.data), kind):
+        return False
+    _held.append((owner, a, words))
+    _registered.add(a.ctypes.data)
+    return True
+
+
+def use_halves(on: bool) -> None:
+    """Read registered weights as their 16-bit words (default) or as float32 (A/B)."""
+    if _state["lib"] is not None:
+        _state["lib"].dflash_small_gemm_use_halves(int(bool(on)))
+
+
+def has_kernel() -> bool:
+    """Whether the kernel is loaded."""
+    return _state["lib"] is not None
+
+
+def half_calls() -> int:
+    """Products that read registered 16-bit words since loading."""
+    lib = _state["lib"]
+    return 0 if lib is None else int(lib.dflash_small_gemm_half_calls())
