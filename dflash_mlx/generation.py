@@ -48,6 +48,7 @@ class GenerationResponse:
         acceptance: conditional acceptance per block position so far.
         blocks: how many steps used each block size (1 = a plain target step).
         plain_share: the share of steps decoded plainly.
+        copied: verify cycles whose drafts were copied from the context (``lookup``).
         schedule: with block_size="auto", when and why decoding switched to or from
             plain decoding. timings: seconds per stage (profile=True).
     """
@@ -67,6 +68,7 @@ class GenerationResponse:
     acceptance: List[float] = field(default_factory=list)
     blocks: Dict[int, int] = field(default_factory=dict)
     plain_share: float = 0.0
+    copied: int = 0
     schedule: List[str] = field(default_factory=list)
     timings: Dict[str, float] = field(default_factory=dict)
 
@@ -219,7 +221,7 @@ class _Stats:
 
     def __init__(self, prompt_tokens: int, block_size: int):
         self.prompt_tokens, self.block_size = prompt_tokens, block_size
-        self.generated = self.cycles = self.committed = self.processed = 0
+        self.generated = self.cycles = self.committed = self.processed = self.copied = 0
         self.reached = [0] * block_size
         self.accepted_at = [0] * block_size
         self.blocks: Dict[int, int] = {}
@@ -235,6 +237,7 @@ class _Stats:
         else:
             self.cycles += 1
             self.committed += len(cyc.tokens)
+            self.copied += cyc.lookup > 0
             self.blocks[cyc.drafted + 1] = self.blocks.get(cyc.drafted + 1, 0) + 1
             for k in range(min(cyc.accepted + 1, cyc.drafted)):
                 self.reached[k] += 1
@@ -262,6 +265,7 @@ class _Stats:
             acceptance=[a / r if r else 0.0 for a, r in pairs][: self.block_size - 1],
             blocks=dict(sorted(self.blocks.items())),
             plain_share=self.blocks.get(1, 0) / self.cycles if self.cycles else 0.0,
+            copied=self.copied,
             schedule=list(self.notes),
             timings=dict(self.timings),
         )

@@ -122,3 +122,37 @@ def test_a_cycle_interrupted_mid_verify_leaves_a_usable_cache(pairs, monkeypatch
     monkeypatch.setattr(type(model.adapter), "__call__", real_call)
     warm = generate(model, tok, "def parse_args(", max_tokens=20, prompt_cache=cache)
     assert warm == generate(model, tok, "def parse_args(", max_tokens=20)
+
+
+def test_stats_count_the_cycles_that_verified_copied_drafts(pairs, monkeypatch):
+    """``copied`` counts the cycles whose drafts came from the context, as the decode
+    loop's own cycles report them; the CLI's stats and the server's extra field show it."""
+    from dflash_mlx import generation
+    from dflash_mlx.cli.stats import stats_dict, stats_lines
+    from dflash_mlx.server.schema import dflash_stats
+    from test_decode import PROMPTS
+
+    model, tok = pairs("qwen3", "d2")
+    seen = []
+    real = generation.decode
+
+    def counting(*a, **k):
+        for c in real(*a, **k):
+            seen.append(c.lookup > 0)
+            yield c
+
+    monkeypatch.setattr(generation, "decode", counting)
+    total = 0
+    for prompt in PROMPTS:
+        seen.clear()
+        last = list(stream_generate(model, tok, prompt, max_tokens=48, block_size=4, raw=True))[-1]
+        assert last.copied == sum(seen) and last.copied <= last.cycles
+        total += last.copied
+        s = stats_dict(last, "m", 4, True)
+        assert s["copied_cycles"] == last.copied
+        assert dflash_stats(last, 0, 4)["copied_cycles"] == last.copied
+        shown = "\n".join(stats_lines(s))
+        assert (f"{last.copied} copied" in shown) == (last.copied > 0)
+    assert total > 0  # the random target loops: copies happened
+    off = list(stream_generate(model, tok, PROMPTS[0], max_tokens=48, block_size=4, lookup=False))
+    assert off[-1].copied == 0

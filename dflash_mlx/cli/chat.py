@@ -164,7 +164,7 @@ class ChatSession:
             f"last answer: prefilled {r.prompt_processed} of {r.prompt_tokens} prompt tokens "
             f"({r.prompt_tokens - r.prompt_processed} from cache), {r.prompt_tps:.1f} tok/s\n"
             f"             generated {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s, "
-            f"tau {r.tau:.2f} over {r.cycles} cycles\n"
+            f"tau {r.tau:.2f} over {r.cycles} cycles ({r.copied} copied from the context)\n"
             f"             acceptance {sparkline(r.acceptance)}  {acc} % by block position\n"
             f"session:     {self.turns} answers, {self.total_generated} tokens generated, "
             f"{self.total_prefilled} prefilled, {len(self.cache.tokens)} tokens in cache, "
