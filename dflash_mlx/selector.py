@@ -222,7 +222,8 @@ class PathSelector(nn.Module):
         """
         g = self.hidden_projection(hidden)
         A, Bc = self.predecessor_codebook, self.successor_codebook
-        if host_path(A):
+        fits = top_k <= select_host.MAX_K and A.shape[-1] <= select_host.MAX_RANK
+        if fits and host_path(A):
             ids = to_target(mx.arange(logits.shape[-1])) if callable(to_target) else to_target
             return select_host.select(logits, g, anchor, A, Bc, top_k, temperature, uniforms, ids)
         U, cand = top_candidates(logits, top_k)

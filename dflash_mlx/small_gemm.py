@@ -34,6 +34,7 @@ ENV = "DFLASH_SMALL_GEMM"
 MAX_ROWS = 16  # decode widths (block <= 16); more rows (prefill) go to the BLAS behind it
 ONE_THREAD_MACS = 1 << 21  # forwarded products smaller than this run on one OpenBLAS thread
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
+EXTRA_SOURCES = ("path_select.c",)  # built into the same library (select_host.py)
 
 _state: dict = {"path": None, "error": None, "lib": None, "split": False}
 
@@ -91,7 +92,8 @@ def build(out_dir: Path | None = None) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"C compiler {cc} not found; install gcc or set CC")
     src = source_path()
-    key = _key(src.read_bytes(), cc)
+    srcs = [src] + [p for p in [src.with_name(n) for n in EXTRA_SOURCES] if p.is_file()]
+    key = _key(b"\n".join(p.read_bytes() for p in srcs), cc)
     if out_dir is None:
         out_dir = cachedir.cache_dir() / "cpu" if cachedir.enabled() else Path(tempfile.mkdtemp())
     lib = Path(out_dir) / f"small_gemm-{key}.so"
@@ -99,12 +101,15 @@ def build(out_dir: Path | None = None) -> Path:
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    for flags in (FLAGS, FLAGS[:-1]):  # without OpenMP when libgomp is missing: one thread
-        cmd = [cc, *flags, "-o", str(tmp), str(src), "-ldl", "-lm"]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
-        if proc.returncode == 0:
-            os.replace(tmp, lib)
-            return lib
+    # Without OpenMP when libgomp is missing (one thread); the kernel alone when an extra
+    # source does not build here (the selector then runs as MLX ops).
+    for files in (srcs, [src]) if len(srcs) > 1 else (srcs,):
+        for flags in (FLAGS, FLAGS[:-1]):
+            cmd = [cc, *flags, "-o", str(tmp), *map(str, files), "-ldl", "-lm"]
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
+            if proc.returncode == 0:
+                os.replace(tmp, lib)
+                return lib
     tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
     raise RuntimeError(f"{cc} could not build {src.name}: {tail}")
 

@@ -242,3 +242,15 @@ def test_small_forwarded_products_run_on_one_openblas_thread():
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env
     )
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_an_extra_source_that_does_not_build_leaves_the_kernel(monkeypatch, tmp_path):
+    """The selector's C source is built into the kernel's library; when it fails to build,
+    the kernel is built alone (the selector then runs as MLX ops)."""
+    src = tmp_path / "src" / "small_gemm.c"
+    src.parent.mkdir()
+    src.write_bytes(small_gemm.source_path().read_bytes())
+    (src.parent / "path_select.c").write_text("this is not C\n")
+    monkeypatch.setattr(small_gemm, "source_path", lambda: src)
+    lib = ctypes.CDLL(str(small_gemm.build(tmp_path / "out")))
+    assert hasattr(lib, "cblas_sgemm") and not hasattr(lib, "dflash_select_path")
