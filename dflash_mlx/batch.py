@@ -21,8 +21,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .acceptance import SamplingParams
-from .decode import Cycle, _accept, _propose, prefill, prefill_chunk
+from .decode import Cycle, _accept, _copied, _propose, prefill, prefill_chunk
 from .drafter import embed_block
+from .lookup import FIXED_MIN_MATCH, Lookup
 from .state import DFlashModel, PromptCache
 
 COMPACT_EVERY = 8  # cycles between drops of the padding all rows share
@@ -36,6 +37,8 @@ class Row:
         uid: the caller's id. prompt: token ids. params: its sampling law.
         max_tokens: its budget. block: its largest block (None: the batch's choice).
         use_selector: walk the DFlash 2 lattice. key: its own PRNG key.
+        lookup: verify drafts copied from its context (``lookup.py``) when its committed
+            tokens have a match of at least ``FIXED_MIN_MATCH`` tokens.
     """
 
     uid: int
@@ -45,10 +48,12 @@ class Row:
     block: Optional[int]
     use_selector: bool
     key: mx.array
+    lookup: bool = True
     history: List[int] = field(default_factory=list)
     generated: int = 0
     prefilled: int = -1  # prompt tokens in the joining cache; -1 before the first chunk
     reused: int = 0  # prompt tokens the joining cache already held
+    index: Optional[Lookup] = None  # the n-gram index of history, when lookup is on
 
 
 def _as_kv(keys, values, n) -> KVCache:
@@ -121,6 +126,7 @@ class BatchDecoder:
             return None
         self.joining.pop(0)
         row.key, row.history = key, list(row.prompt) + first.tokens
+        row.index = Lookup(row.history) if row.lookup else None
         first.prompt_tokens = len(row.prompt) - row.reused
         self._merge(cache)
         self.rows.append(row)
@@ -174,7 +180,8 @@ class BatchDecoder:
             r.key, k_draft, k_acc = mx.random.split(r.key, 3)
             keys.append((k_draft, k_acc))
         anchors = mx.array([r.history[-1] for r in rows], dtype=mx.uint32)
-        drafts, q_full = self._draft(anchors, L, blocks, keys)
+        copies = [self._copy(r, b) for r, b in zip(rows, blocks)]  # (drafts, match) or None
+        drafts, q_full = self._draft(anchors, L, blocks, keys, copies)
         ids = mx.concatenate([anchors[:, None], _pad(drafts, L - 1)], axis=1)  # [B, L]
         v_logits, feats = self.model.adapter(ids, self.target)
         outs = [
@@ -190,17 +197,36 @@ class BatchDecoder:
             committed = drafts[i].tolist()[:a] + [bonus.item()]
             r.history += committed
             r.generated += len(committed)
-            result.append((r, Cycle(committed, a, b - 1)))
+            if r.index is not None:
+                r.index.extend(committed)
+            match = copies[i][1] if copies[i] else 0
+            result.append((r, Cycle(committed, a, b - 1, lookup=match)))
         self.cycles += 1
         if self.cycles % COMPACT_EVERY == 0:
             self._compact()
         return result
 
-    def _draft(self, anchors, L, blocks, keys):
-        """Drafts [b_i - 1] and proposal rows (or None) per row, from one drafter pass."""
+    def _copy(self, row: Row, b: int):
+        """(copied drafts [b - 1], match length) when the row's context has a match of at
+        least FIXED_MIN_MATCH tokens, as for a fixed block (decode.decode), else None."""
+        if row.index is None or b < 2:
+            return None
+        tokens, match = row.index.propose(b - 1)
+        if match < FIXED_MIN_MATCH:
+            return None
+        drafts, q = _copied(tokens, self.model.adapter.vocab_size, row.params)
+        return (drafts, q), match
+
+    def _draft(self, anchors, L, blocks, keys, copies):
+        """Drafts [b_i - 1] and proposal rows (or None) per row: copied ones where given,
+        the rest from one drafter pass (none when every drafting row copies)."""
         B = len(blocks)
         if L < 2:
             return [mx.array([], dtype=mx.uint32)] * B, [None] * B
+        if all(c is not None or b < 2 for c, b in zip(copies, blocks)):
+            empty = (mx.array([], dtype=mx.uint32), None)
+            pairs = [c[0] if c is not None else empty for c in copies]
+            return [d for d, _ in pairs], [q for _, q in pairs]
         model, drafter = self.model, self.model.drafter
         args = drafter.args
         masks = mx.full((B, L - 1), args.mask_token_id, mx.uint32)
@@ -211,6 +237,10 @@ class BatchDecoder:
         d_logits = model.draft_logits(hidden[:, 1:])  # [B, L-1, V'] (the draft vocabulary)
         drafts, qs = [], []
         for i, (r, b) in enumerate(zip(self.rows, blocks)):
+            if copies[i] is not None:
+                drafts.append(copies[i][0][0])
+                qs.append(copies[i][0][1])
+                continue
             if b < 2:
                 drafts.append(mx.array([], dtype=mx.uint32))
                 qs.append(None)

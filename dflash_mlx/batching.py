@@ -150,7 +150,8 @@ class BatchGenerator:
         block = None if cfg.block_size == AUTO else (cfg.block_size or self.model.block_size)
         seed = cfg.seed if cfg.seed is not None else (time.time_ns() + uid) % 2**31
         params = sampling_params(cfg, processors)
-        row = Row(uid, ids, params, cfg.max_tokens, block, cfg.use_selector, mx.random.key(seed))
+        key = mx.random.key(seed)
+        row = Row(uid, ids, params, cfg.max_tokens, block, cfg.use_selector, key, cfg.lookup)
         stats = _Stats(len(ids), block or self.model.block_size)
         req = _Request(
             row, _TextStream(self.tokenizer.detokenizer, cfg.stop), stats, cfg.max_tokens

@@ -11,9 +11,13 @@ from dflash_mlx.batch import BatchDecoder, Row
 PROMPTS = ["def parse_args(", "import os\nfor i in", "x", "class Foo:\n    def __init__(self"]
 
 
-def drive(model, prompts, n, block, *, joins=None, blocks=None, params=None, log=None, setup=None):
+def drive(
+    model, prompts, n, block, *, joins=None, blocks=None, params=None, log=None, setup=None,
+    lookup=True, cycles=None,
+):  # fmt: skip
     """Decode prompts in one batch; row i joins before cycle joins[i]; returns tokens per row.
-    ``log`` collects each cycle's accepted counts, row by row; ``setup(decoder)`` runs first."""
+    ``log`` collects each cycle's accepted counts, row by row; ``setup(decoder)`` runs first;
+    ``cycles`` collects each batch cycle's [(row, Cycle)]."""
     dec = BatchDecoder(model, block)
     if setup:
         setup(dec)
@@ -25,11 +29,13 @@ def drive(model, prompts, n, block, *, joins=None, blocks=None, params=None, log
             pending.remove(i)
             p = params[i] if params else SamplingParams()
             b = blocks[i] if blocks else None
-            dec.join(Row(i, prompts[i], p, n, b, True, mx.random.key(i)))
+            dec.join(Row(i, prompts[i], p, n, b, True, mx.random.key(i), lookup))
         got = dec.prefill_step()
         if got:
             out[got[0].uid] += got[1].tokens
         step = dec.step()
+        if cycles is not None and step:
+            cycles.append(step)
         if log is not None and step:
             log.append([c.accepted for _, c in step])
         for row, cyc in step:
@@ -47,6 +53,33 @@ def test_batch_greedy_equals_mlx_lm_per_row(pairs, block):
     got = drive(model, ids, 40, block, joins=[0, 0, 3, 7])
     for i, p in enumerate(ids):
         assert got[i] == reference(model, p, 40)
+
+
+@pytest.mark.parametrize("block", [4, 8])
+def test_batch_rows_verify_copied_drafts_and_stay_exact(pairs, block, monkeypatch):
+    """Rows whose context has a match verify drafts copied from it (the random target
+    loops); each row's tokens still equal mlx-lm's, with copies on or off. A cycle in which
+    every drafting row copies runs no drafter pass."""
+    model, tok = pairs("qwen3", "d2")
+    ids = [tok.encode(p) for p in PROMPTS]
+    real, passes = type(model.drafter).__call__, []
+
+    def counted(self, *a, **k):
+        passes.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(type(model.drafter), "__call__", counted)
+    for lookup in (True, False):
+        steps, passes[:] = [], []
+        got = drive(model, ids, 48, block, joins=[0, 0, 2, 5], lookup=lookup, cycles=steps)
+        for i, p in enumerate(ids):
+            assert got[i] == reference(model, p, 48)
+        copied = sum(c.lookup > 0 for st in steps for _, c in st)
+        assert (copied > 0) == lookup
+        drafting = sum(any(c.drafted and not c.lookup for _, c in st) for st in steps)
+        assert len(passes) == drafting
+        if lookup:
+            assert drafting < len(steps)  # some cycles copied in every row: no drafter pass
 
 
 @pytest.mark.parametrize("block", [4, 8, 16])

@@ -3,6 +3,7 @@ filters, penalties, selector, block) and so different acceptance, decoded togeth
 
 import mlx.core as mx
 import numpy as np
+import pytest
 from mlx_lm.sample_utils import make_logits_processors
 from test_acceptance import exact_law, small_vocab_pair, tv  # noqa: F401 - a fixture
 
@@ -16,10 +17,13 @@ ROWS = [
     ([1, 7, 2, 2, 4], 1.0, 1.0, 0, 1.5, False, 3),
     ([6], 0.6, 1.0, 4, 0.0, True, None),
 ]
+# The same settings after prompts that end in a bigram seen before: copied drafts at once.
+COPYING = [(r[0][-2:] + [4] + r[0][-2:] if len(r[0]) > 1 else [6, 6, 6],) + r[1:] for r in ROWS]
 
 
-def sample_batches(model, rows, n, trials, seed):
-    """trials batches of all rows; per row the n-token sequences and the drafts accepted."""
+def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None):
+    """trials batches of all rows; per row the n-token sequences and the drafts accepted
+    (``copied`` counts the cycles that verified copied drafts)."""
     samples, accepted = [[] for _ in rows], [0] * len(rows)
     key = mx.random.key(seed)
     for _ in range(trials):
@@ -29,7 +33,7 @@ def sample_batches(model, rows, n, trials, seed):
             procs = make_logits_processors(presence_penalty=pres or None)
             key, sub = mx.random.split(key)
             params = SamplingParams(temp, top_p, 0.0, top_k, procs)
-            dec.join(Row(i, prompt, params, n, block, sel, sub))
+            dec.join(Row(i, prompt, params, n, block, sel, sub, lookup))
             out[i] = []
         while dec.joining or len(dec):
             got = dec.prefill_step()
@@ -38,6 +42,8 @@ def sample_batches(model, rows, n, trials, seed):
             for row, cyc in dec.step():
                 out[row.uid] += cyc.tokens
                 accepted[row.uid] += cyc.accepted
+                if copied is not None:
+                    copied[row.uid] += cyc.lookup > 0
                 if row.generated >= n:
                     dec.remove(row.uid)
         for i in out:
@@ -45,11 +51,16 @@ def sample_batches(model, rows, n, trials, seed):
     return samples, accepted
 
 
-def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair):  # noqa: F811
+@pytest.mark.parametrize("lookup", [False, True])
+def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, lookup):  # noqa: F811
+    """Drafted rows, and (lookup) rows verifying drafts copied from their context."""
     model = small_vocab_pair
     n, trials = 4, 1000
-    samples, accepted = sample_batches(model, ROWS, n, trials, seed=3)
-    for i, (prompt, temp, top_p, top_k, pres, _, block) in enumerate(ROWS):
+    rows = COPYING if lookup else ROWS
+    copied = [0] * len(rows)
+    samples, accepted = sample_batches(model, rows, n, trials, 3, lookup, copied)
+    assert (sum(copied) > trials // 4) == lookup, copied  # rows did verify copies
+    for i, (prompt, temp, top_p, top_k, pres, _, block) in enumerate(rows):
         law = exact_law(model, prompt, n, temp, top_p, top_k, pres)
         if block != 1:
             assert accepted[i] > trials // 8, (i, accepted[i])  # drafts were accepted
