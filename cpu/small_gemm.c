@@ -247,22 +247,31 @@ static void small_gemm(int M, int N, int K, float alpha, const float *A, int lda
  * bfloat16 checkpoint loaded as float32; weights dequantized in float16): a product with
  * one of them reads the words, half the bytes, and gives the same bits. Keyed by the float32
  * buffer, which the caller keeps alive (and unchanged) for as long as it is registered. */
-#define MAX_HALF 512
+#define HALF_SLOTS 16384 /* an open-addressed table, at most half full: a miss is ~1 probe */
 static struct {
-    const float *w;
+    const float *w; /* 0: an empty slot; written last, so a reader never sees half an entry */
     const void *words;
     int n, k, kind;
-} halves[MAX_HALF];
+} halves[HALF_SLOTS];
 static int n_halves = 0, use_halves = 1;
 static long calls_half = 0;
 
+static inline size_t slot_of(const void *p) {
+    unsigned long long x = (unsigned long long)(size_t)p;
+    x ^= x >> 17;
+    x *= 0x9E3779B97F4A7C15ull;
+    return (size_t)(x >> 40) & (HALF_SLOTS - 1);
+}
+
 static const void *half_words(const float *B, int N, int K, int ldb, int *kind) {
-    for (int i = 0; i < n_halves; i++)
-        if (halves[i].w == B && halves[i].n == N && halves[i].k == K && ldb == K) {
+    for (size_t i = slot_of(B);; i = (i + 1) & (HALF_SLOTS - 1)) {
+        const float *w = __atomic_load_n(&halves[i].w, __ATOMIC_ACQUIRE);
+        if (!w) return 0;
+        if (w == B && halves[i].n == N && halves[i].k == K && ldb == K) {
             *kind = halves[i].kind;
             return halves[i].words;
         }
-    return 0;
+    }
 }
 
 /* One product of at most max_rows rows, from the weight's registered words if it has any. */
@@ -355,18 +364,22 @@ long dflash_small_gemm_counter(int forwarded, int what) {
 }
 
 /* Register words [n, k] (kind 1: bfloat16, 2: float16) for the float32 weight w [n, k];
- * 0 on success, 1 when the table is full or the compiler had no float16. Call it before
- * any product uses w. */
+ * 0 on success, 1 when the table is half full (8,192 weights) or the compiler had no
+ * float16. Registration happens on one thread, before any product uses w. */
 int dflash_small_gemm_register(const float *w, int n, int k, const void *words, int kind) {
-    for (int i = 0; i < n_halves; i++)
+    if (!w || !(kind == BF16 || (kind == F16 && HAS_F16))) return 1;
+    size_t i = slot_of(w);
+    for (;; i = (i + 1) & (HALF_SLOTS - 1)) {
+        if (!halves[i].w) break;
         if (halves[i].w == w && halves[i].n == n && halves[i].k == k) return 0;
-    if (n_halves == MAX_HALF || !(kind == BF16 || (kind == F16 && HAS_F16))) return 1;
-    halves[n_halves].w = w;
-    halves[n_halves].words = words;
-    halves[n_halves].n = n;
-    halves[n_halves].k = k;
-    halves[n_halves].kind = kind;
-    __atomic_store_n(&n_halves, n_halves + 1, __ATOMIC_RELEASE);
+    }
+    if (2 * (n_halves + 1) > HALF_SLOTS) return 1;
+    halves[i].words = words;
+    halves[i].n = n;
+    halves[i].k = k;
+    halves[i].kind = kind;
+    __atomic_store_n(&halves[i].w, w, __ATOMIC_RELEASE);
+    n_halves++;
     return 0;
 }
 
