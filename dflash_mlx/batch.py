@@ -180,7 +180,7 @@ class BatchDecoder:
             r.key, k_draft, k_acc = mx.random.split(r.key, 3)
             keys.append((k_draft, k_acc))
         anchors = mx.array([r.history[-1] for r in rows], dtype=mx.uint32)
-        copies = [self._copy(r, b) for r, b in zip(rows, blocks)]  # (drafts, match) or None
+        copies = [self._copy(r, b) for r, b in zip(rows, blocks)]  # (drafts, q, match) / None
         drafts, q_full = self._draft(anchors, L, blocks, keys, copies)
         ids = mx.concatenate([anchors[:, None], _pad(drafts, L - 1)], axis=1)  # [B, L]
         v_logits, feats = self.model.adapter(ids, self.target)
@@ -199,7 +199,7 @@ class BatchDecoder:
             r.generated += len(committed)
             if r.index is not None:
                 r.index.extend(committed)
-            match = copies[i][1] if copies[i] else 0
+            match = copies[i][2] if copies[i] else 0
             result.append((r, Cycle(committed, a, b - 1, lookup=match)))
         self.cycles += 1
         if self.cycles % COMPACT_EVERY == 0:
@@ -207,45 +207,34 @@ class BatchDecoder:
         return result
 
     def _copy(self, row: Row, b: int):
-        """(copied drafts [b - 1], match length) when the row's context has a match of at
-        least FIXED_MIN_MATCH tokens, as for a fixed block (decode.decode), else None."""
+        """(copied drafts [b - 1], their proposal rows or None, match length) when the
+        row's context has a match of at least FIXED_MIN_MATCH tokens, as for a fixed
+        block (decode.decode), else None."""
         if row.index is None or b < 2:
             return None
         tokens, match = row.index.propose(b - 1)
         if match < FIXED_MIN_MATCH:
             return None
-        drafts, q = _copied(tokens, self.model.adapter.vocab_size, row.params)
-        return (drafts, q), match
+        return (*_copied(tokens, self.model.adapter.vocab_size, row.params), match)
 
     def _draft(self, anchors, L, blocks, keys, copies):
         """Drafts [b_i - 1] and proposal rows (or None) per row: copied ones where given,
         the rest from one drafter pass (none when every drafting row copies)."""
-        B = len(blocks)
-        if L < 2:
-            return [mx.array([], dtype=mx.uint32)] * B, [None] * B
-        if all(c is not None or b < 2 for c, b in zip(copies, blocks)):
-            empty = (mx.array([], dtype=mx.uint32), None)
-            pairs = [c[0] if c is not None else empty for c in copies]
-            return [d for d, _ in pairs], [q for _, q in pairs]
+        out = [c[:2] if c else (mx.array([], dtype=mx.uint32), None) for c in copies]
+        todo = [i for i, (c, b) in enumerate(zip(copies, blocks)) if c is None and b >= 2]
         model, drafter = self.model, self.model.drafter
-        args = drafter.args
-        masks = mx.full((B, L - 1), args.mask_token_id, mx.uint32)
-        ids = mx.concatenate([anchors[:, None], masks], axis=1)
-        emb = embed_block(model.adapter.embed, ids, args, drafter.fc.weight.dtype)
-        kv = [c.keys_and_values() if c.keys is not None else (None, None) for c in self.context]
-        hidden = drafter(emb, kv, self.context[0].offset, L, self._context_mask(L))
-        d_logits = model.draft_logits(hidden[:, 1:])  # [B, L-1, V'] (the draft vocabulary)
-        drafts, qs = [], []
-        for i, (r, b) in enumerate(zip(self.rows, blocks)):
-            if copies[i] is not None:
-                drafts.append(copies[i][0][0])
-                qs.append(copies[i][0][1])
-                continue
-            if b < 2:
-                drafts.append(mx.array([], dtype=mx.uint32))
-                qs.append(None)
-                continue
-            d, q = _propose(
+        if todo:
+            args = drafter.args
+            masks = mx.full((len(blocks), L - 1), args.mask_token_id, mx.uint32)
+            ids = mx.concatenate([anchors[:, None], masks], axis=1)
+            emb = embed_block(model.adapter.embed, ids, args, drafter.fc.weight.dtype)
+            ctx = self.context
+            kv = [c.keys_and_values() if c.keys is not None else (None, None) for c in ctx]
+            hidden = drafter(emb, kv, ctx[0].offset, L, self._context_mask(L))
+            d_logits = model.draft_logits(hidden[:, 1:])  # [B, L-1, V'] (the draft vocabulary)
+        for i in todo:
+            r, b = self.rows[i], blocks[i]
+            out[i] = _propose(
                 model,
                 d_logits[i : i + 1, : b - 1],
                 hidden[i : i + 1, 1:b],
@@ -254,9 +243,7 @@ class BatchDecoder:
                 r.use_selector,
                 keys[i][0],
             )
-            drafts.append(d)
-            qs.append(q)
-        return drafts, qs
+        return [d for d, _ in out], [q for _, q in out]
 
     def _context_mask(self, L: int) -> Optional[mx.array]:
         """[B, 1, L, C + L] bool: each block sees its own context rows (the last ``window``

@@ -24,8 +24,7 @@ MAX_K, MAX_RANK = 64, 256  # cpu/path_select.c's buffers
 
 
 def _fn():
-    lib = small_gemm._state["lib"]
-    return None if lib is None else getattr(lib, "dflash_select_path", None)
+    return small_gemm.function("dflash_select_path")
 
 
 def enabled() -> bool:

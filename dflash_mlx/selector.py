@@ -213,9 +213,9 @@ class PathSelector(nn.Module):
         Args:
             logits: drafter logits [B, L, V] (V may be a draft vocabulary); hidden: final
                 normed hidden [B, L, H]; anchor: [B]; top_k: K; temperature: T;
-                uniforms: [B, L] when T > 0; to_target: the target ids of ``logits``' last
-                axis (a draft vocabulary), as an array [V'] or a function of indices, since
-                the codebooks are indexed by target ids.
+                uniforms: [B, L] when T > 0; to_target: the target ids [V'] of
+                ``logits``' last axis (a draft vocabulary), since the codebooks are indexed
+                by target ids.
 
         Returns:
             (tokens [B, L], cand [B, L, K], q [B, L, K] or None, path [B, L]).
@@ -224,11 +224,12 @@ class PathSelector(nn.Module):
         A, Bc = self.predecessor_codebook, self.successor_codebook
         fits = top_k <= select_host.MAX_K and A.shape[-1] <= select_host.MAX_RANK
         if fits and host_path(A):
-            ids = to_target(mx.arange(logits.shape[-1])) if callable(to_target) else to_target
-            return select_host.select(logits, g, anchor, A, Bc, top_k, temperature, uniforms, ids)
+            return select_host.select(
+                logits, g, anchor, A, Bc, top_k, temperature, uniforms, to_target
+            )
         U, cand = top_candidates(logits, top_k)
         if to_target is not None:
-            cand = to_target(cand) if callable(to_target) else to_target[cand].astype(mx.uint32)
+            cand = to_target[cand].astype(mx.uint32)
         path, q = select_path(U, cand, anchor, g, A, Bc, temperature, uniforms)
         tokens = mx.take_along_axis(cand, path[..., None].astype(mx.uint32), axis=-1)[..., 0]
         return tokens, cand, q, path

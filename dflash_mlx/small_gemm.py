@@ -252,6 +252,11 @@ def has_kernel() -> bool:
     return _state["lib"] is not None
 
 
+def function(name: str):
+    """A function of the loaded kernel's library (e.g. the selector's), or None."""
+    return None if _state["lib"] is None else getattr(_state["lib"], name, None)
+
+
 def half_calls() -> int:
     """Products that read registered 16-bit words since loading."""
     lib = _state["lib"]

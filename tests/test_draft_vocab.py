@@ -112,7 +112,7 @@ def test_selector_codebooks_are_read_at_target_ids(pairs):
     full = mx.put_along_axis(mx.full((2, 7, V), -1e9), cols, sub_logits, axis=-1)
     anchor = mx.array([7, 11])
     for T, u in ((0.0, None), (0.9, mx.random.uniform(shape=(2, 7), key=mx.random.key(3)))):
-        t_sub, c_sub, q_sub, _ = sel(sub_logits, hidden, anchor, 16, T, u, head.to_target)
+        t_sub, c_sub, q_sub, _ = sel(sub_logits, hidden, anchor, 16, T, u, head.ids)
         t_full, c_full, q_full, _ = sel(full, hidden, anchor, 16, T, u)
         assert np.array_equal(np.array(c_sub), np.array(c_full))
         assert np.array_equal(np.array(t_sub), np.array(t_full))
