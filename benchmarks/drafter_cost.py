@@ -32,7 +32,7 @@ def stages(model, cache, block: int, reps: int) -> dict:
     """Seconds of each drafter stage for one block after the cached context."""
     from dflash_mlx import draft_step
     from dflash_mlx.acceptance import SamplingParams
-    from dflash_mlx.decode import _propose
+    from dflash_mlx.propose import propose
 
     d = model.drafter
     anchor = mx.array([17], mx.uint32)
@@ -48,7 +48,7 @@ def stages(model, cache, block: int, reps: int) -> dict:
         "layers": timed(lambda: mx.eval(draft_step.step(d, emb, cache.drafter)), reps),
         "head": timed(lambda: mx.eval(model.draft_logits(hidden[:, 1:])), reps),
         "selector": timed(
-            lambda: mx.eval(_propose(model, logits, hidden[:, 1:], anchor, params, True, None)[0]),
+            lambda: mx.eval(propose(model, logits, hidden[:, 1:], anchor, params, True, None)[0]),
             reps,
         ),
     }
@@ -56,7 +56,7 @@ def stages(model, cache, block: int, reps: int) -> dict:
     def whole():
         h = draft_step.step(d, model.embed_block(anchor, block), cache.drafter)
         lg = model.draft_logits(h[:, 1:])
-        mx.eval(_propose(model, lg, h[:, 1:], anchor, params, True, None)[0])
+        mx.eval(propose(model, lg, h[:, 1:], anchor, params, True, None)[0])
 
     out["drafter_total"] = timed(whole, reps)
     return out

@@ -21,9 +21,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .acceptance import SamplingParams
-from .decode import Cycle, _accept, _copied, _propose, prefill, prefill_chunk
+from .decode import Cycle, prefill, prefill_chunk
 from .drafter import embed_block
 from .lookup import FIXED_MIN_MATCH, Lookup
+from .propose import accept, copied_drafts, propose
 from .state import DFlashModel, PromptCache
 
 COMPACT_EVERY = 8  # cycles between drops of the padding all rows share
@@ -185,7 +186,7 @@ class BatchDecoder:
         ids = mx.concatenate([anchors[:, None], _pad(drafts, L - 1)], axis=1)  # [B, L]
         v_logits, feats = self.model.adapter(ids, self.target)
         outs = [
-            _accept(v_logits[i : i + 1, :b], r.history, drafts[i], q_full[i], r.params, keys[i][1])
+            accept(v_logits[i : i + 1, :b], r.history, drafts[i], q_full[i], r.params, keys[i][1])
             for i, (r, b) in enumerate(zip(rows, blocks))
         ]
         mx.eval([o for pair in outs for o in pair], drafts)  # the cycle's one host sync
@@ -215,7 +216,7 @@ class BatchDecoder:
         tokens, match = row.index.propose(b - 1)
         if match < FIXED_MIN_MATCH:
             return None
-        return (*_copied(tokens, self.model.adapter.vocab_size, row.params), match)
+        return (*copied_drafts(tokens, self.model.adapter.vocab_size, row.params), match)
 
     def _draft(self, anchors, L, blocks, keys, copies):
         """Drafts [b_i - 1] and proposal rows (or None) per row: copied ones where given,
@@ -234,7 +235,7 @@ class BatchDecoder:
             d_logits = model.draft_logits(hidden[:, 1:])  # [B, L-1, V'] (the draft vocabulary)
         for i in todo:
             r, b = self.rows[i], blocks[i]
-            out[i] = _propose(
+            out[i] = propose(
                 model,
                 d_logits[i : i + 1, : b - 1],
                 hidden[i : i + 1, 1:b],

@@ -150,14 +150,14 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
     res.continuation = out
 
 
-def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False):
+def _dflash(
+    model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False, tree=True
+):
     key = mx.random.key(seed if seed is not None else 0)
     reached, accepted = np.zeros(block - 1), np.zeros(block - 1)
     n, cycles, committed, t_first = 0, 0, 0, None
-    sched = None
-    if name == "auto":
-        sel = selector and model.drafter.has_selector
-        sched = model.tuning.scheduler(temp == 0, sel, lookup=lookup)
+    sel = selector and model.drafter.has_selector
+    sched = model.tuning.scheduler(temp == 0, sel, lookup=lookup) if name == "auto" else None
     for c in decode(
         model,
         ids,
@@ -169,6 +169,7 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res, look
         key=key,
         scheduler=sched,
         lookup=lookup,
+        tree=tree,
     ):
         n += len(c.tokens)
         if t_first is None:
@@ -178,7 +179,7 @@ def _dflash(model, ids, max_tokens, block, temp, seed, selector, name, res, look
         committed += len(c.tokens)
         res.copied[name] = res.copied.get(name, 0) + (c.lookup > 0)
         res.blocks[name][c.drafted + 1] = res.blocks[name].get(c.drafted + 1, 0) + 1
-        k = min(c.accepted + 1, c.drafted)
+        k = 1 if c.sibling else min(c.accepted + 1, c.drafted - c.siblings)  # a tree's path
         reached[:k] += 1
         accepted[: c.accepted] += 1
     res.tokens[name] = min(n, max_tokens)
@@ -245,6 +246,7 @@ def run_bench(
     raw: bool = True,
     progress=None,
     lookup: bool = True,
+    tree: bool = True,
 ) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
 
@@ -255,6 +257,7 @@ def run_bench(
         progress: optional callable(done, total) after each prompt.
         lookup: also run DFlash 2 with copied drafts ("dflash2+lookup"), and ``auto`` with
             them; False: neither.
+        tree: greedy DFlash cycles also verify the first draft's siblings (``tree.py``).
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
@@ -267,19 +270,19 @@ def run_bench(
         res = PromptResult()
         _autoregressive(model, ids, max_tokens, temperature, seed, res)
         args = (model, ids, max_tokens, block, temperature, seed)
-        _dflash(*args, False, "dflash1", res)
+        _dflash(*args, False, "dflash1", res, tree=tree)
         if model.drafter.has_selector:
-            _dflash(*args, True, "dflash2", res)
+            _dflash(*args, True, "dflash2", res, tree=tree)
         if lookup:
-            _dflash(*args, True, "dflash2+lookup", res, lookup=True)
+            _dflash(*args, True, "dflash2+lookup", res, lookup=True, tree=tree)
         if model.tuning is not None:
-            _dflash(*args, True, "auto", res, lookup=lookup)
+            _dflash(*args, True, "auto", res, lookup=lookup, tree=tree)
         _recall(model, ids, block, top_k, res)
         results.append(res)
         if progress:
             progress(i + 1, len(prompts))
     rep = summarize(results, block, top_k, model, prompts, max_tokens, temperature)
-    rep["config"]["lookup"] = lookup
+    rep["config"].update(lookup=lookup, tree=tree)
     return rep
 
 
@@ -308,7 +311,9 @@ def conv_seconds(drafter, block: int, reps: int = 10) -> float:
 STAGES = ("drafter", "conv", "selector", "verify", "acceptance", "rollback", "host")
 
 
-def latency_split(model, ids, max_tokens, block, temperature, selector=True) -> Dict[str, float]:
+def latency_split(
+    model, ids, max_tokens, block, temperature, selector=True, tree=True
+) -> Dict[str, float]:
     """Share of a cycle per stage (docs/algorithm.md §5), from one profiled run."""
     key = mx.random.key(0)
     split, cycles, t0 = {}, 0, None
@@ -323,6 +328,7 @@ def latency_split(model, ids, max_tokens, block, temperature, selector=True) -> 
         key=key,
         profile=True,
         lookup=False,  # the drafter's own cycle
+        tree=tree,
     ):
         if t0 is None:
             t0 = time.perf_counter()
@@ -388,8 +394,7 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         ).tolist()
     rep["tau_top1_teacher_forced"] = 1 + sum(r.top1_run for r in results) / anchors
     rep["tau_oracle"] = 1 + sum(r.oracle_run for r in results) / anchors
-    if "dflash1" in rep["methods"] and "dflash2" in rep["methods"]:
-        rep["selector_gain"] = (
-            rep["methods"]["dflash2"]["tau"] / rep["methods"]["dflash1"]["tau"] - 1
-        )
+    m = rep["methods"]
+    if "dflash1" in m and "dflash2" in m:
+        rep["selector_gain"] = m["dflash2"]["tau"] / m["dflash1"]["tau"] - 1
     return rep

@@ -13,18 +13,12 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from . import draft_step, fastmath
-from .acceptance import (
-    SamplingParams,
-    accept_greedy,
-    accept_sampled,
-    process_rows,
-    proposal_full,
-    sample_rows,
-    target_probs,
-)
+from . import draft_step, tree
+from .acceptance import SamplingParams, process_rows, sample_rows, target_probs
 from .lookup import FIXED_MIN_MATCH, Lookup
+from .propose import accept, copied_drafts, propose
 from .state import DFlashModel, Interrupted, PromptCache
+from .tree import siblings_for
 
 _local = threading.local()
 
@@ -47,6 +41,8 @@ class Cycle:
         timings: seconds per stage when profiling.
         lookup: length of the context-lookup match the drafts were copied after (0: the
             drafter drafted them, or a plain step).
+        siblings: siblings of the first draft verified beside the path (``tree.py``).
+        sibling: the 1-based rank of the sibling committed (0: none).
     """
 
     tokens: list[int]
@@ -55,6 +51,8 @@ class Cycle:
     prompt_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     lookup: int = 0
+    siblings: int = 0
+    sibling: int = 0
 
 
 class _Clock:
@@ -69,28 +67,6 @@ class _Clock:
             now = time.perf_counter()
             self.split[name] = self.split.get(name, 0.0) + now - self.t
             self.t = now
-
-
-def _propose(model, logits, hidden, anchor, params, use_selector, key):
-    """Draft tokens [L] (target ids) and their proposal rows [L, V] over the target's
-    vocabulary (None when greedy); ``logits`` [1, L, V'] cover the draft vocabulary."""
-    drafter, head = model.drafter, model.draft_head
-    vocab = logits.shape[-1] if head is None else head.vocab
-    if use_selector and drafter.has_selector:
-        T, ids = params.temperature, None if head is None else head.ids
-        u = None if params.greedy else mx.random.uniform(shape=hidden.shape[:2], key=key)
-        toks, cand, q, _ = drafter.candidate_selector(
-            logits, hidden, anchor.reshape(1), drafter.args.selector_top_k, T, u, ids
-        )
-        q_full = None if q is None else proposal_full(q[0], cand[0], vocab)
-        return toks[0].astype(mx.uint32), q_full
-    if params.greedy:
-        return model.to_target(mx.argmax(logits[0], axis=-1)), None
-    q = fastmath.softmax(logits[0].astype(mx.float32) / params.temperature)
-    if head is None:
-        return sample_rows(q, key), q
-    ids = mx.broadcast_to(head.ids, q.shape)  # [L, V']
-    return head.to_target(sample_rows(q, key)), proposal_full(q, ids, vocab)
 
 
 def prefill_chunk(step_size: int) -> int:
@@ -156,36 +132,19 @@ def prefill(
     return Cycle([anchor], prompt_tokens=len(prompt) - start, timings=dict(clock.split)), key
 
 
-def _draft(model, cache, anchor, b, params, use_selector, key, clock):
-    """Draft b - 1 tokens after the anchor [1]: (drafts [b - 1], proposal rows or None)."""
+def _draft(model, cache, anchor, b, params, use_selector, key, clock, n_sib=0):
+    """Draft b - 1 tokens after the anchor [1]: (drafts [b - 1], proposal rows or None,
+    the first draft's ``n_sib`` siblings [n_sib] or None; ``tree.py``)."""
     if b < 2:
-        return mx.array([], dtype=mx.uint32), None
+        return mx.array([], dtype=mx.uint32), None, None
     drafter = model.drafter
     hidden = draft_step.step(drafter, model.embed_block(anchor, b), cache.drafter)
     d_logits = model.draft_logits(hidden[:, 1:])  # [1, b-1, V'] (V' = V without a draft vocab)
     clock.lap("drafter", d_logits)
-    drafts, q_full = _propose(model, d_logits, hidden[:, 1:], anchor, params, use_selector, key)
+    drafts, q_full = propose(model, d_logits, hidden[:, 1:], anchor, params, use_selector, key)
+    sibs = tree.siblings(d_logits[0, 0], drafts[0], n_sib, model.to_target) if n_sib else None
     clock.lap("selector", drafts)
-    return drafts, q_full
-
-
-def _copied(tokens: list[int], vocab: int, params) -> tuple[mx.array, mx.array | None]:
-    """Copied drafts [L] and their point-mass proposal rows [L, V] (None when greedy)."""
-    drafts = mx.array(tokens, dtype=mx.uint32)
-    if params.greedy:
-        return drafts, None
-    return drafts, (mx.arange(vocab)[None] == drafts[:, None]).astype(mx.float32)
-
-
-def _accept(v_logits, history, drafts, q_full, params, key):
-    """(accepted count [], the token committed after them []) from the verify logits."""
-    history = mx.array(history) if params.processors else None
-    rows = process_rows(v_logits[0], history, drafts, params.processors)
-    if params.greedy:
-        n_acc, targets = accept_greedy(rows, drafts)
-        return n_acc, targets[n_acc]
-    q_full = mx.zeros((0, rows.shape[-1])) if q_full is None else q_full
-    return accept_sampled(target_probs(rows, params), drafts, q_full, key)
+    return drafts, q_full, sibs
 
 
 def cycle(
@@ -198,6 +157,7 @@ def cycle(
     keys: tuple[mx.array, mx.array],
     profile: bool = False,
     copied: list[int] | None = None,
+    siblings: int = 0,
 ) -> Cycle:
     """One draft - select - verify - accept step after ``history`` (its last id is the anchor).
 
@@ -208,34 +168,46 @@ def cycle(
         profile: time each stage (adds syncs).
         copied: block_size - 1 drafts to verify instead of drafting (a context-lookup
             draft, ``lookup.py``); their proposal law is a point mass on each.
+        siblings: of the block's drafts, how many are siblings of the first draft instead
+            of the path's last ones (a greedy tree, ``tree.py``; 0: the path alone).
     """
     adapter, drafter = model.adapter, model.drafter
     clock = _Clock(profile)
     anchor = history[-1]
     a_arr = mx.array([anchor], dtype=mx.uint32)
+    chain = block_size - siblings  # the anchor and the path's drafts
+    sibs = None
     if copied is not None:
-        drafts, q_full = _copied(copied[: block_size - 1], adapter.vocab_size, params)
+        drafts, q_full = copied_drafts(copied[: block_size - 1], adapter.vocab_size, params)
     else:
-        drafts, q_full = _draft(
-            model, cache, a_arr, block_size, params, use_selector, keys[0], clock
+        drafts, q_full, sibs = _draft(
+            model, cache, a_arr, chain, params, use_selector, keys[0], clock, siblings
         )
     cache.busy = True
-    snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
-    v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
-    clock.lap("verify", v_logits, feats)
-    n_acc, bonus = _accept(v_logits, history, drafts, q_full, params, keys[1])
-    mx.eval(n_acc, bonus, drafts)  # the cycle's one host sync
-    a = n_acc.item()
-    committed = drafts.tolist()[:a] + [bonus.item()]
-    clock.lap("acceptance")
-    adapter.rollback(cache.target, block_size, a + 1, snap)
-    drafter.append_context(feats[:, : a + 1], cache.drafter, lazy=False)
+    taken = 0
+    if sibs is not None:  # greedy, no logits processors
+        a, committed, feats, taken = tree.verify(adapter, cache.target, a_arr, drafts, sibs, clock)
+    else:
+        snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
+        v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
+        clock.lap("verify", v_logits, feats)
+        n_acc, bonus = accept(v_logits, history, drafts, q_full, params, keys[1])
+        mx.eval(n_acc, bonus, drafts)  # the cycle's one host sync
+        a = n_acc.item()
+        committed = drafts.tolist()[:a] + [bonus.item()]
+        clock.lap("acceptance")
+        adapter.rollback(cache.target, block_size, a + 1, snap)
+        feats = feats[:, : a + 1]
+    drafter.append_context(feats, cache.drafter, lazy=False)
     cache.tokens += [anchor] + committed[:-1]
     # Roll back / append on the device while the host builds the next cycle.
     mx.async_eval(cache.state)
     clock.lap("rollback", cache.state)
     cache.busy = False
-    return Cycle(committed, a, block_size - 1, timings=dict(clock.split))
+    n_sib = 0 if sibs is None else siblings
+    return Cycle(
+        committed, a, block_size - 1, timings=dict(clock.split), siblings=n_sib, sibling=taken
+    )
 
 
 def plain_steps(
@@ -317,6 +289,7 @@ def decode(
     profile: bool = False,
     scheduler=None,
     lookup: bool = True,
+    tree: bool = True,
 ) -> Iterator[Cycle]:
     """Generate from a prompt with speculative decoding; yields one Cycle per step.
 
@@ -332,6 +305,8 @@ def decode(
         lookup: verify context-lookup drafts (``lookup.py``) when the committed tokens have
             a match: with a scheduler when it expects them to pay, else for a match of at
             least ``FIXED_MIN_MATCH`` tokens.
+        tree: when greedy without logits processors, on a target that can, verify the
+            first draft's siblings beside the path (``tree.py``).
     """
     key = mx.random.key(int(time.time_ns() % 2**31)) if key is None else key
     with mx.stream(generation_stream()):
@@ -339,6 +314,10 @@ def decode(
         yield first
         history = list(prompt) + first.tokens
         index = Lookup(history) if lookup else None
+        use_tree = tree and params.greedy and not params.processors
+        use_tree = use_tree and model.adapter.can_tree(cache.target)
+        if scheduler is not None:
+            scheduler.tree = use_tree
         n_gen, t_last = 1, time.perf_counter()
         while n_gen < max_tokens:
             budget = max_tokens - n_gen
@@ -349,35 +328,16 @@ def decode(
             key, k_draft, k_acc = mx.random.split(key, 3)
             if b == 1 and choice and not params.processors:
                 n = min(budget, scheduler.plain_run())
-                until = None if index is None else lambda: scheduler.copy_pays(index.match()[0])
-                steps = plain_steps(model, cache, params, history, n, k_draft, until)
-                try:
-                    for i, step in enumerate(steps):
-                        # a run's first step is not overlapped: its cost is the switch's,
-                        # not a plain step's (the warm-up times pipelined steps too)
-                        t_last = _timed(scheduler, 1, 0, t_last, pipelined=i > 0)
-                        history += step.tokens
-                        if index is not None:
-                            index.extend(step.tokens)
-                        n_gen += 1
-                        yield step
-                finally:
-                    steps.close()  # closed early: its caches are tidied before ours are read
+                run = _plain_run(model, cache, params, history, index, scheduler, n, k_draft)
+                ran, t_last = yield from run
+                n_gen += ran
                 continue
             keys = (k_draft, k_acc)
-            step = cycle(
-                model,
-                cache,
-                params,
-                history,
-                b,
-                use_selector,
-                keys,
-                profile,
-                copied if use else None,
-            )
+            n_sib = 0 if use or not use_tree else choice.siblings if choice else siblings_for(b)
+            copy = copied if use else None
+            step = cycle(model, cache, params, history, b, use_selector, keys, profile, copy, n_sib)
             step.lookup = match if use else 0
-            t_last = _timed(scheduler, b, step.accepted, t_last, step.lookup)
+            t_last = _timed(scheduler, b, step, t_last)
             history += step.tokens
             if index is not None:
                 index.extend(step.tokens)
@@ -385,11 +345,33 @@ def decode(
             yield step
 
 
-def _timed(scheduler, block, accepted, since, match=0, pipelined=True) -> float:
+def _plain_run(model, cache, params, history, index, scheduler, n, key):
+    """Up to ``n`` plain steps for ``decode`` (history and index extended in place); returns
+    (steps run, the time of the last)."""
+    until = None if index is None else lambda: scheduler.copy_pays(index.match()[0])
+    steps = plain_steps(model, cache, params, history, n, key, until)
+    ran, t_last = 0, time.perf_counter()
+    try:
+        for step in steps:
+            # a run's first step is not overlapped: its cost is the switch's, not a plain
+            # step's (the warm-up times pipelined steps too)
+            t_last = _timed(scheduler, 1, step, t_last, pipelined=ran > 0)
+            history += step.tokens
+            if index is not None:
+                index.extend(step.tokens)
+            ran += 1
+            yield step
+    finally:
+        steps.close()  # closed early: its caches are tidied before ours are read
+    return ran, t_last
+
+
+def _timed(scheduler, block, step, since, pipelined=True) -> float:
     """Give the scheduler a step's wall time (from the previous step's result to this one,
     consumer time included, as it is for every block size; none for a plain step that was
     not pipelined); return now."""
     now = time.perf_counter()
     if scheduler is not None:
-        scheduler.record(block, accepted, now - since if pipelined else None, match)
+        seconds = now - since if pipelined else None
+        scheduler.record(block, step.accepted, seconds, step.lookup, step.siblings, step.sibling)
     return now

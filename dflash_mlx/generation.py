@@ -353,6 +353,7 @@ def stream_generate(
         profile=profile,
         scheduler=sched,
         lookup=cfg.lookup,
+        tree=cfg.tree,
     )
     try:
         for cyc in cycles:

@@ -20,15 +20,14 @@ class of match length, since a 4-token match is accepted far more often than a 1
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import lookup
+from .estimates import Acceptance, Catches, caught, expected_tokens
+from .tree import MAX_SIBLINGS, SIBLING_PRIOR
 
 EMA = 0.25  # weight of a new cost observation
-PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each position
-FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
 PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to the max
 PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
 # Speculate only when the expected speedup clears this: estimates near 1.0x are coin flips
@@ -73,58 +72,6 @@ class CostTable:
 
 
 @dataclass
-class Acceptance:
-    """Conditional acceptance per draft position: a prior plus this request's counts.
-
-    Attributes:
-        prior: acceptance per position carried from earlier requests.
-        hits, seen: decayed counts of accepted / reached drafts per position.
-    """
-
-    prior: list[float]
-    hits: list[float] = field(default_factory=list)
-    seen: list[float] = field(default_factory=list)
-
-    def __post_init__(self):
-        n = len(self.prior)
-        self.hits = self.hits or [0.0] * n
-        self.seen = self.seen or [0.0] * n
-
-    def update(self, drafted: int, accepted: int) -> None:
-        """Record a cycle that drafted ``drafted`` tokens and accepted ``accepted``."""
-        for k in range(len(self.seen)):
-            self.hits[k] *= FORGET
-            self.seen[k] *= FORGET
-        for k in range(min(accepted + 1, drafted)):
-            self.seen[k] += 1.0
-            self.hits[k] += float(k < accepted)
-
-    def rates(self, optimistic: bool = False) -> list[float]:
-        """Estimated conditional acceptance per position.
-
-        Args:
-            optimistic: add one standard error (the benefit of the doubt, for probing).
-        """
-        out = []
-        for p, h, s in zip(self.prior, self.hits, self.seen):
-            n = s + PRIOR_WEIGHT
-            r = (h + PRIOR_WEIGHT * p) / n
-            if optimistic:
-                r = min(1.0, r + math.sqrt(max(r * (1 - r), 0.05) / n))
-            out.append(r)
-        return out
-
-
-def expected_tokens(rates: list[float], b: int) -> float:
-    """E(b): tokens committed by a cycle of block b (accepted drafts + the bonus token)."""
-    total, run = 1.0, 1.0
-    for r in rates[: b - 1]:
-        run *= r
-        total += run
-    return total
-
-
-@dataclass
 class Choice:
     """One decision: the block size and why."""
 
@@ -133,6 +80,7 @@ class Choice:
     probe: bool = False
     reason: str = ""
     lookup: bool = False  # verify the context-lookup draft instead of drafting
+    siblings: int = 0  # of the block's drafts, siblings of the first one (``tree.py``)
 
 
 class Scheduler:
@@ -156,6 +104,7 @@ class Scheduler:
         frozen: bool = False,
         lookup_costs: CostTable | None = None,
         lookup_priors: dict[int, list[float]] | None = None,
+        catch_prior: list[float] | None = None,
     ):
         self.costs, self.frozen = costs, frozen
         self.lookup_costs = lookup_costs
@@ -166,6 +115,8 @@ class Scheduler:
         self.max_block = costs.max_block
         self.min_block = min_block
         self.acc = Acceptance(list(prior))
+        self.catches = Catches(list(catch_prior or [SIBLING_PRIOR] * MAX_SIBLINGS))
+        self.tree = False  # set by the decode loop when it can verify siblings
         self.since_spec = 0
         self.probe_after = PROBE_START
         self.history: Counter = Counter()
@@ -176,15 +127,19 @@ class Scheduler:
 
     def _best(self, rates: list[float], top: int, costs: CostTable | None = None):
         """The speculative block (<= top) with the highest expected speedup over plain,
-        as (block, speedup); ``costs``: the cycles' cost table (default: drafted ones)."""
+        as (block, speedup, siblings); ``costs``: the cycles' cost table (default: drafted
+        ones, which may hold siblings when the loop verifies trees)."""
+        tree = costs is None and self.tree
         costs = self.costs if costs is None else costs
         plain = 1.0 / self.costs(1)
-        best_b, best = self.min_block, 0.0
+        best_b, best, best_s = self.min_block, 0.0, 0
+        catches = self.catches.rates()
         for b in range(self.min_block, top + 1):
-            s = expected_tokens(rates, b) / costs(b) / plain
-            if s > best:
-                best_b, best = b, s
-        return best_b, best
+            for n in range(min(MAX_SIBLINGS, b - 2) + 1 if tree else 1):
+                e = expected_tokens(rates, b - n) + (1 - rates[0]) * caught(catches, n)
+                if e / costs(b) / plain > best:
+                    best_b, best, best_s = b, e / costs(b) / plain, n
+        return best_b, best, best_s
 
     def _lookup_best(self, match: int, top: int) -> tuple[int, float]:
         """The best block for the lookup draft of a match of length ``match`` (0, 0.0:
@@ -192,7 +147,7 @@ class Scheduler:
         acc = self.lookup_acc.get(lookup.match_class(match))
         if acc is None or self.lookup_costs is None:
             return 0, 0.0
-        return self._best(acc.rates(), top, self.lookup_costs)
+        return self._best(acc.rates(), top, self.lookup_costs)[:2]
 
     def copy_pays(self, match: int) -> bool:
         """Whether the lookup draft of a match of this length is expected to beat plain
@@ -209,7 +164,7 @@ class Scheduler:
         top = self.max_block if budget is None else max(1, min(self.max_block, budget))
         if top < self.min_block:
             return Choice(1, 1.0, reason="one token left")
-        b, s = self._best(self.acc.rates(), top)
+        b, s, n_sib = self._best(self.acc.rates(), top)
         lb, ls = self._lookup_best(match, top)
         if ls > max(s, GAIN_MARGIN):
             choice = Choice(lb, ls, reason=f"lookup block {lb}: expected {ls:.2f}x", lookup=True)
@@ -217,9 +172,11 @@ class Scheduler:
             return choice
         if s > GAIN_MARGIN:
             self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
-            choice = Choice(b, s, reason=f"block {b}: expected {s:.2f}x plain decoding")
+            why = f"block {b}" + (f" ({n_sib} siblings)" if n_sib else "")
+            choice = Choice(b, s, reason=f"{why}: expected {s:.2f}x plain decoding")
+            choice.siblings = n_sib
         else:
-            ob, os_ = self._best(self.acc.rates(optimistic=True), top)
+            ob, os_, o_sib = self._best(self.acc.rates(optimistic=True), top)
             if os_ <= GAIN_MARGIN:
                 why = f"no block beats plain decoding (best, block {b}: {s:.2f}x; even "
                 why += f"optimistically {os_:.2f}x)"
@@ -229,6 +186,7 @@ class Scheduler:
             if os_ > GAIN_MARGIN and self.since_spec >= self.probe_after:
                 self.probe_after = min(self.probe_after * 2, PROBE_MAX)
                 choice = Choice(ob, os_, probe=True, reason=f"probe block {ob}")
+                choice.siblings = o_sib
             else:
                 choice = Choice(1, 1.0, reason=self.last_reason)
         self._note(choice)
@@ -250,12 +208,22 @@ class Scheduler:
         left = self.probe_after - self.since_spec
         return min(PLAIN_RUN_MAX, left) if left > 0 else PLAIN_RUN_MAX
 
-    def record(self, b: int, accepted: int, seconds: float | None, match: int = 0) -> None:
+    def record(
+        self,
+        b: int,
+        accepted: int,
+        seconds: float | None,
+        match: int = 0,
+        siblings: int = 0,
+        taken: int = 0,
+    ) -> None:
         """Fold in a finished cycle of block b.
 
         Args:
             accepted: drafts accepted. seconds: the cycle's wall time, or None if unknown.
             match: the lookup match length the drafts were copied from (0: drafted).
+            siblings: of the b - 1 drafts, siblings of the first one; taken: the rank of
+                the sibling committed (0: none).
         """
         if match:
             self.lookup_history[b] += 1
@@ -269,7 +237,9 @@ class Scheduler:
         if b == 1:
             self.since_spec += 1
             return
-        self.acc.update(b - 1, accepted)
+        self.acc.update(b - 1 - siblings, 0 if taken else accepted)
+        if siblings and (taken or accepted == 0):
+            self.catches.update(siblings, taken)
         self.since_spec = 0
 
     def posterior(self) -> list[float]:
@@ -303,6 +273,7 @@ class Tuning:
         self.lookup_costs: dict[str, CostTable] = {}
         self.priors: dict[tuple, list[float]] = {}
         self.lookup_priors: dict[str, dict[int, list[float]]] = {}  # per mode
+        self.catch_priors: dict[tuple, list[float]] = {}  # sibling catch rates, by key
         # (probe_after, plain steps since the last speculative cycle) per (mode, selector):
         # the probe backoff carries across requests, so short requests on a pair that
         # cannot win do not each pay for fresh probes.
@@ -342,6 +313,7 @@ class Tuning:
                 self.priors.get((mode, selector), default),
                 lookup_costs=lk,
                 lookup_priors=self.lookup_priors.get(mode) if lookup else None,
+                catch_prior=self.catch_priors.get((mode, selector)),
             )
             sched.probe_after, sched.since_spec = self.backoff.get(
                 (mode, selector), (PROBE_START, 0)
@@ -353,6 +325,7 @@ class Tuning:
         """Carry a finished request's acceptance into the prior of its mode."""
         if not sched.key[2]:
             self.priors[sched.key[:2]] = sched.posterior()
+            self.catch_priors[sched.key[:2]] = sched.catches.rates()
             if sched.lookup_acc:
                 rates = {c: a.rates() for c, a in sched.lookup_acc.items()}
                 self.lookup_priors[sched.key[0]] = rates

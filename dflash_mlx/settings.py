@@ -66,6 +66,8 @@ class GenerationConfig:
         use_selector: walk the DFlash 2 path selector; False drafts each row's top token.
         lookup: also verify drafts copied from the context (after the latest earlier
             occurrence of the committed tokens' last n-gram) when they are expected to pay.
+        tree: when greedy, also verify the drafter's next-best first tokens beside its path
+            (a tree of one verify, ``tree.py``) on targets that can; False: the path alone.
         seed: 0 .. 2**32 - 1 makes sampling reproducible; None draws a fresh one.
         stop: strings that end the completion (not included in the text).
     """
@@ -82,6 +84,7 @@ class GenerationConfig:
     block_size: Union[int, str, None] = AUTO
     use_selector: bool = True
     lookup: bool = True
+    tree: bool = True
     seed: Optional[int] = None
     stop: Optional[Union[str, List[str]]] = None
 
@@ -117,6 +120,7 @@ class GenerationConfig:
         check_block_size(self.block_size, max_block_size, flags)
         c.boolean("use_selector", self.use_selector)
         c.boolean("lookup", self.lookup)
+        c.boolean("tree", self.tree)
         if self.seed is not None:
             c.integer("seed", self.seed, 0, SEED_MAX, f"must be in 0..{SEED_MAX}")
         c.stop(self.stop)

@@ -11,8 +11,12 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from . import fastmath
+from . import fastmath, tree
 from .errors import UnsupportedModelError
+
+# Architectures whose attention takes positions from ``cache.offset`` and its mask from
+# ``make_mask`` of the first layer's cache: they can verify a tree (``tree.py``).
+TREE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
 
 # Architectures whose layer loop, caches and heads the adapter has been checked against.
 SUPPORTED = {
@@ -116,6 +120,39 @@ def compile_layers(layers: list) -> int:
     return n
 
 
+class _TreeRope(_Wrapper):
+    """A layer's rotary embedding that, during a tree verify, places the rows past the path
+    (siblings of its first draft) at the first draft's position, offset + 1."""
+
+    def __init__(self, inner: nn.Module, state: dict):
+        super().__init__(inner)
+        object.__setattr__(self, "_state", state)
+
+    def __call__(self, x: mx.array, offset=0) -> mx.array:
+        chain = self._state.get("chain")
+        if chain is None or x.shape[-2] <= chain:
+            return self.inner(x, offset=offset)
+        B, H, S, D = x[..., chain:, :].shape
+        side = x[..., chain:, :].reshape(B, H * S, 1, D)  # one position for all siblings
+        side = self.inner(side, offset=offset + 1).reshape(B, H, S, D)
+        return mx.concatenate([self.inner(x[..., :chain, :], offset=offset), side], axis=-2)
+
+
+class _TreeView:
+    """A layer cache seen through a tree verify: everything is the cache's own except the
+    attention mask, which is the tree's."""
+
+    def __init__(self, cache, mask: mx.array):
+        object.__setattr__(self, "_cache", cache)
+        object.__setattr__(self, "_mask", mask)
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+    def make_mask(self, *args, **kwargs) -> mx.array:
+        return self._mask
+
+
 class _Recorder(_Wrapper):
     """Wraps a recurrent mixer (Gated DeltaNet); keeps its last input for replay."""
 
@@ -165,6 +202,23 @@ class TargetAdapter:
         self.is_hybrid = any(r is not None for r in self.recorders)
         if fastmath.on_cpu():
             compile_layers(layers)
+        self._tree: dict = {}
+        windowed = getattr(inner, "swa_idx", None) is not None or any(
+            getattr(x, "use_sliding", False) for x in layers
+        )
+        self.tree_ok = mtype in TREE_TYPES and not (self.is_hybrid or windowed)
+        self.tree_ok = self.tree_ok and self._wrap_ropes()
+
+    def _wrap_ropes(self) -> bool:
+        """Give every layer's rotary embedding tree positions; False if a layer has none."""
+        bases = [x.inner if isinstance(x, _Tap) else x for x in self.inner.layers]
+        attns = [getattr(b, "self_attn", None) for b in bases]
+        if not all(hasattr(a, "rope") for a in attns):
+            return False
+        for a in attns:
+            if not isinstance(a.rope, _TreeRope):
+                a.rope = _TreeRope(a.rope, self._tree)
+        return True
 
     def tap(self, layer_ids: list[int]) -> None:
         """Capture the outputs of these decoder layers on every forward from now on."""
@@ -210,16 +264,46 @@ class TargetAdapter:
         caches = make_prompt_cache(self.model)
         return [KVCache() if isinstance(c, RotatingKVCache) and c.keep == 0 else c for c in caches]
 
-    def __call__(self, ids: mx.array, cache: list) -> tuple[mx.array, mx.array]:
-        """Run the target on ids [1, n]; return (logits [1, n, V], features [1, n, nT*H])."""
+    def __call__(
+        self, ids: mx.array, cache: list, chain: int | None = None
+    ) -> tuple[mx.array, mx.array]:
+        """Run the target on ids [1, n]; return (logits [1, n, V], features [1, n, nT*H]).
+
+        Args:
+            chain: verify a tree (``tree.py``, needs ``tree_ok``): the first ``chain`` ids
+                are the anchor and its path, the rest siblings of the path's first draft.
+        """
         self._store.clear()
         self._store["on"] = True
+        if chain is not None and ids.shape[1] > chain:
+            m = tree.mask(cache[0].offset, chain, ids.shape[1])
+            cache = [_TreeView(c, m) for c in cache]
+            self._tree["chain"] = chain
         try:
             logits = self.model(ids, cache=cache)
             feats = mx.concatenate([self._store[i] for i in self.layer_ids], axis=-1)
         finally:
             self._store.clear()
+            self._tree.clear()
         return logits, feats
+
+    def can_tree(self, cache: list) -> bool:
+        """Whether a tree verify may run on these caches (plain ``KVCache`` layers only)."""
+        return self.tree_ok and all(type(c) is KVCache for c in cache)
+
+    def keep_rows(self, cache: list, fed: int, rows: list[int]) -> None:
+        """After a tree verify of ``fed`` rows, make the caches hold only ``rows`` of them
+        (ascending, from 0), in order: the committed path's keys and values."""
+        n = len(rows)
+        if rows == list(range(n)):
+            self.rollback(cache, fed, n, None)
+            return
+        for c in cache:
+            o = c.offset - fed
+            src = mx.array([o + r for r in rows])
+            c.keys[..., o : o + n, :] = c.keys[..., src, :]
+            c.values[..., o : o + n, :] = c.values[..., src, :]
+            c.trim(fed - n)
 
     # -- rollback ------------------------------------------------------------------
     def snapshot(self, cache: list) -> list:

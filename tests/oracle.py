@@ -13,8 +13,9 @@ class OracleDrafter:
         vocab: vocabulary size.
     """
 
-    def __init__(self, real, sequence, wrong_at=(), vocab=None):
+    def __init__(self, real, sequence, wrong_at=(), vocab=None, second_at=()):
         self.real, self.sequence, self.wrong_at = real, list(sequence), set(wrong_at)
+        self.second_at = set(second_at)  # rows where the known token ranks second
         self.vocab = vocab
         self.pos = 0
 
@@ -38,7 +39,11 @@ class OracleDrafter:
         for t in range(1, L + 1):
             i = self.pos + t
             tok = self.sequence[i] if i < len(self.sequence) else 0
-            if t in self.wrong_at:
+            if t in self.second_at and ids is None:  # the known token +200, a wrong one +400
+                rows += [t - 1, t - 1]
+                cols += [tok, (tok + 1) % real.shape[-1]]
+                tok = (tok + 1) % real.shape[-1]
+            elif t in self.wrong_at:
                 tok = (tok + 1) % real.shape[-1] if ids is None else ids[0] + (tok == ids[0])
             if ids is not None:
                 if tok not in ids:

@@ -4,6 +4,7 @@ and speculative steps in the parity and sampling-law tests."""
 from itertools import cycle
 
 from dflash_mlx.schedule import Choice
+from dflash_mlx.tree import siblings_for
 
 
 class Scripted:
@@ -17,11 +18,14 @@ class Scripted:
 
     def __init__(self, script, plain=3, copy=False):
         self.script, self.plain, self.copy, self.used = cycle(script), plain, copy, []
+        self.tree = False  # set by the decode loop: greedy blocks then verify siblings
 
     def choose(self, budget=None, match=0):
         b = next(self.script)
         b = b if budget is None else max(1, min(b, budget))
-        return Choice(b, 1.0, lookup=self.copy and match > 0 and b > 1)
+        copy = self.copy and match > 0 and b > 1
+        sibs = siblings_for(b) if self.tree and not copy else 0
+        return Choice(b, 1.0, lookup=copy, siblings=sibs)
 
     def plain_run(self):
         return self.plain
@@ -29,5 +33,5 @@ class Scripted:
     def copy_pays(self, match):
         return self.copy and match > 0  # with copy, a match ends a plain run
 
-    def record(self, b, accepted, seconds, match=0):
+    def record(self, b, accepted, seconds, match=0, siblings=0, taken=0):
         self.used.append(b)

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
-
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.checkpoint import load_drafter, save_drafter
-from dflash_mlx.decode import _propose
-from dflash_mlx.draft_vocab import DraftHead, ranked_vocab
-from dflash_mlx.errors import DFlashError
-from dflash_mlx.loading import set_draft_vocab
-from dflash_mlx.target import TargetAdapter
 from oracle import OracleDrafter
 from test_acceptance import draw, exact_law, tv
 from test_decode import reference, run
 from tiny_models import build_target, eight_token_pair
+
+from dflash_mlx.acceptance import SamplingParams
+from dflash_mlx.checkpoint import load_drafter, save_drafter
+from dflash_mlx.draft_vocab import DraftHead, ranked_vocab
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.loading import set_draft_vocab
+from dflash_mlx.propose import propose
+from dflash_mlx.target import TargetAdapter
 
 
 def subset(vocab: int, n: int, seed: int = 0) -> np.ndarray:
@@ -86,7 +86,7 @@ def test_sampled_proposals_are_zero_outside_the_draft_vocab(with_vocab):
     outside = np.setdiff1d(np.arange(model.adapter.vocab_size), vocab)
     params = SamplingParams(temperature=0.8)
     for selector in (True, False):
-        drafts, q = _propose(
+        drafts, q = propose(
             model, logits, hidden, mx.array([5]), params, selector, mx.random.key(2)
         )
         q = np.array(q)

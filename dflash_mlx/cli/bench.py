@@ -47,6 +47,7 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON."),
     plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the curves."),
     no_lookup: bool = c.NO_LOOKUP,
+    no_tree: bool = c.NO_TREE,
     offline: bool = c.OFFLINE,
 ):
     """Benchmark autoregressive vs DFlash 1 vs DFlash 2 (also with copied drafts) vs auto:
@@ -63,6 +64,7 @@ def bench(
         temperature=temp,
         block_size=c.parse_block_size(block_size),
         lookup=not no_lookup,
+        tree=not no_tree,
         seed=seed,
     )
     cfg.validate(flags=True)
@@ -150,9 +152,12 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
             raw=raw,
             progress=lambda done, total: bar.update(task, completed=done),
             lookup=cfg.lookup,
+            tree=cfg.tree,
         )
         ids = encode_prompt(tok, prompts[0], raw)
-        rep["latency_split"] = latency_split(m, ids, cfg.max_tokens, block, cfg.temperature)
+        rep["latency_split"] = latency_split(
+            m, ids, cfg.max_tokens, block, cfg.temperature, tree=cfg.tree
+        )
     return rep
 
 

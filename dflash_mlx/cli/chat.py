@@ -356,6 +356,7 @@ def chat(
     block_size: Optional[str] = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     no_lookup: bool = c.NO_LOOKUP,
+    no_tree: bool = c.NO_TREE,
     system: Optional[str] = c.SYSTEM,
     offline: bool = c.OFFLINE,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
@@ -366,7 +367,7 @@ def chat(
 ):
     """Chat in the terminal; caches persist across turns. /help lists the commands."""
     flags = (max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size)
-    cfg = c.settings(*flags, no_selector, no_lookup)
+    cfg = c.settings(*flags, no_selector, no_lookup, no_tree)
     streams.require_stdout("chat")
     if streams.stdin_closed():
         raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")

@@ -59,6 +59,11 @@ NO_LOOKUP = typer.Option(
     "--no-lookup",
     help="Verify only the drafter's drafts, never ones copied from the context.",
 )
+NO_TREE = typer.Option(
+    not D.tree,
+    "--no-tree",
+    help="When greedy, verify the drafter's path alone, without its first draft's siblings.",
+)
 DRAFT_VOCAB = typer.Option(
     None,
     "--draft-vocab",
@@ -90,12 +95,14 @@ def settings(
     block_size: Optional[str],
     no_selector: bool,
     no_lookup: bool = False,
+    no_tree: bool = False,
 ) -> GenerationConfig:
     """The decoding settings of a command line, checked before anything is loaded.
 
     Args:
         max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size: the flags'
             values. no_selector: ``--no-selector``. no_lookup: ``--no-lookup``.
+            no_tree: ``--no-tree``.
 
     Raises:
         SettingError: a flag out of range, named as typed (``--temp``).
@@ -110,6 +117,7 @@ def settings(
         block_size=parse_block_size(block_size),
         use_selector=not no_selector,
         lookup=not no_lookup,
+        tree=not no_tree,
         seed=seed,
     )
     return cfg.validate(flags=True)

@@ -33,6 +33,7 @@ def run(
     block_size: Optional[str] = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     no_lookup: bool = c.NO_LOOKUP,
+    no_tree: bool = c.NO_TREE,
     system: Optional[str] = c.SYSTEM,
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Use the prompt as-is, without the chat template."
@@ -46,7 +47,7 @@ def run(
 ):
     """Generate a completion: stream the text to stdout, then stats to stderr."""
     flags = (max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size)
-    cfg = c.settings(*flags, no_selector, no_lookup)
+    cfg = c.settings(*flags, no_selector, no_lookup, no_tree)
     require_stdout("run")
     if system is not None and ignore_chat_template:
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")

@@ -37,6 +37,7 @@ SETTINGS = {
     "block_size": "block_size",
     "use_selector": "use_selector",
     "lookup": "lookup",
+    "tree": "tree",
     "seed": "seed",
     "stop": "stop",
 }

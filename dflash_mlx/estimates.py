@@ -1,0 +1,105 @@
+"""What the block-size scheduler (``schedule.py``) estimates from the cycles it has seen:
+the conditional acceptance of each draft position, and how often each sibling of the first
+draft (``tree.py``) catches a miss."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each position
+FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
+
+
+@dataclass
+class Acceptance:
+    """Conditional acceptance per draft position: a prior plus this request's counts.
+
+    Attributes:
+        prior: acceptance per position carried from earlier requests.
+        hits, seen: decayed counts of accepted / reached drafts per position.
+    """
+
+    prior: list[float]
+    hits: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        n = len(self.prior)
+        self.hits = self.hits or [0.0] * n
+        self.seen = self.seen or [0.0] * n
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Record a cycle that drafted ``drafted`` tokens and accepted ``accepted``."""
+        for k in range(len(self.seen)):
+            self.hits[k] *= FORGET
+            self.seen[k] *= FORGET
+        for k in range(min(accepted + 1, drafted)):
+            self.seen[k] += 1.0
+            self.hits[k] += float(k < accepted)
+
+    def rates(self, optimistic: bool = False) -> list[float]:
+        """Estimated conditional acceptance per position.
+
+        Args:
+            optimistic: add one standard error (the benefit of the doubt, for probing).
+        """
+        out = []
+        for p, h, s in zip(self.prior, self.hits, self.seen):
+            n = s + PRIOR_WEIGHT
+            r = (h + PRIOR_WEIGHT * p) / n
+            if optimistic:
+                r = min(1.0, r + math.sqrt(max(r * (1 - r), 0.05) / n))
+            out.append(r)
+        return out
+
+
+@dataclass
+class Catches:
+    """How often each sibling of the first draft (``tree.py``), by rank, is the target's
+    token when the path's first draft is not and no better-ranked sibling was: a prior plus
+    this request's decayed counts.
+
+    Attributes:
+        prior: catch rate per sibling rank carried from earlier requests.
+    """
+
+    prior: list[float]
+    hits: list[float] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.hits = self.hits or [0.0] * len(self.prior)
+        self.seen = self.seen or [0.0] * len(self.prior)
+
+    def update(self, siblings: int, taken: int) -> None:
+        """Record a cycle whose path missed its first draft: ``siblings`` were verified and
+        the one of rank ``taken`` (1-based; 0: none) was committed."""
+        for k in range(len(self.seen)):
+            self.hits[k] *= FORGET
+            self.seen[k] *= FORGET
+        for k in range(siblings if taken == 0 else taken):
+            self.seen[k] += 1.0
+            self.hits[k] += float(k + 1 == taken)
+
+    def rates(self) -> list[float]:
+        """Estimated catch rate per sibling rank."""
+        n = [s + PRIOR_WEIGHT for s in self.seen]
+        return [(h + PRIOR_WEIGHT * p) / m for p, h, m in zip(self.prior, self.hits, n)]
+
+
+def caught(catches: list[float], siblings: int) -> float:
+    """Chance that one of the first ``siblings`` catches a missed first draft."""
+    miss = 1.0
+    for c in catches[:siblings]:
+        miss *= 1.0 - c
+    return 1.0 - miss
+
+
+def expected_tokens(rates: list[float], b: int) -> float:
+    """E(b): tokens committed by a cycle of block b (accepted drafts + the bonus token)."""
+    total, run = 1.0, 1.0
+    for r in rates[: b - 1]:
+        run *= r
+        total += run
+    return total
