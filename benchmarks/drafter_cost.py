@@ -100,13 +100,19 @@ def main(argv=None) -> None:
         plain_s = timed(plain, a.reps)
         st = stages(model, cache, a.block, a.reps)
         size = model.draft_head.size if model.draft_head is not None else "full"
-        rows.append({"vocab": size, "plain_ms": 1e3 * plain_s, **{k: 1e3 * v for k, v in st.items()}})
-    print(f"{'vocab':>8} {'plain':>7} {'embed':>7} {'layers':>7} {'head':>7} {'select':>7} "
-          f"{'drafter':>8} {'share':>6}")
+        rows.append(
+            {"vocab": size, "plain_ms": 1e3 * plain_s, **{k: 1e3 * v for k, v in st.items()}}
+        )
+    print(
+        f"{'vocab':>8} {'plain':>7} {'embed':>7} {'layers':>7} {'head':>7} {'select':>7} "
+        f"{'drafter':>8} {'share':>6}"
+    )
     for r in rows:
-        print(f"{r['vocab']!s:>8} {r['plain_ms']:7.1f} {r['embed']:7.2f} {r['layers']:7.2f} "
-              f"{r['head']:7.2f} {r['selector']:7.2f} {r['drafter_total']:8.2f} "
-              f"{r['drafter_total'] / r['plain_ms']:6.1%}")
+        print(
+            f"{r['vocab']!s:>8} {r['plain_ms']:7.1f} {r['embed']:7.2f} {r['layers']:7.2f} "
+            f"{r['head']:7.2f} {r['selector']:7.2f} {r['drafter_total']:8.2f} "
+            f"{r['drafter_total'] / r['plain_ms']:6.1%}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

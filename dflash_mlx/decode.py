@@ -183,6 +183,8 @@ def cycle(
         drafts, q_full, sibs = _draft(
             model, cache, a_arr, chain, params, use_selector, keys[0], clock, siblings
         )
+        # the device drafts while the host builds the verify's graph
+        mx.async_eval(drafts, *([] if sibs is None else [sibs]))
     cache.busy = True
     taken = 0
     if sibs is not None:  # greedy, no logits processors

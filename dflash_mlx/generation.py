@@ -49,6 +49,7 @@ class GenerationResponse:
         blocks: how many steps used each block size (1 = a plain target step).
         plain_share: the share of steps decoded plainly.
         copied: verify cycles whose drafts were copied from the context (``lookup``).
+        siblings: verify cycles that committed a sibling of the first draft (``tree``).
         schedule: with block_size="auto", when and why decoding switched to or from
             plain decoding. timings: seconds per stage (profile=True).
     """
@@ -69,6 +70,7 @@ class GenerationResponse:
     blocks: Dict[int, int] = field(default_factory=dict)
     plain_share: float = 0.0
     copied: int = 0
+    siblings: int = 0
     schedule: List[str] = field(default_factory=list)
     timings: Dict[str, float] = field(default_factory=dict)
 
@@ -222,6 +224,7 @@ class _Stats:
     def __init__(self, prompt_tokens: int, block_size: int):
         self.prompt_tokens, self.block_size = prompt_tokens, block_size
         self.generated = self.cycles = self.committed = self.processed = self.copied = 0
+        self.siblings = 0
         self.reached = [0] * block_size
         self.accepted_at = [0] * block_size
         self.blocks: Dict[int, int] = {}
@@ -238,8 +241,11 @@ class _Stats:
             self.cycles += 1
             self.committed += len(cyc.tokens)
             self.copied += cyc.lookup > 0
+            self.siblings += cyc.sibling > 0
             self.blocks[cyc.drafted + 1] = self.blocks.get(cyc.drafted + 1, 0) + 1
-            for k in range(min(cyc.accepted + 1, cyc.drafted)):
+            # a tree's path is shorter than its block, and a taken sibling ends it
+            path = 1 if cyc.sibling else min(cyc.accepted + 1, cyc.drafted - cyc.siblings)
+            for k in range(path):
                 self.reached[k] += 1
                 self.accepted_at[k] += k < cyc.accepted
         for name, t in cyc.timings.items():
@@ -266,6 +272,7 @@ class _Stats:
             blocks=dict(sorted(self.blocks.items())),
             plain_share=self.blocks.get(1, 0) / self.cycles if self.cycles else 0.0,
             copied=self.copied,
+            siblings=self.siblings,
             schedule=list(self.notes),
             timings=dict(self.timings),
         )

@@ -121,21 +121,20 @@ def compile_layers(layers: list) -> int:
 
 
 class _TreeRope(_Wrapper):
-    """A layer's rotary embedding that, during a tree verify, places the rows past the path
-    (siblings of its first draft) at the first draft's position, offset + 1."""
+    """A layer's rotary embedding that, during a tree verify, gives each row its own
+    position (the siblings of the first draft share its position): the rows become a batch
+    of one-token sequences with one offset each, the same bits as a chain's positions."""
 
     def __init__(self, inner: nn.Module, state: dict):
         super().__init__(inner)
         object.__setattr__(self, "_state", state)
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
-        chain = self._state.get("chain")
-        if chain is None or x.shape[-2] <= chain:
+        pos = self._state.get("positions")  # [rows] int32, absolute
+        if pos is None or x.shape[0] != 1 or x.shape[-2] != pos.size:
             return self.inner(x, offset=offset)
-        B, H, S, D = x[..., chain:, :].shape
-        side = x[..., chain:, :].reshape(B, H * S, 1, D)  # one position for all siblings
-        side = self.inner(side, offset=offset + 1).reshape(B, H, S, D)
-        return mx.concatenate([self.inner(x[..., :chain, :], offset=offset), side], axis=-2)
+        rows = x.transpose(2, 1, 0, 3)  # [1, H, R, D] -> [R, H, 1, D]
+        return self.inner(rows, offset=pos).transpose(2, 1, 0, 3)
 
 
 class _TreeView:
@@ -276,9 +275,10 @@ class TargetAdapter:
         self._store.clear()
         self._store["on"] = True
         if chain is not None and ids.shape[1] > chain:
-            m = tree.mask(cache[0].offset, chain, ids.shape[1])
+            o, n = cache[0].offset, ids.shape[1]
+            m = tree.mask(o, chain, n)
             cache = [_TreeView(c, m) for c in cache]
-            self._tree["chain"] = chain
+            self._tree["positions"] = mx.array(tree.positions(o, chain, n), mx.int32)
         try:
             logits = self.model(ids, cache=cache)
             feats = mx.concatenate([self._store[i] for i in self.layer_ids], axis=-1)

@@ -46,6 +46,12 @@ def siblings(logits0: mx.array, first: mx.array, s: int, to_target) -> mx.array:
     return cand[order[:s]].astype(mx.uint32)
 
 
+def positions(offset: int, chain: int, rows: int) -> list[int]:
+    """Each verify row's position: the path's rows in order, the siblings at the first
+    draft's (offset + 1)."""
+    return [offset + i for i in range(chain)] + [offset + 1] * (rows - chain)
+
+
 def mask(offset: int, chain: int, rows: int) -> mx.array:
     """Which keys each verify row sees [rows, offset + rows] (bool): the cached context, the
     path's rows up to its own (rows 0..chain-1), and for a sibling the anchor and itself."""

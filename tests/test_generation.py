@@ -156,3 +156,30 @@ def test_stats_count_the_cycles_that_verified_copied_drafts(pairs, monkeypatch):
     assert total > 0  # the random target loops: copies happened
     off = list(stream_generate(model, tok, PROMPTS[0], max_tokens=48, block_size=4, lookup=False))
     assert off[-1].copied == 0
+
+
+def test_stats_count_the_cycles_that_took_a_sibling(pairs):
+    """``siblings`` counts greedy tree cycles that committed a sibling of the first draft;
+    the CLI's stats and the server's extra field show it, and ``tree=False`` has none."""
+    from dflash_mlx.cli.stats import stats_dict, stats_lines
+    from dflash_mlx.server.schema import dflash_stats
+
+    model, tok = pairs("qwen3", "d2")
+    ids = tok.encode("def parse_args(")
+    ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=64)]
+    real = model.drafter
+    model.drafter = OracleDrafter(real, ids + ref + [0] * 20, second_at=(1,))
+    try:
+        kw = dict(max_tokens=32, block_size=8, lookup=False)
+        on = list(stream_generate(model, tok, ids, **kw))
+        off = list(stream_generate(model, tok, ids, tree=False, **kw))
+    finally:
+        model.drafter = real
+    for rs in (on, off):
+        assert [t for r in rs for t in r.tokens] == ref[:32]
+    last, off = on[-1], off[-1]
+    assert last.siblings >= last.cycles - 1 > 5 and off.siblings == 0
+    s = stats_dict(last, "m", 8, True)
+    assert s["sibling_cycles"] == dflash_stats(last, 0, 8)["sibling_cycles"] == last.siblings
+    assert f"{last.siblings} took a sibling" in "\n".join(stats_lines(s))
+    assert last.acceptance[0] > 0.9  # the first position is accepted, through the sibling

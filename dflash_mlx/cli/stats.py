@@ -45,6 +45,7 @@ def stats_dict(r, name: str, block_size, selector: bool) -> dict:
         "blocks": {str(b): n for b, n in r.blocks.items()},
         "plain_share": round(r.plain_share, 4),
         "copied_cycles": r.copied,
+        "sibling_cycles": r.siblings,
         "peak_memory_gb": round(r.peak_memory, 4),
     }
 
@@ -65,7 +66,8 @@ def stats_lines(s: dict, timings: Optional[dict] = None, verbose: Optional[dict]
         f"[dim]generated [/dim] {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
         f"[dim]tau       [/dim] {s['tau']:.2f} tokens/cycle over {s['cycles']} cycles "
         f"(block {s['block_size']}, selector {'on' if s['selector'] else 'off'}"
-        + (f", {s['copied_cycles']} copied from the context)" if s["copied_cycles"] else ")"),
+        + (f", {s['copied_cycles']} copied from the context" if s["copied_cycles"] else "")
+        + (f", {s['sibling_cycles']} took a sibling)" if s.get("sibling_cycles") else ")"),
         f"[dim]acceptance[/dim] {sparkline(acc)}  {pct} % by block position",
     ]
     if s["block_size"] == "auto":

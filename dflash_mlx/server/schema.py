@@ -251,7 +251,8 @@ def usage(prompt_tokens: int, completion_tokens: int, prompt_processed: int) -> 
 def dflash_stats(last, accepted: int, block_size) -> dict:
     """Speculative-decoding stats from the last GenerationResponse (an extra field):
     ``blocks`` counts the steps of each block size ("1" = a plain step), ``copied_cycles``
-    the verify cycles whose drafts were copied from the context."""
+    the verify cycles whose drafts were copied from the context, ``sibling_cycles`` those
+    that committed a sibling of the first draft (a greedy tree)."""
     return {
         "tau": round(last.tau, 4),
         "accepted_tokens": accepted,
@@ -260,6 +261,7 @@ def dflash_stats(last, accepted: int, block_size) -> dict:
         "blocks": {str(b): n for b, n in last.blocks.items()},
         "plain_share": round(last.plain_share, 4),
         "copied_cycles": last.copied,
+        "sibling_cycles": last.siblings,
         "prompt_tokens_processed": last.prompt_processed,
         "prompt_tps": round(last.prompt_tps, 2),
         "generation_tps": round(last.generation_tps, 2),
