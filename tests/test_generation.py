@@ -170,7 +170,7 @@ def test_stats_count_the_cycles_that_took_a_sibling(pairs):
     real = model.drafter
     model.drafter = OracleDrafter(real, ids + ref + [0] * 20, second_at=(1,))
     try:
-        kw = dict(max_tokens=32, block_size=8, lookup=False)
+        kw = {"max_tokens": 32, "block_size": 8, "lookup": False}
         on = list(stream_generate(model, tok, ids, **kw))
         off = list(stream_generate(model, tok, ids, tree=False, **kw))
     finally:

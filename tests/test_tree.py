@@ -45,7 +45,10 @@ def test_accept_takes_the_path_then_a_sibling_then_the_target_token():
 
 def test_siblings_are_the_best_first_tokens_other_than_the_path_s():
     logits = mx.array([0.0, 5.0, 3.0, 4.0, 1.0, 2.0])  # ranks: 1, 3, 2, 5, 4, 0
-    ident = lambda i: i.astype(mx.uint32)  # noqa: E731
+
+    def ident(i):
+        return i.astype(mx.uint32)
+
     assert tree.siblings(logits, mx.array(1), 3, ident).tolist() == [3, 2, 5]
     assert tree.siblings(logits, mx.array(2), 3, ident).tolist() == [1, 3, 5]
     assert tree.siblings(logits, mx.array(0), 2, ident).tolist() == [1, 3]
@@ -127,7 +130,7 @@ def test_no_tree_when_sampling_with_processors_or_on_a_hybrid(pairs):
         SamplingParams(temperature=0.8),
         SamplingParams(processors=make_logits_processors(repetition_penalty=1.2)),
     ):
-        kw = dict(max_tokens=24, block_size=8, key=mx.random.key(1), lookup=False)
+        kw = {"max_tokens": 24, "block_size": 8, "key": mx.random.key(1), "lookup": False}
         cycles = list(decode(model, ids, model.make_cache(), params, **kw))
         assert all(c.siblings == 0 for c in cycles)
     hybrid, _ = pairs("qwen3_5", "d2")
