@@ -168,6 +168,21 @@ def test_run_json(pair, loaded):
     assert r.stderr == ""
 
 
+def test_run_no_tree_verifies_the_path_alone_with_the_same_text(pair, loaded):
+    from dflash_mlx import generate
+
+    want = generate(*loaded, "hello world", max_tokens=16, block_size=8)
+    outs = []
+    for flags in ((), ("--no-tree",)):
+        r = invoke(
+            "run", *model_args(pair), "hello world", "-m", 16, "--json", "--block-size", 8, *flags
+        )
+        assert r.exit_code == 0, r.stderr
+        outs.append(json.loads(r.stdout))
+    assert outs[0]["text"] == outs[1]["text"] == want
+    assert outs[1]["sibling_cycles"] == 0 and "sibling_cycles" in outs[0]
+
+
 def test_run_prompt_from_stdin(pair):
     a = invoke("run", *model_args(pair), "tell me", "-m", 8, "-q")
     b = invoke("run", *model_args(pair), "-", "-m", 8, "-q", input="tell me")

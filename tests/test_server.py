@@ -163,6 +163,8 @@ def test_parse_request_rejects_bad_fields():
         b'{"prompt": [1, 2, 3], "max_completion_tokens": 4, "max_tokens": 9}', "completion"
     )
     assert c.prompt == [1, 2, 3] and c.gen.max_tokens == 4
+    t = parse_request(b'{"prompt": "a", "tree": false, "lookup": false}', "completion")
+    assert t.gen.tree is False and t.gen.lookup is False and DEFAULTS.tree is True
     for body in [
         b"{",
         b"[]",
@@ -175,6 +177,7 @@ def test_parse_request_rejects_bad_fields():
         b'{"messages": [{"role": "user", "content": "a"}], "stop": 5}',
         b'{"messages": [{"role": "user", "content": "a"}], "block_size": 99}',
         b'{"messages": [{"role": "user", "content": "a"}], "seed": -1}',
+        b'{"messages": [{"role": "user", "content": "a"}], "tree": "no"}',
         b'{"messages": [{"role": "user", "content": "a"}], "seed": 4294967296}',
         b'{"messages": [{"role": "user", "content": "a"}], "presence_penalty": NaN}',
         b'{"messages": [{"role": "user", "content": "a"}], "temperature": Infinity}',

@@ -35,6 +35,7 @@ BAD = [  # (field, value, how the message goes on after the setting's name)
     ("logit_bias", {1: 101}, "must be in [-100, 100] (got 101)"),
     ("logit_bias", {"a": 1}, "keys must be token ids"),
     ("use_selector", "yes", "must be true or false"),
+    ("tree", "yes", "must be true or false"),
     ("seed", -1, f"must be in 0..{SEED_MAX} (got -1)"),
     ("seed", SEED_MAX + 1, f"must be in 0..{SEED_MAX}"),
     ("seed", True, "must be an integer"),
