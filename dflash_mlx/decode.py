@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from . import draft_step, tree
+from . import draft_step
 from .acceptance import SamplingParams, process_rows, sample_rows, target_probs
 from .lookup import FIXED_MIN_MATCH, Lookup
 from .propose import accept, copied_drafts, propose
 from .state import DFlashModel, Interrupted, PromptCache
+from .tree import siblings as pick_siblings
 from .tree import siblings_for
+from .tree import verify as verify_tree
 
 _local = threading.local()
 
@@ -142,7 +144,7 @@ def _draft(model, cache, anchor, b, params, use_selector, key, clock, n_sib=0):
     d_logits = model.draft_logits(hidden[:, 1:])  # [1, b-1, V'] (V' = V without a draft vocab)
     clock.lap("drafter", d_logits)
     drafts, q_full = propose(model, d_logits, hidden[:, 1:], anchor, params, use_selector, key)
-    sibs = tree.siblings(d_logits[0, 0], drafts[0], n_sib, model.to_target) if n_sib else None
+    sibs = pick_siblings(d_logits[0, 0], drafts[0], n_sib, model.to_target) if n_sib else None
     clock.lap("selector", drafts)
     return drafts, q_full, sibs
 
@@ -175,6 +177,7 @@ def cycle(
     clock = _Clock(profile)
     anchor = history[-1]
     a_arr = mx.array([anchor], dtype=mx.uint32)
+    siblings = max(0, min(siblings, block_size - 2))  # a path of at least one draft
     chain = block_size - siblings  # the anchor and the path's drafts
     sibs = None
     if copied is not None:
@@ -188,7 +191,7 @@ def cycle(
     cache.busy = True
     taken = 0
     if sibs is not None:  # greedy, no logits processors
-        a, committed, feats, taken = tree.verify(adapter, cache.target, a_arr, drafts, sibs, clock)
+        a, committed, feats, taken = verify_tree(adapter, cache.target, a_arr, drafts, sibs, clock)
     else:
         snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
         v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
