@@ -190,8 +190,10 @@ def cycle(
         mx.async_eval(drafts, *([] if sibs is None else [sibs]))
     cache.busy = True
     taken = 0
-    if sibs is not None:  # greedy, no logits processors
-        a, committed, feats, taken = verify_tree(adapter, cache.target, a_arr, drafts, sibs, clock)
+    if sibs is not None:  # no logits processors
+        a, committed, feats, taken = verify_tree(
+            adapter, cache.target, a_arr, drafts, sibs, clock, params, q_full, keys[1]
+        )
     else:
         snap = adapter.snapshot(cache.target) if adapter.is_hybrid else None
         v_logits, feats = adapter(mx.concatenate([a_arr, drafts])[None], cache.target)
@@ -310,8 +312,8 @@ def decode(
         lookup: verify context-lookup drafts (``lookup.py``) when the committed tokens have
             a match: with a scheduler when it expects them to pay, else for a match of at
             least ``FIXED_MIN_MATCH`` tokens.
-        tree: when greedy without logits processors, on a target that can, verify the
-            first draft's siblings beside the path (``tree.py``).
+        tree: without logits processors, on a target that can, verify the first draft's
+            siblings beside the path (``tree.py``).
     """
     key = mx.random.key(int(time.time_ns() % 2**31)) if key is None else key
     with mx.stream(generation_stream()):
@@ -319,7 +321,7 @@ def decode(
         yield first
         history = list(prompt) + first.tokens
         index = Lookup(history) if lookup else None
-        use_tree = tree and params.greedy and not params.processors
+        use_tree = tree and not params.processors
         use_tree = use_tree and model.adapter.can_tree(cache.target)
         if scheduler is not None:
             scheduler.tree = use_tree

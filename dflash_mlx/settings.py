@@ -66,8 +66,9 @@ class GenerationConfig:
         use_selector: walk the DFlash 2 path selector; False drafts each row's top token.
         lookup: also verify drafts copied from the context (after the latest earlier
             occurrence of the committed tokens' last n-gram) when they are expected to pay.
-        tree: when greedy, also verify the drafter's next-best first tokens beside its path
-            (a tree of one verify, ``tree.py``) on targets that can; False: the path alone.
+        tree: also verify the drafter's next-best first tokens beside its path (a tree in
+            one verify, ``tree.py``) on targets that can, without logits processors; False:
+            the path alone.
         seed: 0 .. 2**32 - 1 makes sampling reproducible; None draws a fresh one.
         stop: strings that end the completion (not included in the text).
     """

@@ -1,5 +1,5 @@
-"""Greedy tree verification: the drafter's path plus its next-best first tokens, verified in
-one target pass (docs/algorithm.md §4.5).
+"""Tree verification: the drafter's path plus its next-best first tokens, verified in one
+target pass (docs/algorithm.md §4.5).
 
 A block of ``rows`` verify rows holds the anchor, the path's ``chain - 1`` drafts and ``s``
 siblings: the drafter's best first tokens other than the path's own. Each sibling is placed
@@ -9,14 +9,16 @@ the anchor, so its row's logits are the target's for the anchor followed by that
 The first draft is where the demo drafter misses most (Recall@1 29.5% at position 0, Recall@4
 47.7%), and the path's far positions are rarely reached, so a few rows moved from the end of
 the path to siblings of its first token commit more per cycle at the same verify width.
-Greedy only: the committed tokens are the target's argmax at each kept row, so the output is
-the target's own. Sampling keeps the single path, whose law the residual step makes exact.
+Greedy, the committed tokens are the target's argmax at each kept row: the target's own
+output. Sampled, the path's rejection rule draws the first token, and a sibling only lets
+the cycle draw one more from its own row: the target's law.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .acceptance import accept_sampled, sample_rows, target_probs
 from .selector import top_candidates
 
 MAX_SIBLINGS = 3  # past 3 (Recall@4), each more sibling catches under 2% of the misses
@@ -86,13 +88,18 @@ def accept(targets: list[int], drafts: list[int], sibs: list[int]):
     return 0, [targets[0]], [0], 0
 
 
-def verify(adapter, cache: list, anchor: mx.array, drafts: mx.array, sibs: mx.array, clock):
-    """Verify the tree [anchor, path drafts, siblings] greedily and keep the committed rows.
+def verify(adapter, cache: list, anchor, drafts, sibs, clock, params=None, q=None, key=None):
+    """Verify the tree [anchor, path drafts, siblings] and keep the committed rows.
+
+    Greedy: ``accept``. Sampled: the path by rejection sampling (``accept_sampled``); when
+    its first draft is rejected, the token drawn from the residual is the first token, and
+    if it is a sibling the target's row for it gives the next token, drawn from its law.
 
     Args:
         adapter: the ``TargetAdapter`` (``tree_ok``). cache: its layer caches.
         anchor: [1]; drafts: the path's drafts; sibs: the first draft's siblings.
-        clock: the cycle's stage timer.
+        clock: the cycle's stage timer. params: the target's sampling (None: greedy).
+        q: the path drafts' proposal rows [d, V] (sampled). key: the acceptance PRNG key.
 
     Returns:
         (accepted drafts, committed ids, the kept rows' features [1, n, F], sibling taken).
@@ -101,10 +108,30 @@ def verify(adapter, cache: list, anchor: mx.array, drafts: mx.array, sibs: mx.ar
     fed = chain + sibs.size
     v_logits, feats = adapter(mx.concatenate([anchor, drafts, sibs])[None], cache, chain)
     clock.lap("verify", v_logits, feats)
-    targets = mx.argmax(v_logits[0], axis=-1)  # [fed]
-    mx.eval(targets, drafts, sibs)  # the cycle's one host sync
-    a, committed, rows, taken = accept(targets.tolist(), drafts.tolist(), sibs.tolist())
+    if params is None or params.greedy:
+        targets = mx.argmax(v_logits[0], axis=-1)  # [fed]
+        mx.eval(targets, drafts, sibs)  # the cycle's one host sync
+        a, committed, rows, taken = accept(targets.tolist(), drafts.tolist(), sibs.tolist())
+    else:
+        a, committed, rows, taken = _sampled(v_logits[0], chain, drafts, sibs, params, q, key)
     clock.lap("acceptance")
     adapter.keep_rows(cache, fed, rows)
     feats = feats[:, mx.array(rows)] if taken else feats[:, : a + 1]
     return a, committed, feats, taken
+
+
+def _sampled(logits, chain: int, drafts, sibs, params, q, key):
+    """Sampled acceptance of a tree: (accepted, committed ids, kept rows, sibling taken).
+
+    The first token after the anchor has the target's law either way (the path's rule);
+    a sibling only lets the cycle go one token further, drawn from the sibling's own row."""
+    k_path, k_side = mx.random.split(key)
+    p = target_probs(logits, params)  # [fed, V]
+    n_acc, bonus = accept_sampled(p[:chain], drafts, q, k_path)
+    after = sample_rows(p[chain:], k_side)  # [s]: the token after each sibling
+    mx.eval(n_acc, bonus, after, drafts, sibs)  # the cycle's one host sync
+    a, first, side = n_acc.item(), bonus.item(), sibs.tolist()
+    if a == 0 and first in side:
+        j = side.index(first)
+        return 1, [first, after.tolist()[j]], [0, chain + j], j + 1
+    return a, drafts.tolist()[:a] + [first], list(range(a + 1)), 0

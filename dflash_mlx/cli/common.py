@@ -62,7 +62,7 @@ NO_LOOKUP = typer.Option(
 NO_TREE = typer.Option(
     not D.tree,
     "--no-tree",
-    help="When greedy, verify the drafter's path alone, without its first draft's siblings.",
+    help="Verify the drafter's path alone, without the siblings of its first draft.",
 )
 DRAFT_VOCAB = typer.Option(
     None,
