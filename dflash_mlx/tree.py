@@ -26,7 +26,8 @@ SIBLING_PRIOR = 0.08  # share of the path's first-token misses caught per siblin
 
 
 def siblings_for(rows: int) -> int:
-    """Siblings in a fixed block of ``rows`` verify rows: up to a third of it (7 rows: 3)."""
+    """Siblings in a fixed block of ``rows`` verify rows: half its drafts, at most 3 (4 rows:
+    1, 8 rows: 3)."""
     return max(0, min(MAX_SIBLINGS, (rows - 1) // 2))
 
 
