@@ -145,7 +145,14 @@ def test_end_to_end_sampling_matches_the_target_law(
     samples, drafted_accepted = draw(model, prompt, params, n, trials, selector, 11, sched)
     # drafts really were accepted along the way (scripts spend some steps drafting nothing)
     assert drafted_accepted > (trials // 4 if script is None else trials // 8)
-    for pos in range(1, n):  # marginal law of each later position
+    assert_law(samples, law, n)
+
+
+def assert_law(samples, law, n, first=1):
+    """Samples of n tokens follow the enumerated joint law: each position's marginal from
+    ``first`` on, and the pair at positions 1-2 (none drawn that the law rules out)."""
+    trials = len(samples)
+    for pos in range(first, n):  # marginal law of each later position
         exact = np.zeros(8)
         for seq, pr in law.items():
             exact[seq[pos]] += pr

@@ -161,7 +161,7 @@ class FirstFixed(OracleDrafter):
 def test_sampled_trees_keep_the_target_law(tmp_path_factory, selector, temp, top_p):
     """Sampling through trees: the first token is the path's rule's draw, a sibling only
     extends the cycle by a draw from its own row; the joint law stays the target's."""
-    from test_acceptance import exact_law, tv
+    from test_acceptance import assert_law, exact_law
     from tiny_models import eight_token_pair
 
     model = eight_token_pair(tmp_path_factory.mktemp("v8tree"))
@@ -182,19 +182,7 @@ def test_sampled_trees_keep_the_target_law(tmp_path_factory, selector, temp, top
     finally:
         model.drafter = real
     assert taken > trials // 10  # siblings really were committed
-    for pos in range(n):
-        exact = np.zeros(8)
-        for seq, pr in law.items():
-            exact[seq[pos]] += pr
-        emp = np.bincount([s[pos] for s in samples], minlength=8) / trials
-        assert tv(emp, exact) < 0.07, (pos, emp, exact)
-    joint = {}
-    for seq, pr in law.items():
-        joint[seq[1:3]] = joint.get(seq[1:3], 0) + pr
-    keys = sorted(set(joint) | {s[1:3] for s in samples})
-    emp2 = [sum(s[1:3] == k for s in samples) / trials for k in keys]
-    assert tv(emp2, [joint.get(k, 0) for k in keys]) < 0.12
-    assert all(k in joint for k in {s[1:3] for s in samples})  # no impossible pair drawn
+    assert_law(samples, law, n, first=0)
 
 
 def test_scheduler_verifies_siblings_only_when_they_pay_and_the_loop_can():
