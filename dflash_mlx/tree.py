@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .acceptance import accept_sampled, sample_rows, target_probs
+from .acceptance import accept_greedy, accept_sampled, sample_rows, target_probs
 from .selector import top_candidates
 
 MAX_SIBLINGS = 3  # past 3 (Recall@4), each more sibling catches under 2% of the misses
@@ -66,35 +66,31 @@ def mask(offset: int, chain: int, rows: int) -> mx.array:
     return mx.concatenate([ctx, sees], axis=1)
 
 
-def accept(targets: list[int], drafts: list[int], sibs: list[int]):
-    """Greedy acceptance over the tree.
+def commit(accepted: int, first: int, drafts: list[int], sibs: list[int], after: list[int]):
+    """The tree's rule, greedy or sampled, once the path is accepted by its own law.
 
     Args:
-        targets: the target's argmax at each verify row (anchor, path drafts, siblings).
-        drafts: the path's drafts. sibs: the siblings.
+        accepted: the path's drafts accepted. first: the token the path's rule commits
+            after them (its bonus). drafts: the path's drafts. sibs: the siblings.
+        after: the target's token after each sibling (its argmax, or a draw from its law).
 
     Returns:
         (accepted drafts, committed ids, verify rows to keep in order, sibling taken: 0 for
         none, else its 1-based rank).
     """
-    a = 0
-    while a < len(drafts) and drafts[a] == targets[a]:
-        a += 1
-    if a:
-        return a, drafts[:a] + [targets[a]], list(range(a + 1)), 0
-    for j, t in enumerate(sibs):
-        if t == targets[0]:
-            row = 1 + len(drafts) + j
-            return 1, [t, targets[row]], [0, row], j + 1
-    return 0, [targets[0]], [0], 0
+    if accepted == 0 and first in sibs:  # a missed first draft: the target's token is a sibling
+        j = sibs.index(first)
+        return 1, [first, after[j]], [0, 1 + len(drafts) + j], j + 1
+    return accepted, drafts[:accepted] + [first], list(range(accepted + 1)), 0
 
 
 def verify(adapter, cache: list, anchor, drafts, sibs, clock, params=None, q=None, key=None):
     """Verify the tree [anchor, path drafts, siblings] and keep the committed rows.
 
-    Greedy: ``accept``. Sampled: the path by rejection sampling (``accept_sampled``); when
-    its first draft is rejected, the token drawn from the residual is the first token, and
-    if it is a sibling the target's row for it gives the next token, drawn from its law.
+    The path is accepted by its own rule (greedy, or rejection sampling); its first committed
+    token has the target's law whatever the siblings are. When the first draft is missed and
+    that token is a sibling, the sibling's row gives one more token (``commit``): its argmax,
+    or a draw from its law with a key of its own.
 
     Args:
         adapter: the ``TargetAdapter`` (``tree_ok``). cache: its layer caches.
@@ -109,30 +105,20 @@ def verify(adapter, cache: list, anchor, drafts, sibs, clock, params=None, q=Non
     fed = chain + sibs.size
     v_logits, feats = adapter(mx.concatenate([anchor, drafts, sibs])[None], cache, chain)
     clock.lap("verify", v_logits, feats)
+    rows = v_logits[0]  # [fed, V]
     if params is None or params.greedy:
-        targets = mx.argmax(v_logits[0], axis=-1)  # [fed]
-        mx.eval(targets, drafts, sibs)  # the cycle's one host sync
-        a, committed, rows, taken = accept(targets.tolist(), drafts.tolist(), sibs.tolist())
+        n_acc, targets = accept_greedy(rows[:chain], drafts)
+        bonus, after = targets[n_acc], mx.argmax(rows[chain:], axis=-1)
     else:
-        a, committed, rows, taken = _sampled(v_logits[0], chain, drafts, sibs, params, q, key)
-    clock.lap("acceptance")
-    adapter.keep_rows(cache, fed, rows)
-    feats = feats[:, mx.array(rows)] if taken else feats[:, : a + 1]
-    return a, committed, feats, taken
-
-
-def _sampled(logits, chain: int, drafts, sibs, params, q, key):
-    """Sampled acceptance of a tree: (accepted, committed ids, kept rows, sibling taken).
-
-    The first token after the anchor has the target's law either way (the path's rule);
-    a sibling only lets the cycle go one token further, drawn from the sibling's own row."""
-    k_path, k_side = mx.random.split(key)
-    p = target_probs(logits, params)  # [fed, V]
-    n_acc, bonus = accept_sampled(p[:chain], drafts, q, k_path)
-    after = sample_rows(p[chain:], k_side)  # [s]: the token after each sibling
+        k_path, k_side = mx.random.split(key)
+        p = target_probs(rows, params)
+        n_acc, bonus = accept_sampled(p[:chain], drafts, q, k_path)
+        after = sample_rows(p[chain:], k_side)  # [s]: the token after each sibling
     mx.eval(n_acc, bonus, after, drafts, sibs)  # the cycle's one host sync
-    a, first, side = n_acc.item(), bonus.item(), sibs.tolist()
-    if a == 0 and first in side:
-        j = side.index(first)
-        return 1, [first, after.tolist()[j]], [0, chain + j], j + 1
-    return a, drafts.tolist()[:a] + [first], list(range(a + 1)), 0
+    a, committed, kept, taken = commit(
+        n_acc.item(), bonus.item(), drafts.tolist(), sibs.tolist(), after.tolist()
+    )
+    clock.lap("acceptance")
+    adapter.keep_rows(cache, fed, kept)
+    feats = feats[:, mx.array(kept)] if taken else feats[:, : a + 1]
+    return a, committed, feats, taken
