@@ -179,7 +179,7 @@ def _dflash(
         committed += len(c.tokens)
         res.copied[name] = res.copied.get(name, 0) + (c.lookup > 0)
         res.blocks[name][c.drafted + 1] = res.blocks[name].get(c.drafted + 1, 0) + 1
-        k = 1 if c.sibling else min(c.accepted + 1, c.drafted - c.siblings)  # a tree's path
+        k = c.reached
         reached[:k] += 1
         accepted[: c.accepted] += 1
     res.tokens[name] = min(n, max_tokens)

@@ -56,6 +56,12 @@ class Cycle:
     siblings: int = 0
     sibling: int = 0
 
+    @property
+    def reached(self) -> int:
+        """Draft positions this cycle's path reached: up to the first rejection, within its
+        path (a tree's is shorter than its block); a taken sibling ends it at the first."""
+        return 1 if self.sibling else min(self.accepted + 1, self.drafted - self.siblings)
+
 
 class _Clock:
     """Stage timer; evaluates at stage boundaries only when profiling."""

@@ -243,9 +243,7 @@ class _Stats:
             self.copied += cyc.lookup > 0
             self.siblings += cyc.sibling > 0
             self.blocks[cyc.drafted + 1] = self.blocks.get(cyc.drafted + 1, 0) + 1
-            # a tree's path is shorter than its block, and a taken sibling ends it
-            path = 1 if cyc.sibling else min(cyc.accepted + 1, cyc.drafted - cyc.siblings)
-            for k in range(path):
+            for k in range(cyc.reached):
                 self.reached[k] += 1
                 self.accepted_at[k] += k < cyc.accepted
         for name, t in cyc.timings.items():
