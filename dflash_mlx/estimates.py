@@ -31,12 +31,16 @@ class Acceptance:
 
     def update(self, drafted: int, accepted: int) -> None:
         """Record a cycle that drafted ``drafted`` tokens and accepted ``accepted``."""
-        for k in range(len(self.seen)):
-            self.hits[k] *= FORGET
-            self.seen[k] *= FORGET
+        self._forget()
         for k in range(min(accepted + 1, drafted)):
             self.seen[k] += 1.0
             self.hits[k] += float(k < accepted)
+
+    def _forget(self) -> None:
+        """Decay this request's counts by one cycle."""
+        for k in range(len(self.seen)):
+            self.hits[k] *= FORGET
+            self.seen[k] *= FORGET
 
     def rates(self, optimistic: bool = False) -> list[float]:
         """Estimated conditional acceptance per position.
@@ -54,38 +58,22 @@ class Acceptance:
         return out
 
 
-@dataclass
-class Catches:
+class Catches(Acceptance):
     """How often each sibling of the first draft (``tree.py``), by rank, is the target's
     token when the path's first draft is not and no better-ranked sibling was: a prior plus
-    this request's decayed counts.
+    this request's decayed counts, estimated as ``Acceptance`` estimates a position.
 
     Attributes:
         prior: catch rate per sibling rank carried from earlier requests.
     """
 
-    prior: list[float]
-    hits: list[float] = field(default_factory=list)
-    seen: list[float] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.hits = self.hits or [0.0] * len(self.prior)
-        self.seen = self.seen or [0.0] * len(self.prior)
-
     def update(self, siblings: int, taken: int) -> None:
         """Record a cycle whose path missed its first draft: ``siblings`` were verified and
         the one of rank ``taken`` (1-based; 0: none) was committed."""
-        for k in range(len(self.seen)):
-            self.hits[k] *= FORGET
-            self.seen[k] *= FORGET
+        self._forget()
         for k in range(siblings if taken == 0 else taken):
             self.seen[k] += 1.0
             self.hits[k] += float(k + 1 == taken)
-
-    def rates(self) -> list[float]:
-        """Estimated catch rate per sibling rank."""
-        n = [s + PRIOR_WEIGHT for s in self.seen]
-        return [(h + PRIOR_WEIGHT * p) / m for p, h, m in zip(self.prior, self.hits, n)]
 
 
 def caught(catches: list[float], siblings: int) -> float:
