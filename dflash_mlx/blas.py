@@ -125,11 +125,12 @@ def measure(repeats: int = 5) -> dict:
 
     Returns:
         {"name", "matmul_ms" (an [8, 1024] x [1024, 4096] product), "ratio" (its time over
-        one row's), "fast", "library", "small_gemm" (the few-row kernel's path or None)}.
+        one row's), "fast", "library", "small_gemm" (the few-row kernel's path or None),
+        "exact_ops" (the exact SiLU/softmax extension's path, once a target loaded it)}.
     """
     import mlx.core as mx
 
-    from . import small_gemm
+    from . import exact_ops, small_gemm
 
     w = mx.random.normal((1024, 4096))
     a8, a1 = mx.random.normal((8, 1024)), mx.random.normal((1, 1024))
@@ -150,6 +151,8 @@ def measure(repeats: int = 5) -> dict:
         name = "reference BLAS (mlx wheel); install libopenblas0-pthread for ~9x faster matmuls"
     if kernel:
         name += " + dflash few-row kernel"
+    if exact_ops.active():
+        name += " + exact SiLU/softmax"
     return {
         "name": name,
         "matmul_ms": round(ms8, 2),
@@ -157,4 +160,5 @@ def measure(repeats: int = 5) -> dict:
         "fast": fast,
         "library": path,
         "small_gemm": kernel,
+        "exact_ops": exact_ops.status()["path"],
     }

@@ -173,13 +173,13 @@ def _cpu_model() -> str:
 def _machine() -> str:
     import mlx.core as mx
 
-    from . import small_gemm
+    from . import exact_ops, small_gemm
     from .blas import _loaded
 
     return "|".join(
         [platform.node(), platform.machine(), _cpu_model(), str(os.cpu_count())]
         + [str(mx.default_device()), mx.__version__, str(_loaded.get("path"))]
-        + [str(small_gemm.status()["path"])]
+        + [str(small_gemm.status()["path"]), str(exact_ops.status()["path"])]
     )
 
 

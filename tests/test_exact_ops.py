@@ -1,0 +1,182 @@
+"""The exact vectorised SiLU, softmax and attention (exact_ops.py, cpu/exact_ops.cpp): the
+same bits as MLX's CPU ops on every input tried, loaded where a C++ compiler is, used by the
+target's layers, and MLX's own ops where the kernels do not apply."""
+
+import shutil
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import base
+from mlx_lm.models.activations import swiglu
+
+import dflash_mlx  # noqa: F401
+from dflash_mlx import exact_ops, target, tree
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or shutil.which(exact_ops.compiler() or "") is None,
+    reason="the extension is built on Linux with a C++ compiler",
+)
+
+SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1e-30, 0.5, -0.5, 87.9, 88.0, 88.01, -88.0, -88.01]
+SPECIAL += [-87.33654, 100.0, -100.0, 3.4e38, -3.4e38, float("inf"), -float("inf")]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = exact_ops.load()
+    assert module is not None, exact_ops.status()["error"]
+    return module
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.array(a), np.array(b)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_exp_has_mlx_bits_over_a_sweep_of_float32(ops):
+    # Every 509th bit pattern (all signs, exponents, NaNs), plus a dense run where exp is
+    # neither 0 nor inf; the whole 2^32 were checked once (docs/algorithm.md §6).
+    x = np.arange(0, 1 << 32, 509, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    dense = np.linspace(-90, 90, 1 << 20, dtype=np.float32)
+    x = np.concatenate([x, dense, np.array(SPECIAL, np.float32)])
+    out = np.empty_like(x)
+    ops.exp_buffer(x.ctypes.data, out.ctypes.data, x.size)
+    assert same_bits(out, mx.exp(mx.array(x)))
+
+
+def test_exp_kernel_is_not_plain_expf(ops):
+    # The check above must be able to fail: libm's correctly rounded expf differs from
+    # MLX's polynomial in the last bit for many inputs.
+    x = np.linspace(-20, 20, 4096, dtype=np.float32)
+    out = np.empty_like(x)
+    ops.exp_buffer(x.ctypes.data, out.ctypes.data, x.size)
+    assert not same_bits(out, np.exp(x))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1536), (1, 8, 1536), (3, 7), (2, 5, 129)])
+def test_silu_mul_has_swiglu_bits(ops, shape):
+    g = mx.random.normal(shape, key=mx.random.key(1)) * 9.0
+    u = mx.random.normal(shape, key=mx.random.key(2))
+    assert same_bits(ops.silu_mul(g, u), swiglu(g, u))
+
+
+def test_silu_mul_has_swiglu_bits_on_special_values(ops):
+    g = mx.array(SPECIAL + [float("nan")])
+    u = mx.ones_like(g) * 1.5
+    assert same_bits(ops.silu_mul(g, u), swiglu(g, u))
+
+
+def test_silu_mul_reads_strided_and_broadcast_inputs(ops):
+    g = mx.random.normal((257, 8), key=mx.random.key(3)).T * 6.0  # transposed view
+    u = mx.broadcast_to(mx.random.normal((1, 257), key=mx.random.key(4)), (8, 257))
+    assert same_bits(ops.silu_mul(g, u), swiglu(g, u))
+
+
+@pytest.mark.parametrize("m", [1, 2, 7, 128, 301])
+def test_softmax_has_mlx_bits(ops, m):
+    x = mx.random.normal((2, 9, 8, m), key=mx.random.key(m)) * 15.0
+    assert same_bits(ops.softmax(x), mx.softmax(x, axis=-1, precise=True))
+
+
+def test_softmax_has_mlx_bits_on_masked_and_special_rows(ops):
+    low = float(mx.finfo(mx.float32).min)
+    rows = [
+        [0.0, low, low, 1.0],
+        [-float("inf"), 2.0, -float("inf"), 2.0],
+        [3.4e38, 3.4e38, 0.0, -3.4e38],
+        [float("nan"), 1.0, 2.0, 3.0],
+        [low, low, low, low],
+        [-0.0, 0.0, -0.0, 0.0],
+    ]
+    x = mx.array(rows)
+    assert same_bits(ops.softmax(x), mx.softmax(x, axis=-1, precise=True))
+    xt = mx.random.normal((300, 9), key=mx.random.key(5)).T * 10.0  # strided
+    assert same_bits(ops.softmax(xt), mx.softmax(xt, axis=-1, precise=True))
+
+
+def _masks(length, keys, key):
+    masks = [None, "causal"] if length > 1 else [None]
+    masks.append(mx.random.uniform(shape=(length, keys), key=key) > 0.3)  # boolean
+    masks.append(mx.random.normal((length, keys), key=key))  # additive
+    return masks
+
+
+@pytest.mark.parametrize(
+    "b,h,hk,length,keys,d",
+    [(1, 9, 3, 1, 120, 64), (1, 9, 3, 8, 128, 64), (1, 4, 4, 5, 37, 32), (2, 8, 2, 16, 300, 64)],
+)
+def test_attention_has_fast_sdpa_bits(ops, b, h, hk, length, keys, d):
+    ks = mx.random.split(mx.random.key(length * keys), 4)
+    q = mx.random.normal((b, h, length, d), key=ks[0])
+    k = mx.random.normal((b, hk, keys, d), key=ks[1])
+    v = mx.random.normal((b, hk, keys, d), key=ks[2])
+    for mask in _masks(length, keys, ks[3]):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask)
+        got = exact_ops.attention(q, k, v, None, d**-0.5, mask)
+        assert same_bits(got, want), f"mask {type(mask).__name__}"
+
+
+def test_attention_has_sdpa_bits_with_a_tree_mask(ops):
+    q = mx.random.normal((1, 9, 8, 64), key=mx.random.key(6))
+    k = mx.random.normal((1, 3, 128, 64), key=mx.random.key(7))
+    mask = tree.mask(120, 5, 8)
+    want = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask=mask)
+    assert same_bits(exact_ops.attention(q, k, k, None, 0.125, mask), want)
+
+
+def test_attention_leaves_what_it_does_not_cover_to_mlx_lm(ops, monkeypatch):
+    seen = []
+    real = base.scaled_dot_product_attention
+    monkeypatch.setattr(
+        base, "scaled_dot_product_attention", lambda *a, **k: seen.append(1) or real(*a, **k)
+    )
+    q = mx.random.normal((1, 4, 2, 16)).astype(mx.float16)
+    exact_ops.attention(q, q, q, None, 0.25, None)  # float16
+    q = q.astype(mx.float32)
+    exact_ops.attention(q, q, q, None, 0.25, None, sinks=mx.zeros((4,)))  # sinks
+    with pytest.raises(ValueError):  # a mask mode it does not know: mlx-lm's error
+        exact_ops.attention(q, q, q, None, 0.25, "window")
+    exact_ops.attention(q, q, q, None, 0.25, None)  # covered: not handed on
+    assert len(seen) == 3
+
+
+def test_without_the_kernels_the_functions_are_mlx_ops(ops, monkeypatch):
+    monkeypatch.setitem(exact_ops._state, "module", None)
+    g = mx.random.normal((4, 33)) * 5.0
+    assert same_bits(exact_ops.silu_mul(g, g), swiglu(g, g))
+    assert same_bits(exact_ops.softmax(g), mx.softmax(g, axis=-1, precise=True))
+    assert exact_ops.install_attention([]) == 0
+
+
+def test_target_layers_use_the_kernels_with_the_same_logits(ops, pairs):
+    """The tiny qwen3 target's MLPs and attention run the kernels; its logits for a prompt,
+    one row and eight rows equal those of MLX's own ops, bit for bit."""
+    model, _ = pairs("qwen3", "d2")
+    ad = model.adapter
+    bases = [x.inner if isinstance(x, target._Tap) else x for x in ad.inner.layers]
+    assert all(isinstance(b.mlp, target._ExactMLP) for b in bases)
+    mod = sys.modules[type(bases[0].self_attn).__module__]
+    assert mod.scaled_dot_product_attention is exact_ops.attention
+
+    def logits():
+        out = []
+        cache = ad.make_cache()
+        for ids in ([5, 9, 14, 3, 22, 7, 11], [8], [4, 19, 2, 30, 6, 12, 17, 1]):
+            lg, _ = ad(mx.array(ids)[None], cache)
+            out.append(np.array(lg))
+        return out
+
+    fast = logits()
+    saved = [b.mlp for b in bases]
+    try:
+        for b in bases:
+            b.mlp = target._Compiled(b.mlp.inner)
+        mod.scaled_dot_product_attention = base.scaled_dot_product_attention
+        slow = logits()
+    finally:
+        for b, m in zip(bases, saved):
+            b.mlp = m
+        mod.scaled_dot_product_attention = exact_ops.attention
+    assert all(same_bits(a, b) for a, b in zip(fast, slow))
