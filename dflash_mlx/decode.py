@@ -331,7 +331,7 @@ def decode(
         use_tree = use_tree and model.adapter.can_tree(cache.target)
         if scheduler is not None:
             scheduler.tree = use_tree
-        n_gen, t_last = 1, time.perf_counter()
+        n_gen, t_last, switched = 1, time.perf_counter(), False
         while n_gen < max_tokens:
             budget = max_tokens - n_gen
             copied, match = index.propose(model.block_size - 1) if index else ([], 0)
@@ -344,13 +344,17 @@ def decode(
                 run = _plain_run(model, cache, params, history, index, scheduler, n, k_draft)
                 ran, t_last = yield from run
                 n_gen += ran
+                switched = ran > 0
                 continue
             keys = (k_draft, k_acc)
             n_sib = 0 if use or not use_tree else choice.siblings if choice else siblings_for(b)
             copy = copied if use else None
             step = cycle(model, cache, params, history, b, use_selector, keys, profile, copy, n_sib)
             step.lookup = match if use else 0
-            t_last = _timed(scheduler, b, step, t_last)
+            # a drafted cycle right after plain steps also catches the drafter up on them:
+            # a cost of switching, not of the block, so it is not a cost sample
+            t_last = _timed(scheduler, b, step, t_last, pipelined=use or not switched)
+            switched = False
             history += step.tokens
             if index is not None:
                 index.extend(step.tokens)
@@ -360,15 +364,16 @@ def decode(
 
 def _plain_run(model, cache, params, history, index, scheduler, n, key):
     """Up to ``n`` plain steps for ``decode`` (history and index extended in place); returns
-    (steps run, the time of the last)."""
+    (steps run, the time of the last). The scheduler gets the run's cost per step, from
+    its start to its last token: the gaps between tokens are no step's cost (the first
+    also fills the pipeline, the last is nearly free)."""
     until = None if index is None else lambda: scheduler.copy_pays(index.match()[0])
     steps = plain_steps(model, cache, params, history, n, key, until)
-    ran, t_last = 0, time.perf_counter()
+    ran, start = 0, time.perf_counter()
+    t_last = start
     try:
         for step in steps:
-            # a run's first step is not overlapped: its cost is the switch's, not a plain
-            # step's (the warm-up times pipelined steps too)
-            t_last = _timed(scheduler, 1, step, t_last, pipelined=ran > 0)
+            t_last = _timed(scheduler, 1, step, t_last, pipelined=False)
             history += step.tokens
             if index is not None:
                 index.extend(step.tokens)
@@ -376,13 +381,16 @@ def _plain_run(model, cache, params, history, index, scheduler, n, key):
             yield step
     finally:
         steps.close()  # closed early: its caches are tidied before ours are read
+    if ran > 1:  # one step is mostly the switch's pipeline fill
+        scheduler.observe(1, (t_last - start) / ran)
     return ran, t_last
 
 
 def _timed(scheduler, block, step, since, pipelined=True) -> float:
     """Give the scheduler a step's wall time (from the previous step's result to this one,
-    consumer time included, as it is for every block size; none for a plain step that was
-    not pipelined); return now."""
+    consumer time included, as it is for every block size; none for a plain step, whose
+    run is timed whole, or a drafted cycle right after plain steps, which pays for the
+    switch); return now."""
     now = time.perf_counter()
     if scheduler is not None:
         seconds = now - since if pipelined else None

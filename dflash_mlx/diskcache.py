@@ -183,6 +183,9 @@ def _machine() -> str:
     )
 
 
+WARM_UP_VERSION = 3  # how ``warmup.warm_up`` times: tables of another version are re-measured
+
+
 def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Optional[Path]:
     """Where the warm-up costs of this pair on this machine are kept, or None.
 
@@ -193,7 +196,7 @@ def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Optional
     if not enabled():
         return None
     try:
-        key = identity(target_path, drafter_path, tag=f"vocab={vocab}")
+        key = identity(target_path, drafter_path, tag=f"vocab={vocab} warm-up={WARM_UP_VERSION}")
     except OSError:
         return None
     machine = hashlib.sha256(_machine().encode()).hexdigest()[:12]

@@ -32,7 +32,7 @@ PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to
 PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
 # Speculate only when the expected speedup clears this: estimates near 1.0x are coin flips
 # that cost more in the losers than they win in the winners.
-GAIN_MARGIN = 1.1
+GAIN_MARGIN = 1.05
 DEFAULT_PRIOR = 0.25  # acceptance assumed per position before a model has decoded anything
 
 
@@ -47,10 +47,30 @@ class CostTable:
         self.max_block = max_block
         self.seconds: dict[int, float] = {}
 
-    def observe(self, b: int, seconds: float) -> None:
-        """Fold in one measured cycle of block b (b = 1: a plain step)."""
+    def observe(self, b: int, seconds: float) -> float:
+        """Fold in one measured cycle of block b (b = 1: a plain step).
+
+        A plain step, observed far more often than any block, also rescales every block's
+        cost: the machine's speed drifts (1.1-1.5x within minutes here) and moves all widths
+        alike, so a block's cost is kept as a ratio to the plain step's. A block timed an
+        hour ago (or stored from an earlier run) then still compares right.
+
+        Returns:
+            the factor the plain step's cost moved by (1.0 for a block).
+        """
         old = self.seconds.get(b)
         self.seconds[b] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        if b != 1 or not old:
+            return 1.0
+        scale = self.seconds[1] / old
+        self.rescale(scale)
+        return scale
+
+    def rescale(self, scale: float) -> None:
+        """Multiply every block's cost (not the plain step's) by ``scale``."""
+        for k in self.seconds:
+            if k != 1:
+                self.seconds[k] *= scale
 
     def __call__(self, b: int) -> float:
         """Cost of block b: measured, else linear between the nearest measured sizes."""
@@ -232,8 +252,8 @@ class Scheduler:
             self.lookup_acc[lookup.match_class(match)].update(b - 1, accepted)
             return
         self.history[b] += 1
-        if seconds is not None and seconds > 0 and not self.frozen:
-            self.costs.observe(b, seconds)
+        if seconds is not None:
+            self.observe(b, seconds)
         if b == 1:
             self.since_spec += 1
             return
@@ -241,6 +261,14 @@ class Scheduler:
         if siblings and (taken or accepted == 0):
             self.catches.update(siblings, taken)
         self.since_spec = 0
+
+    def observe(self, b: int, seconds: float) -> None:
+        """Fold in the measured cost of a drafted block b (b = 1: a plain step's, which also
+        rescales the copied blocks' costs: the machine's drift moves them too)."""
+        if seconds > 0 and not self.frozen:
+            scale = self.costs.observe(b, seconds)
+            if self.lookup_costs is not None:
+                self.lookup_costs.rescale(scale)
 
     def posterior(self) -> list[float]:
         """Acceptance per position after this request (the next request's prior)."""

@@ -14,6 +14,7 @@ from .schedule import CostTable, Tuning
 from .state import DFlashModel
 
 WARM_ROUNDS = 3  # timings per block width at warm-up (their median stands)
+PLAIN_RUN = 8  # plain steps per timed run
 
 
 def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) -> Tuning:
@@ -23,8 +24,13 @@ def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) ->
     (a context-lookup draft, no drafter pass), on a throwaway cache; sets and returns
     ``model.tuning``.
 
-    Every width is timed once per round, round after round, and its median stands: one
-    timing each put block 2 anywhere from 1.1 to 2.1 plain steps on a noisy machine.
+    Each round times the drafted widths back to back, then plain steps, then the copied
+    widths, then plain steps again. A cycle's cost is kept as a ratio to the plain steps
+    of its own round, so the machine's drift between rounds (here 1.1-1.5x within a
+    minute) cancels; the median ratio of each width, times the median plain step, stands.
+    Drafted cycles follow drafted ones, as they do while speculating: a drafted cycle
+    right after copied ones also catches the drafter up on their tokens, a cost of
+    switching that made the table ~15% dearer than steady decoding.
 
     Args:
         model: the loaded pair. context: tokens of dummy context before the timed steps.
@@ -34,31 +40,48 @@ def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) ->
     params = SamplingParams()
     cache = model.make_cache()
     ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
-    samples: dict[tuple[int, bool], list[float]] = {}
+    ratios: dict[tuple[int, bool], list[float]] = {}
+    plains: list[float] = []
     with mx.stream(decode.generation_stream()):
         first, key = decode.prefill(model, ids, cache, params, mx.random.key(0))
         history = ids + first.tokens
         keys = (key, key)
         history += decode.cycle(model, cache, params, history, B, True, keys).tokens  # warms up
         for _ in range(max(1, rounds)):
-            for b in warm_up_blocks(B):
-                for copied in (None, history[-b:-1]):
+            times: dict[tuple[int, bool], float] = {}
+            plain = []
+            for lookup in (False, True):
+                for b in warm_up_blocks(B):
+                    copied = history[-b:-1] if lookup else None
                     t = time.perf_counter()
                     step = decode.cycle(model, cache, params, history, b, True, keys, copied=copied)
                     mx.eval(cache.state)
-                    samples.setdefault((b, copied is not None), []).append(time.perf_counter() - t)
+                    times[b, lookup] = time.perf_counter() - t
                     history += step.tokens
-            t = None
-            for i, step in enumerate(decode.plain_steps(model, cache, params, history, 5, key)):
-                t = time.perf_counter() if i == 0 else t  # steps 2..5 (the pipeline is full)
-                history += step.tokens
-            samples.setdefault((1, False), []).append((time.perf_counter() - t) / 4)
+                plain.append(_plain_step(model, cache, params, history, key))
+            per = statistics.mean(plain)
+            plains.append(per)
+            for k, v in times.items():
+                ratios.setdefault(k, []).append(v / per)
+    base = statistics.median(plains)
     drafted, copied = CostTable(B), CostTable(B)
-    for (b, lookup), v in samples.items():
-        (copied if lookup else drafted).seconds[b] = statistics.median(v)
-    copied.seconds[1] = drafted.seconds[1]
+    for (b, lookup), v in ratios.items():
+        (copied if lookup else drafted).seconds[b] = statistics.median(v) * base
+    drafted.seconds[1] = copied.seconds[1] = base
     model.tuning = Tuning(drafted, copied)
     return model.tuning
+
+
+def _plain_step(model, cache, params, history: list[int], key, n: int = PLAIN_RUN) -> float:
+    """Seconds per plain step: a run of ``n`` pipelined steps from its start to its last
+    token, over n (history extended). Not the gaps between a run's tokens: the first gap
+    also fills the pipeline (~2 steps) and the last is nearly free (its step was computed
+    while the one before was read), so timing steps 2..5 of 5 put a plain step ~20% under
+    what plain decoding costs."""
+    t = time.perf_counter()
+    for step in decode.plain_steps(model, cache, params, history, n, key):
+        history += step.tokens
+    return (time.perf_counter() - t) / n
 
 
 def warm_up_blocks(B: int) -> list[int]:

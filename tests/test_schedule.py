@@ -1,6 +1,8 @@
 """The block-size scheduler's decisions (pure logic; the decode loop's use is tested with
 the parity tests)."""
 
+import pytest
+
 from dflash_mlx.schedule import (
     PLAIN_RUN_MAX,
     PROBE_START,
@@ -137,3 +139,25 @@ def test_probe_backoff_carries_across_requests_on_the_same_model():
     # a seeded request keeps the frozen, default schedule
     seeded = tuning.scheduler(greedy=False, selector=True, seeded=True)
     assert seeded.probe_after == PROBE_START and seeded.since_spec == 0
+
+
+def test_a_plain_steps_drift_moves_every_blocks_cost_alike():
+    """The machine's speed drifts; a block's cost stays the same ratio to a plain step."""
+    table = CostTable(8)
+    table.seconds = {1: 1.0, 4: 1.5, 8: 2.0}
+    scale = table.observe(1, 2.0)  # plain steps got slower: 1.0 -> 1.25 (EMA)
+    assert scale == pytest.approx(1.25)
+    assert table(4) / table(1) == pytest.approx(1.5) and table(8) / table(1) == pytest.approx(2.0)
+    assert table.observe(4, 1.5) == 1.0  # a block's own timing moves only itself
+    assert table(8) / table(1) == pytest.approx(2.0)
+
+
+def test_a_plain_cost_observation_rescales_the_copied_blocks_too():
+    drafted, copied = CostTable(8), CostTable(8)
+    drafted.seconds, copied.seconds = {1: 1.0, 8: 1.6}, {1: 1.0, 8: 1.3}
+    sched = Scheduler(drafted, [0.5] * 7, lookup_costs=copied)
+    sched.observe(1, 0.6)  # faster: 1.0 -> 0.9
+    assert copied(8) == pytest.approx(1.3 * 0.9) and drafted(8) == pytest.approx(1.6 * 0.9)
+    frozen = Scheduler(drafted, [0.5] * 7, frozen=True)
+    frozen.observe(1, 5.0)
+    assert drafted(1) == pytest.approx(0.9)
