@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -117,9 +118,24 @@ struct Dense {
   }
 };
 
-class SiluMul : public mx::Primitive {
+// What both primitives share: CPU only, one output shaped like the first input, no state.
+class CpuElementwise : public mx::Primitive {
  public:
-  explicit SiluMul(mx::Stream s) : mx::Primitive(s) {}
+  explicit CpuElementwise(mx::Stream s) : mx::Primitive(s) {}
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error(std::string("[") + name() + "] CPU only");
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
+    return {in[0].shape()};
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return std::string(other.name()) == name();
+  }
+};
+
+class SiluMul : public CpuElementwise {
+ public:
+  using CpuElementwise::CpuElementwise;
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -132,19 +148,12 @@ class SiluMul : public mx::Primitive {
       silu_mul_rows(g.get(gb, n), u.get(ub, n), o, n);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[dflash SiluMul] CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {in[0].shape()};
-  }
   const char* name() const override { return "DflashSiluMul"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
-class Softmax : public mx::Primitive {
+class Softmax : public CpuElementwise {
  public:
-  explicit Softmax(mx::Stream s) : mx::Primitive(s) {}
+  using CpuElementwise::CpuElementwise;
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -157,14 +166,7 @@ class Softmax : public mx::Primitive {
       softmax_rows(x.get(xb, n), o, n / m, m);
     });
   }
-  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
-    throw std::runtime_error("[dflash Softmax] CPU only");
-  }
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& in) override {
-    return {in[0].shape()};
-  }
   const char* name() const override { return "DflashSoftmax"; }
-  bool is_equivalent(const mx::Primitive&) const override { return true; }
 };
 
 // silu(g) * u; MLX's own ops where the kernel does not apply (other dtypes, shapes, GPU).

@@ -70,7 +70,7 @@ def build(out_dir: Path | None = None) -> Path:
             folder when the caches are off.
 
     Raises:
-        RuntimeError: no compiler, or it failed (its last line is in the message).
+        RuntimeError: no compiler, or it failed (its first error line is in the message).
         ImportError: nanobind is not installed.
     """
     cxx = compiler()
