@@ -4,9 +4,10 @@ acceptance, and decode plainly when drafting cannot pay.
 For a block of b tokens (the anchor plus b-1 drafts) the expected tokens committed are
 ``E(b) = 1 + sum_{k<b} prod_{j<=k} alpha_j``, where alpha_j is the conditional acceptance at
 draft position j; a cycle costs ``C(b)`` seconds. The scheduler picks the b that maximises
-``E(b) / C(b)``, with b = 1 meaning a plain target step (no drafting). Costs come from a
-warm-up at load and from the loop's own timings; acceptance is estimated online per request,
-starting from a prior carried across requests on the same model. Only the past is used, never
+``E(b) / C(b)``, with b = 1 meaning a plain target step (no drafting); once drafting pays,
+the block is the best under optimistic acceptance, so unreached positions get tried. Costs
+come from a warm-up at load and from the loop's own timings; acceptance is estimated online
+per request, starting from a prior carried across requests on the same model. Only the past is used, never
 the current draft, so every schedule is lossless.
 
 While decoding plainly nothing is learnt about acceptance, so the scheduler re-probes with a
@@ -192,6 +193,10 @@ class Scheduler:
             return choice
         if s > GAIN_MARGIN:
             self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
+            # Speculation pays; which block is chosen optimistically: a position no cycle
+            # reaches keeps its prior forever (and a shallow block then looks best forever),
+            # while the benefit of the doubt shrinks as a position is seen.
+            b, _, n_sib = self._best(self.acc.rates(optimistic=True), top)
             why = f"block {b}" + (f" ({n_sib} siblings)" if n_sib else "")
             choice = Choice(b, s, reason=f"{why}: expected {s:.2f}x plain decoding")
             choice.siblings = n_sib

@@ -161,3 +161,18 @@ def test_a_plain_cost_observation_rescales_the_copied_blocks_too():
     frozen = Scheduler(drafted, [0.5] * 7, frozen=True)
     frozen.observe(1, 5.0)
     assert drafted(1) == pytest.approx(0.9)
+
+
+def test_speculating_it_tries_deeper_blocks_until_their_positions_are_seen():
+    """Once speculation pays, the block is chosen with the benefit of the doubt: a deeper
+    block whose positions no cycle has reached is tried, and dropped once they are seen to
+    fail (a shallow choice alone would never learn them)."""
+    table = CostTable(8)
+    table.seconds = {1: 1.0} | {b: 1.2 + 0.02 * b for b in range(2, 9)}
+    sched = Scheduler(table, [0.6] + [0.3] * 6, frozen=True)
+    point = sched._best(sched.acc.rates(), 8)[0]
+    first = sched.choose()
+    assert first.block > point
+    for _ in range(200):  # every cycle: the first draft accepted, the second never
+        sched.record(8, 1, None)
+    assert sched.choose().block <= 3
