@@ -131,6 +131,16 @@ class CpuElementwise : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     return std::string(other.name()) == name();
   }
+
+ protected:
+  // Allocates the output and registers the arrays with the stream's encoder.
+  mx::cpu::CommandEncoder& prepare(const std::vector<mx::array>& in, mx::array& out) {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    for (auto& a : in) enc.set_input_array(a);
+    enc.set_output_array(out);
+    return enc;
+  }
 };
 
 class SiluMul : public CpuElementwise {
@@ -138,12 +148,7 @@ class SiluMul : public CpuElementwise {
   using CpuElementwise::CpuElementwise;
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(in[0]);
-    enc.set_input_array(in[1]);
-    enc.set_output_array(out);
-    enc.dispatch([g = Dense(in[0]), u = Dense(in[1]), o = out.data<float>(), n = out.size()]() {
+    prepare(in, out).dispatch([g = Dense(in[0]), u = Dense(in[1]), o = out.data<float>(), n = out.size()]() {
       std::vector<float> gb, ub;
       silu_mul_rows(g.get(gb, n), u.get(ub, n), o, n);
     });
@@ -156,12 +161,8 @@ class Softmax : public CpuElementwise {
   using CpuElementwise::CpuElementwise;
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(in[0]);
-    enc.set_output_array(out);
     size_t m = in[0].shape().back();
-    enc.dispatch([x = Dense(in[0]), o = out.data<float>(), m, n = out.size()]() {
+    prepare(in, out).dispatch([x = Dense(in[0]), o = out.data<float>(), m, n = out.size()]() {
       std::vector<float> xb;
       softmax_rows(x.get(xb, n), o, n / m, m);
     });

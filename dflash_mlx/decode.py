@@ -353,7 +353,7 @@ def decode(
             step.lookup = match if use else 0
             # a drafted cycle right after plain steps also catches the drafter up on them:
             # a cost of switching, not of the block, so it is not a cost sample
-            t_last = _timed(scheduler, b, step, t_last, pipelined=use or not switched)
+            t_last = _timed(scheduler, b, step, t_last, sample=use or not switched)
             switched = False
             history += step.tokens
             if index is not None:
@@ -373,7 +373,7 @@ def _plain_run(model, cache, params, history, index, scheduler, n, key):
     t_last = start
     try:
         for step in steps:
-            t_last = _timed(scheduler, 1, step, t_last, pipelined=False)
+            t_last = _timed(scheduler, 1, step, t_last, sample=False)
             history += step.tokens
             if index is not None:
                 index.extend(step.tokens)
@@ -386,13 +386,13 @@ def _plain_run(model, cache, params, history, index, scheduler, n, key):
     return ran, t_last
 
 
-def _timed(scheduler, block, step, since, pipelined=True) -> float:
+def _timed(scheduler, block, step, since, sample=True) -> float:
     """Give the scheduler a step's wall time (from the previous step's result to this one,
     consumer time included, as it is for every block size; none for a plain step, whose
     run is timed whole, or a drafted cycle right after plain steps, which pays for the
     switch); return now."""
     now = time.perf_counter()
     if scheduler is not None:
-        seconds = now - since if pipelined else None
+        seconds = now - since if sample else None
         scheduler.record(block, step.accepted, seconds, step.lookup, step.siblings, step.sibling)
     return now

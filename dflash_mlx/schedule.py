@@ -7,8 +7,8 @@ draft position j; a cycle costs ``C(b)`` seconds. The scheduler picks the b that
 ``E(b) / C(b)``, with b = 1 meaning a plain target step (no drafting); once drafting pays,
 the block is the best under optimistic acceptance, so unreached positions get tried. Costs
 come from a warm-up at load and from the loop's own timings; acceptance is estimated online
-per request, starting from a prior carried across requests on the same model. Only the past is used, never
-the current draft, so every schedule is lossless.
+per request, starting from a prior carried across requests on the same model. Only the past
+is used, never the current draft, so every schedule is lossless.
 
 While decoding plainly nothing is learnt about acceptance, so the scheduler re-probes with a
 speculative cycle after 8, 16, 32, ... plain steps, and only when an optimistic estimate
