@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import dflash_mlx
-    from dflash_mlx.warmup import warm_up
+    from dflash_mlx.decoding.warmup import warm_up
 
     model, tok = dflash_mlx.load(args.model, drafter=args.drafter, quiet=True)
     warm_up(model)

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from oracle import OracleDrafter  # noqa: E402
 
-from dflash_mlx.acceptance import SamplingParams  # noqa: E402
-from dflash_mlx.blas import measure as measure_blas  # noqa: E402
-from dflash_mlx.decode import decode  # noqa: E402
+from dflash_mlx.decoding.acceptance import SamplingParams  # noqa: E402
+from dflash_mlx.cpu.blas import measure as measure_blas  # noqa: E402
+from dflash_mlx.decoding.loop import decode  # noqa: E402
 from dflash_mlx import load  # noqa: E402
 
 

@@ -30,9 +30,9 @@ def timed(fn, reps: int) -> float:
 
 def stages(model, cache, block: int, reps: int) -> dict:
     """Seconds of each drafter stage for one block after the cached context."""
-    from dflash_mlx import draft_step
-    from dflash_mlx.acceptance import SamplingParams
-    from dflash_mlx.propose import propose
+    from dflash_mlx.cpu import draft_step
+    from dflash_mlx.decoding.acceptance import SamplingParams
+    from dflash_mlx.decoding.propose import propose
 
     d = model.drafter
     anchor = mx.array([17], mx.uint32)
@@ -64,9 +64,9 @@ def stages(model, cache, block: int, reps: int) -> dict:
 
 def main(argv=None) -> None:
     from dflash_mlx import load
-    from dflash_mlx.acceptance import SamplingParams
-    from dflash_mlx.decode import prefill
-    from dflash_mlx.loading import set_draft_vocab
+    from dflash_mlx.decoding.acceptance import SamplingParams
+    from dflash_mlx.decoding.loop import prefill
+    from dflash_mlx.loading.loader import set_draft_vocab
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")

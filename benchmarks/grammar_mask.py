@@ -41,7 +41,7 @@ def demo_tokenizer():
     """The demo target's tokenizer (from its GGUF metadata; the weights are not loaded)."""
     import mlx.core as mx
 
-    from dflash_mlx.gguf import build_tokenizer, packaged_gguf
+    from dflash_mlx.loading.gguf import build_tokenizer, packaged_gguf
 
     _, meta = mx.load(str(packaged_gguf()), return_metadata=True)
     return build_tokenizer(meta)

@@ -23,8 +23,8 @@ import numpy as np
 
 def drafter_top1(model, ids, cont, block):
     """Teacher-forced top-1 drafts [anchors, block - 1] at every anchor of the continuation."""
-    from dflash_mlx.drafter import block_mask, embed_block
-    from dflash_mlx.selector import top_candidates
+    from dflash_mlx.model.drafter import block_mask, embed_block
+    from dflash_mlx.model.selector import top_candidates
 
     d, adapter = model.drafter, model.adapter
     seq = list(ids) + list(cont)
@@ -59,9 +59,9 @@ def main(argv=None) -> None:
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import load
-    from dflash_mlx.bench import encode_prompt
-    from dflash_mlx.bench_prompts import CHAT, CODE
-    from dflash_mlx.lookup import Lookup
+    from dflash_mlx.bench.runner import encode_prompt
+    from dflash_mlx.bench.prompts import CHAT, CODE
+    from dflash_mlx.decoding.lookup import Lookup
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="demo")

@@ -22,8 +22,8 @@ def cost_curve(model, reps: int = 3) -> dict:
     """Seconds per step at every block size (1 = a plain step), measured on a dummy context."""
     import mlx.core as mx
 
-    from dflash_mlx.acceptance import SamplingParams
-    from dflash_mlx.decode import cycle, generation_stream, plain_steps, prefill
+    from dflash_mlx.decoding.acceptance import SamplingParams
+    from dflash_mlx.decoding.loop import cycle, generation_stream, plain_steps, prefill
 
     params, cache = SamplingParams(), model.make_cache()
     ids = [i % model.adapter.vocab_size for i in range(1, 129)]
@@ -108,8 +108,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from dflash_mlx import load
-    from dflash_mlx.bench import load_prompts
-    from dflash_mlx.blas import measure
+    from dflash_mlx.bench.runner import load_prompts
+    from dflash_mlx.cpu.blas import measure
 
     model, tok = load(a.model, drafter=a.drafter)
     prompts = load_prompts(a.dataset, a.max_samples)

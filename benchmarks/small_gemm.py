@@ -10,8 +10,8 @@ the drafter's 8,192-id head. Prints a table of median milliseconds and the ratio
 import argparse
 import json
 
-from dflash_mlx import small_gemm  # first: loads OpenBLAS and the kernel before MLX
-from dflash_mlx.blas import _median_ms
+from dflash_mlx.cpu import small_gemm  # first: loads OpenBLAS and the kernel before MLX
+from dflash_mlx.cpu.blas import _median_ms
 
 SHAPES = [
     ("q/o 576->576", 576, 576),

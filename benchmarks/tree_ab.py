@@ -12,7 +12,7 @@ import json
 
 import dflash_mlx  # noqa: F401  (first: it loads the system BLAS before MLX)
 from dflash_mlx import load
-from dflash_mlx.bench import PromptResult, _autoregressive, _dflash, load_prompts
+from dflash_mlx.bench.runner import PromptResult, _autoregressive, _dflash, load_prompts
 from dflash_mlx.generation import encode_prompt
 
 

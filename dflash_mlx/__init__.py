@@ -5,27 +5,27 @@ Heavy imports are deferred so that ``dflash --help`` stays instant; the system O
 here, before any module of the package imports MLX (see ``blas.py``).
 """
 
-from .blas import load_system_blas
+from .cpu.blas import load_system_blas
 
 load_system_blas()
 
 __version__ = "0.1.0"
 __all__ = [
-    "load",
-    "generate",
-    "stream_generate",
-    "batch_generate",
     "BatchGenerator",
+    "DFlashError",
     "GenerationConfig",
     "GenerationResponse",
-    "DFlashError",
     "__version__",
+    "batch_generate",
+    "generate",
+    "load",
+    "stream_generate",
 ]
 
 
 def __getattr__(name):
     if name == "load":
-        from .loading import load
+        from .loading.loader import load
 
         return load
     if name in ("generate", "stream_generate", "GenerationResponse"):

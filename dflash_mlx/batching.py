@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .batch import BatchDecoder, Row
-from .decode import generation_stream
+from .decoding.batch import BatchDecoder, Row
+from .decoding.loop import generation_stream
+from .decoding.prompt import end_of_turn_ids
+from .decoding.state import DFlashModel, PromptCache
 from .generation import (
     GenerationResponse,
     Prompt,
@@ -27,9 +29,7 @@ from .generation import (
     sampling_params,
     stream_generate,
 )
-from .prompt import end_of_turn_ids
 from .settings import AUTO, GenerationConfig
-from .state import DFlashModel, PromptCache
 
 PROBE_START, PROBE_MAX = 8, 256  # cycles before re-trying the other block, doubling
 EMA = 0.3
@@ -48,7 +48,7 @@ class BlockChooser:
 
     def __init__(self, block: int):
         self.options = sorted({1, block})
-        self.rate: Dict[int, float] = {}
+        self.rate: dict[int, float] = {}
         self.n, self.gap, self.probe_at, self.probing = 0, PROBE_START, PROBE_START, None
 
     def best(self) -> int:
@@ -103,20 +103,20 @@ class BatchGenerator:
             None if self.hybrid else BatchDecoder(model, model.block_size, prefill_step_size)
         )
         self.chooser = BlockChooser(model.block_size)
-        self.waiting: List[Tuple[Row, PromptCache, _Request]] = []
-        self.requests: Dict[int, _Request] = {}
-        self.solo: Dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time
+        self.waiting: list[tuple[Row, PromptCache, _Request]] = []
+        self.requests: dict[int, _Request] = {}
+        self.solo: dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time
         self.eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
         self._uids = itertools.count()
 
     def insert(
         self,
         prompt: Prompt,
-        config: Optional[GenerationConfig] = None,
+        config: GenerationConfig | None = None,
         *,
-        cache: Optional[PromptCache] = None,
+        cache: PromptCache | None = None,
         raw: bool = False,
-        system: Optional[str] = None,
+        system: str | None = None,
         processors: Sequence = (),
         **settings,
     ) -> int:
@@ -125,7 +125,7 @@ class BatchGenerator:
         Args:
             prompt, config, raw, system, settings: as for ``stream_generate``.
             processors: extra logits processors of this row (e.g. a grammar,
-                ``dflash_mlx.grammar``), applied after the config's at every block row.
+                ``dflash_mlx.decoding.grammar``), applied after the config's at every block row.
             cache: a prompt cache whose prefix the prefill may reuse (it is copied into the
                 batch, then left holding this prompt).
 
@@ -180,7 +180,7 @@ class BatchGenerator:
         """Requests not finished yet (waiting included)."""
         return len(self.solo) + len(self.waiting) + len(self.requests)
 
-    def step(self) -> List[Tuple[int, GenerationResponse]]:
+    def step(self) -> list[tuple[int, GenerationResponse]]:
         """Admit waiting requests while there is room, run one prefill chunk of a joining
         request and one cycle of the batch; return (uid, response) for every piece produced.
         A response with ``finish_reason`` set is its request's last."""
@@ -208,7 +208,7 @@ class BatchGenerator:
                 out += self._emit(row, cyc)
         return out
 
-    def _emit(self, row: Row, cyc) -> List[Tuple[int, GenerationResponse]]:
+    def _emit(self, row: Row, cyc) -> list[tuple[int, GenerationResponse]]:
         req = self.requests.get(row.uid)
         if req is None:
             return []
@@ -221,7 +221,7 @@ class BatchGenerator:
             self.remove(row.uid)
         return [(row.uid, st.response(piece, tokens, cyc.accepted, finish))]
 
-    def _solo_step(self) -> List[Tuple[int, GenerationResponse]]:
+    def _solo_step(self) -> list[tuple[int, GenerationResponse]]:
         if not self.solo:
             return []
         uid = next(iter(self.solo))
@@ -240,8 +240,8 @@ class BatchResponse:
             GenerationResponse (its statistics). seconds: wall time of the whole batch.
     """
 
-    texts: List[str]
-    responses: List[GenerationResponse]
+    texts: list[str]
+    responses: list[GenerationResponse]
     seconds: float
 
 
@@ -250,11 +250,11 @@ def batch_generate(
     tokenizer,
     prompts: Sequence[Prompt],
     *,
-    config: Optional[GenerationConfig] = None,
-    configs: Optional[Sequence[Optional[GenerationConfig]]] = None,
+    config: GenerationConfig | None = None,
+    configs: Sequence[GenerationConfig | None] | None = None,
     max_batch: int = 8,
     raw: bool = False,
-    system: Optional[str] = None,
+    system: str | None = None,
     verbose: bool = False,
     **settings,
 ) -> BatchResponse:
@@ -278,8 +278,8 @@ def batch_generate(
         gen.insert(p, c or config, raw=raw, system=system, **settings)
         for p, c in zip(prompts, configs)
     ]
-    texts: Dict[int, List[str]] = {u: [] for u in uids}
-    last: Dict[int, GenerationResponse] = {}
+    texts: dict[int, list[str]] = {u: [] for u in uids}
+    last: dict[int, GenerationResponse] = {}
     while len(gen):
         for uid, r in gen.step():
             texts[uid].append(r.text)

@@ -7,17 +7,16 @@ detokenized text for stop strings, and keep the statistics each response carries
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Union
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
-from .acceptance import SamplingParams
-from .decode import Cycle, decode
-from .warmup import warm_up
-from .errors import DFlashError
-from .prompt import (
+from .decoding.acceptance import SamplingParams
+from .decoding.loop import Cycle, decode
+from .decoding.prompt import (
     chat_ids,
     check_fits,
     check_prompt,
@@ -27,10 +26,12 @@ from .prompt import (
     room,
     with_default_stops,
 )
+from .decoding.state import DFlashModel, PromptCache
+from .decoding.warmup import warm_up
+from .errors import DFlashError
 from .settings import AUTO, GenerationConfig
-from .state import DFlashModel, PromptCache
 
-Prompt = Union[str, Sequence[int], Sequence[Dict[str, str]]]
+Prompt = Union[str, Sequence[int], Sequence[dict[str, str]]]
 
 
 @dataclass
@@ -55,9 +56,9 @@ class GenerationResponse:
     """
 
     text: str
-    tokens: List[int]
+    tokens: list[int]
     accepted: int
-    finish_reason: Optional[str]
+    finish_reason: str | None
     prompt_tokens: int
     prompt_processed: int
     prompt_tps: float
@@ -66,22 +67,22 @@ class GenerationResponse:
     tau: float
     cycles: int
     peak_memory: float
-    acceptance: List[float] = field(default_factory=list)
-    blocks: Dict[int, int] = field(default_factory=dict)
+    acceptance: list[float] = field(default_factory=list)
+    blocks: dict[int, int] = field(default_factory=dict)
     plain_share: float = 0.0
     copied: int = 0
     siblings: int = 0
-    schedule: List[str] = field(default_factory=list)
-    timings: Dict[str, float] = field(default_factory=dict)
+    schedule: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def encode_prompt(
     tokenizer,
     prompt: Prompt,
     raw: bool = False,
-    system: Optional[str] = None,
-    context: Optional[int] = None,
-    tools: Optional[list] = None,
+    system: str | None = None,
+    context: int | None = None,
+    tools: list | None = None,
 ):
     """Turn a prompt into ids: a str gets the chat template unless raw, messages always
     do, token ids are used as-is. A tokenizer without a template gets the default chat
@@ -176,7 +177,7 @@ def sampling_params(cfg: GenerationConfig, extra: Sequence = ()) -> SamplingPara
     return SamplingParams(cfg.temperature, cfg.top_p, cfg.min_p, cfg.top_k, procs + list(extra))
 
 
-def _held_back(text: str, stops: List[str]) -> int:
+def _held_back(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of text that could still grow into a stop string."""
     best = 0
     for s in stops:
@@ -193,14 +194,14 @@ class _TextStream:
     Text that could still turn into a stop string is held back until it cannot.
     """
 
-    def __init__(self, detokenizer, stop: Optional[Union[str, List[str]]]):
+    def __init__(self, detokenizer, stop: str | list[str] | None):
         self.detok = detokenizer
         self.detok.reset()
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.stops = [s for s in stops if s]  # "" would end every answer at once: ignored
         self.text, self.emitted = "", 0
 
-    def add(self, tokens: List[int], finish: Optional[str]) -> Tuple[str, Optional[str]]:
+    def add(self, tokens: list[int], finish: str | None) -> tuple[str, str | None]:
         """Append tokens; return (the text that may be shown now, finish reason)."""
         for t in tokens:
             self.detok.add_token(t)
@@ -227,9 +228,9 @@ class _Stats:
         self.siblings = 0
         self.reached = [0] * block_size
         self.accepted_at = [0] * block_size
-        self.blocks: Dict[int, int] = {}
-        self.notes: List[str] = []
-        self.timings: Dict[str, float] = {}
+        self.blocks: dict[int, int] = {}
+        self.notes: list[str] = []
+        self.timings: dict[str, float] = {}
         self.tic, self.prompt_time = time.perf_counter(), 0.0
 
     def add(self, cyc: Cycle) -> None:
@@ -276,7 +277,7 @@ class _Stats:
         )
 
 
-def _take(tokens: List[int], eos: set, generated: int, max_tokens: int):
+def _take(tokens: list[int], eos: set, generated: int, max_tokens: int):
     """(the tokens to emit, finish reason): stop before an EOS, at the token budget."""
     out = []
     for t in tokens:
@@ -302,13 +303,13 @@ def stream_generate(
     tokenizer,
     prompt: Prompt,
     *,
-    config: Optional[GenerationConfig] = None,
+    config: GenerationConfig | None = None,
     raw: bool = False,
-    system: Optional[str] = None,
-    prompt_cache: Optional[PromptCache] = None,
+    system: str | None = None,
+    prompt_cache: PromptCache | None = None,
     profile: bool = False,
     prefill_step_size: int = 2048,
-    logits_processors: Optional[Sequence] = None,
+    logits_processors: Sequence | None = None,
     **settings,
 ) -> Iterator[GenerationResponse]:
     """Stream a completion with DFlash speculative decoding; lossless w.r.t. the target.

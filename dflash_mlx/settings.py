@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
-from typing import Dict, List, Optional, Union
 
 from .errors import DFlashError
 
@@ -80,18 +79,18 @@ class GenerationConfig:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: Optional[float] = None
-    logit_bias: Optional[Dict[int, float]] = None
-    block_size: Union[int, str, None] = AUTO
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    block_size: int | str | None = AUTO
     use_selector: bool = True
     lookup: bool = True
     tree: bool = True
-    seed: Optional[int] = None
-    stop: Optional[Union[str, List[str]]] = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
 
     def validate(
-        self, max_block_size: Optional[int] = None, *, flags: bool = False
-    ) -> "GenerationConfig":
+        self, max_block_size: int | None = None, *, flags: bool = False
+    ) -> GenerationConfig:
         """Check every setting; return self.
 
         Args:
@@ -128,7 +127,7 @@ class GenerationConfig:
         return self
 
 
-def check_block_size(value, checkpoint: Optional[int], flags: bool = False) -> None:
+def check_block_size(value, checkpoint: int | None, flags: bool = False) -> None:
     """The one check of a block size: "auto", None (the checkpoint's) or an int in
     2..checkpoint.
 
@@ -226,7 +225,7 @@ class _Checker:
             self.fail("stop", f"must be a string or a list of strings (got {stop!r})")
 
 
-def parse_block_size(text: Optional[str]):
+def parse_block_size(text: str | None):
     """A block size as typed on a command line: "auto", an integer, or None; anything else
     is returned as-is for ``check_block_size`` to reject with the flag's name."""
     if text is None:

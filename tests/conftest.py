@@ -24,8 +24,9 @@ atexit.register(shutil.rmtree, _CACHE, True)
 
 # The package before MLX: MLX then binds the system OpenBLAS and the few-row kernel, so the
 # parity and sampling-law tests run through the same matmuls as a user's decode.
-import dflash_mlx  # noqa: E402,F401
-from tiny_models import build_drafter, build_target  # noqa: E402
+from tiny_models import build_drafter, build_target
+
+import dflash_mlx
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ class OracleDrafter:
         return getattr(self.real, name)
 
     def step(self, block_embeds, cache):
-        from dflash_mlx import draft_step
+        from dflash_mlx.cpu import draft_step
 
         self.pos = cache[0].position  # absolute position of the anchor
         return draft_step.step(self.real, block_embeds, cache)  # compiled, as decoding runs

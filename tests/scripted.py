@@ -3,8 +3,8 @@ and speculative steps in the parity and sampling-law tests."""
 
 from itertools import cycle
 
-from dflash_mlx.schedule import Choice
-from dflash_mlx.tree import siblings_for
+from dflash_mlx.decoding.schedule import Choice
+from dflash_mlx.decoding.tree import siblings_for
 
 
 class Scripted:

@@ -7,8 +7,8 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from scripted import Scripted
 from tiny_models import eight_token_pair
 
-from dflash_mlx.acceptance import SamplingParams, accept_sampled, sample_rows, target_probs
-from dflash_mlx.decode import decode
+from dflash_mlx.decoding.acceptance import SamplingParams, accept_sampled, sample_rows, target_probs
+from dflash_mlx.decoding.loop import decode
 
 
 def tv(a, b):

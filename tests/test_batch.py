@@ -5,8 +5,8 @@ import pytest
 from oracle import BatchOracle
 from test_decode import reference
 
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.batch import BatchDecoder, Row
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.batch import BatchDecoder, Row
 
 PROMPTS = ["def parse_args(", "import os\nfor i in", "x", "class Foo:\n    def __init__(self"]
 
@@ -111,7 +111,7 @@ def test_rows_with_their_own_blocks_and_penalties_match_their_solo_decode(pairs)
     equals the single-row loop's output with the same settings."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    from dflash_mlx.decode import decode
+    from dflash_mlx.decoding.loop import decode
 
     model, tok = pairs("qwen3", "d1")
     ids = [tok.encode(p) for p in PROMPTS]
@@ -168,7 +168,7 @@ def test_a_joining_prompt_is_prefilled_one_chunk_per_cycle(pairs):
 def test_batch_with_a_draft_vocab_equals_mlx_lm_per_row(pairs):
     import numpy as np
 
-    from dflash_mlx.draft_vocab import DraftHead
+    from dflash_mlx.model.draft_vocab import DraftHead
 
     model, tok = pairs("qwen3", "d2")
     V = model.adapter.vocab_size

@@ -5,10 +5,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors
-from test_acceptance import exact_law, small_vocab_pair, tv  # noqa: F401 - a fixture
+from test_acceptance import exact_law, small_vocab_pair, tv
 
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.batch import BatchDecoder, Row
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.batch import BatchDecoder, Row
 
 # (prompt, temperature, top_p, top_k, presence, selector, block) per row
 ROWS = [
@@ -52,7 +52,7 @@ def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None):
 
 
 @pytest.mark.parametrize("lookup", [False, True])
-def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, lookup):  # noqa: F811
+def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, lookup):
     """Drafted rows, and (lookup) rows verifying drafts copied from their context."""
     model = small_vocab_pair
     n, trials = 4, 1000

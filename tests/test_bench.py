@@ -5,7 +5,7 @@ import json
 import pytest
 
 from dflash_mlx import DFlashError
-from dflash_mlx.bench import latency_split, load_prompts, run_bench
+from dflash_mlx.bench.runner import latency_split, load_prompts, run_bench
 from dflash_mlx.cli.bench import print_report, write_json, write_plot
 
 
@@ -22,7 +22,7 @@ def test_prompts_from_jsonl_and_errors(tmp_path):
 
 
 def test_default_prompts_are_the_builtin_code_and_chat_mix():
-    from dflash_mlx.bench_prompts import CHAT, CODE
+    from dflash_mlx.bench.prompts import CHAT, CODE
 
     got = load_prompts(None, 4)
     assert got == [CODE[0], CHAT[0], CODE[1], CHAT[1]]
@@ -69,7 +69,7 @@ def test_teacher_forced_recall_equals_the_inference_path_anchor_by_anchor(pairs)
     import numpy as np
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx.selector import top_candidates
+    from dflash_mlx.model.selector import top_candidates
 
     model, tok = pairs("qwen3", "d2")
     ids = tok.encode("def parse_args(")

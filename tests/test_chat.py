@@ -15,7 +15,7 @@ pexpect = pytest.importorskip("pexpect")
 PROMPT = ">>> "
 STATS = re.compile(
     r"prefilled (\d+) of (\d+) prompt tokens.*?generated (\d+) tokens.*?(\d+) tokens in cache",
-    re.S,
+    re.DOTALL,
 )
 
 

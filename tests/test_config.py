@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from dflash_mlx.checkpoint import drafter_config, load_drafter
-from dflash_mlx.config import DrafterArgs
 from dflash_mlx.errors import DFlashError
+from dflash_mlx.model.checkpoint import drafter_config, load_drafter
+from dflash_mlx.model.config import DrafterArgs
 
 
 def good() -> dict:
@@ -111,7 +111,7 @@ def test_a_drafter_given_as_the_target_says_which_flag_it_belongs_to(tiny_dir):
 
 
 def test_target_fields_given_per_layer_pass_and_bad_entries_do_not():
-    from dflash_mlx.config import check_target_config
+    from dflash_mlx.model.config import check_target_config
 
     cfg = {"model_type": "gemma3n", "intermediate_size": [64, 64], "num_key_value_heads": 2}
     check_target_config(cfg, "config.json")

@@ -5,8 +5,8 @@ import pytest
 from mlx_lm.generate import generate_step
 from oracle import OracleDrafter
 
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.decode import decode
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.loop import decode
 
 PROMPTS = ["def parse_args(", "import os\nfor i in"]
 
@@ -149,7 +149,7 @@ def test_greedy_matches_mlx_lm_under_any_schedule_of_plain_and_speculative_steps
 
 
 def test_warm_up_times_every_block_the_scheduler_may_choose(pairs):
-    from dflash_mlx.warmup import warm_up, warm_up_blocks
+    from dflash_mlx.decoding.warmup import warm_up, warm_up_blocks
 
     assert warm_up_blocks(8) == [2, 3, 4, 5, 6, 7, 8]
     assert warm_up_blocks(16) == [2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
@@ -165,8 +165,8 @@ def test_warm_up_keeps_the_median_of_its_rounds_per_block(pairs, monkeypatch):
     noisy machine) does not decide what the scheduler thinks a block costs."""
     import time
 
-    from dflash_mlx import decode
-    from dflash_mlx.warmup import warm_up, warm_up_blocks
+    from dflash_mlx.decoding import loop as decode
+    from dflash_mlx.decoding.warmup import warm_up, warm_up_blocks
 
     model, _ = pairs("qwen3", "d2")
     real, calls = decode.cycle, {}

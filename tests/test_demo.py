@@ -7,8 +7,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from dflash_mlx import load, stream_generate
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.decode import decode
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.loop import decode
 from dflash_mlx.generation import encode_prompt
 
 PROMPTS = ["Write a Python function that returns the squares of a list.", "What is a rainbow?"]

@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from test_gguf import write_tiny_gguf
 
-from dflash_mlx import diskcache, gguf
+from dflash_mlx.loading import diskcache, gguf
 
 
 @pytest.fixture
@@ -85,7 +85,8 @@ def test_caching_off_or_unwritable_loads_all_the_same(cache, tmp_path, monkeypat
 
 
 def test_warm_up_costs_are_measured_once_per_pair_and_machine(cache, tiny_dir, monkeypatch):
-    from dflash_mlx import generate, load, warmup
+    from dflash_mlx import generate, load
+    from dflash_mlx.decoding import warmup
 
     target, drafter = str(tiny_dir / "qwen3"), str(tiny_dir / "d2_qwen3")
     calls = []
@@ -112,7 +113,7 @@ def test_the_cli_says_once_that_it_builds_the_cache(cache, tmp_path):
 
     from cli_helpers import REPO_ROOT, cli_env
 
-    from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+    from dflash_mlx.model.checkpoint import drafter_config, random_drafter, save_drafter
 
     path = tmp_path / "tiny.gguf"
     arrays, _ = write_tiny_gguf(path, tmp_path)

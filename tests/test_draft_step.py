@@ -4,8 +4,8 @@ block width, with and without DFlash 2's conv, windowed or not, and sees weight 
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import draft_step
-from dflash_mlx.checkpoint import drafter_config, random_drafter
+from dflash_mlx.cpu import draft_step
+from dflash_mlx.model.checkpoint import drafter_config, random_drafter
 
 H, NT = 64, 2
 

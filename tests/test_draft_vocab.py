@@ -4,9 +4,9 @@ exactly the target's (greedy parity, sampling law), including tokens outside the
 import json
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx import nn
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
 from oracle import OracleDrafter
@@ -14,13 +14,13 @@ from test_acceptance import draw, exact_law, tv
 from test_decode import reference, run
 from tiny_models import build_target, eight_token_pair
 
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.checkpoint import load_drafter, save_drafter
-from dflash_mlx.draft_vocab import DraftHead, ranked_vocab
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.propose import propose
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.loading import set_draft_vocab
-from dflash_mlx.propose import propose
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.loading.loader import set_draft_vocab
+from dflash_mlx.model.checkpoint import load_drafter, save_drafter
+from dflash_mlx.model.draft_vocab import DraftHead, ranked_vocab
+from dflash_mlx.model.target import TargetAdapter
 
 
 def subset(vocab: int, n: int, seed: int = 0) -> np.ndarray:
@@ -236,7 +236,7 @@ def test_quantized_head_rows_equal_the_full_head_columns(tmp_path):
 
 
 def test_calibrated_vocab_ranks_answer_tokens_before_merge_ranks(pairs):
-    from dflash_mlx.draft_vocab import calibrated_vocab
+    from dflash_mlx.model.draft_vocab import calibrated_vocab
 
     model, tok = pairs("qwen3", "d2")
     V = model.adapter.vocab_size

@@ -4,7 +4,7 @@ whatever is trimmed in between."""
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import drafter as drafter_mod
+from dflash_mlx.model import drafter as drafter_mod
 
 
 def feats(model, n, seed):

@@ -11,8 +11,10 @@ import pytest
 from mlx_lm.models import base
 from mlx_lm.models.activations import swiglu
 
-import dflash_mlx  # noqa: F401
-from dflash_mlx import exact_ops, target, tree
+import dflash_mlx
+from dflash_mlx.cpu import exact_ops
+from dflash_mlx.decoding import tree
+from dflash_mlx.model import target
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or shutil.which(exact_ops.compiler() or "") is None,

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 
-from dflash_mlx import fastmath
+from dflash_mlx.cpu import fastmath
 
 
 @pytest.mark.parametrize("shape,scale", [((9, 4099), 3.0), ((2, 3, 17), 30.0), ((5,), 1e-3)])

@@ -2,9 +2,9 @@
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from oracle import OracleDrafter
 
 from dflash_mlx import generate, stream_generate
-from oracle import OracleDrafter
 
 
 def test_stream_text_is_the_detokenized_tokens_and_matches_generate(pairs):
@@ -127,10 +127,11 @@ def test_a_cycle_interrupted_mid_verify_leaves_a_usable_cache(pairs, monkeypatch
 def test_stats_count_the_cycles_that_verified_copied_drafts(pairs, monkeypatch):
     """``copied`` counts the cycles whose drafts came from the context, as the decode
     loop's own cycles report them; the CLI's stats and the server's extra field show it."""
+    from test_decode import PROMPTS
+
     from dflash_mlx import generation
     from dflash_mlx.cli.stats import stats_dict, stats_lines
     from dflash_mlx.server.schema import dflash_stats
-    from test_decode import PROMPTS
 
     model, tok = pairs("qwen3", "d2")
     seen = []

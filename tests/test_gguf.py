@@ -9,7 +9,7 @@ from mlx_lm.models import llama
 from tiny_models import CHAT_TEMPLATE, CORPUS, SPECIALS, train_tokenizer
 
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.gguf import build_tokenizer, load_gguf, packaged_gguf
+from dflash_mlx.loading.gguf import build_tokenizer, load_gguf, packaged_gguf
 
 
 def _tiny_vocab(tmp_path):
@@ -43,7 +43,7 @@ def write_tiny_gguf(path, tmp_path, layers=2, hidden=32, heads=4, kv=2, ffn=64):
             p + "attn_norm.weight": mx.ones((hidden,)),
             p + "ffn_norm.weight": mx.ones((hidden,)),
         }
-    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)
     types = [3 if t in SPECIALS else 1 for t in tokens]
     meta = {
         "general.architecture": "llama",

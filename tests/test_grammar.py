@@ -10,15 +10,15 @@ import pytest
 from mlx_lm.generate import generate_step
 from oracle import OracleDrafter
 
-from dflash_mlx.acceptance import SamplingParams, target_probs
-from dflash_mlx.decode import decode
-from dflash_mlx.grammar import (
+from dflash_mlx.decoding.acceptance import SamplingParams, target_probs
+from dflash_mlx.decoding.grammar import (
     GrammarError,
     GrammarProcessor,
     json_schema_grammar,
     lark_grammar,
     make_processor,
 )
+from dflash_mlx.decoding.loop import decode
 
 SCHEMA = {
     "type": "object",
@@ -207,7 +207,7 @@ def test_sampling_under_a_grammar_follows_the_masked_target_law(small_vocab_pair
 
 
 def test_schemas_are_read_closed_unless_they_allow_more_keys():
-    from dflash_mlx.grammar import closed
+    from dflash_mlx.decoding.grammar import closed
 
     schema = {
         "type": "object",

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import half_weights, small_gemm
+from dflash_mlx.cpu import half_weights, small_gemm
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not small_gemm.has_kernel(),
@@ -68,9 +68,9 @@ def test_inexact_or_non_weight_arrays_are_not_registered():
 def test_loading_registers_a_bfloat16_drafter_and_decoding_reads_it(pairs):
     """Drafter checkpoints are stored in bfloat16: every matrix of the loaded drafter is
     registered, and a decode's drafter products read the words."""
-    from dflash_mlx import draft_step
-    from dflash_mlx.acceptance import SamplingParams
-    from dflash_mlx.decode import prefill
+    from dflash_mlx.cpu import draft_step
+    from dflash_mlx.decoding.acceptance import SamplingParams
+    from dflash_mlx.decoding.loop import prefill
 
     model, _ = pairs("qwen3", "d2")
     assert half_weights.register_drafter(model) > 0  # already registered: counted again

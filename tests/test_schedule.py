@@ -3,7 +3,7 @@ the parity tests)."""
 
 import pytest
 
-from dflash_mlx.schedule import (
+from dflash_mlx.decoding.schedule import (
     PLAIN_RUN_MAX,
     PROBE_START,
     Acceptance,
@@ -120,7 +120,7 @@ def test_summary_reports_histogram_and_plain_share():
 
 
 def test_probe_backoff_carries_across_requests_on_the_same_model():
-    from dflash_mlx.schedule import Tuning
+    from dflash_mlx.decoding.schedule import Tuning
 
     tuning = Tuning(costs([1.0] + [1.2 + 0.1 * b for b in range(2, 9)]))
     tuning.priors[("greedy", True)] = [0.3] * 7

@@ -4,8 +4,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import select_host, selector
-from dflash_mlx.selector import PathSelector
+from dflash_mlx.cpu import select_host
+from dflash_mlx.model import selector
+from dflash_mlx.model.selector import PathSelector
 
 pytestmark = pytest.mark.skipif(
     not select_host.enabled(), reason="the selector's C twin is built with the few-row kernel"

@@ -7,7 +7,6 @@ Every client loop is bounded in count and time.
 
 import json
 import os
-from dataclasses import replace
 import re
 import socket
 import subprocess
@@ -16,15 +15,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from dflash_mlx import generate  # noqa: E402
-from dflash_mlx.server import bind_warning, context_length  # noqa: E402
-from dflash_mlx.server.schema import DEFAULTS, APIError, parse_request  # noqa: E402
+from dflash_mlx import generate
+from dflash_mlx.server import bind_warning, context_length
+from dflash_mlx.server.schema import DEFAULTS, APIError, parse_request
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key"
@@ -322,7 +322,7 @@ def test_eight_concurrent_streams(client, local, name):
     def one(i):
         try:
             got[i] = _chat_stream(client, name, [{"role": "user", "content": prompts[i]}], 12)
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(8)]
@@ -361,7 +361,7 @@ def test_sixteen_streams_some_aborted_the_rest_complete(server, client, local, n
                 if n >= 3:
                     break
             stream.close()
-        except Exception as e:  # noqa: BLE001 - reported below
+        except Exception as e:
             errors.append(repr(e))
 
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(16)]

@@ -9,7 +9,7 @@ import pytest
 from test_server import KEY, _http, _start, _stop
 
 from dflash_mlx import generate
-from dflash_mlx.grammar import json_schema_grammar, make_processor
+from dflash_mlx.decoding.grammar import json_schema_grammar, make_processor
 
 openai = pytest.importorskip("openai")
 

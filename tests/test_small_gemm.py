@@ -8,8 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-import dflash_mlx  # noqa: F401  (loads the system BLAS and the kernel before MLX)
-from dflash_mlx import blas, small_gemm
+import dflash_mlx
+from dflash_mlx.cpu import blas, small_gemm
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or small_gemm.compiler() is None,

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import Dict, List, Set
 
 import pytest
 
@@ -24,7 +23,7 @@ MAX_FILE_LINES = 400
 NOT_YET_CHECKED: list = []
 
 
-def _modules() -> Dict[str, Path]:
+def _modules() -> dict[str, Path]:
     """Dotted module name -> file, for every module of the package."""
     out = {}
     for f in sorted(PACKAGE.rglob("*.py")):
@@ -40,7 +39,7 @@ def _checked(f: Path) -> bool:
     return not any(rel == p or (p.endswith("/") and rel.startswith(p)) for p in NOT_YET_CHECKED)
 
 
-def _imports(name: str, f: Path, known: Set[str]) -> Set[str]:
+def _imports(name: str, f: Path, known: set[str]) -> set[str]:
     """Package modules that module ``name`` imports anywhere (function-local imports and
     TYPE_CHECKING blocks included). Importing a submodule also runs its parent packages'
     ``__init__``; those implicit edges are not counted, as import checkers do."""
@@ -68,12 +67,12 @@ def _imports(name: str, f: Path, known: Set[str]) -> Set[str]:
     return out
 
 
-def _cycle(graph: Dict[str, Set[str]]) -> List[str]:
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
     """One import cycle of the graph, or []."""
-    state: Dict[str, int] = {}
-    stack: List[str] = []
+    state: dict[str, int] = {}
+    stack: list[str] = []
 
-    def visit(n: str) -> List[str]:
+    def visit(n: str) -> list[str]:
         state[n] = 1
         stack.append(n)
         for m in sorted(graph[n]):
@@ -99,7 +98,9 @@ def test_no_import_cycles():
     mods = _modules()
     graph = {name: _imports(name, f, set(mods)) for name, f in mods.items()}
     assert graph["dflash_mlx.cli.app"] >= {"dflash_mlx.cli.run", "dflash_mlx.errors"}
-    assert "dflash_mlx.state" in graph["dflash_mlx.loading"]  # function-local imports count
+    assert (
+        "dflash_mlx.decoding.state" in graph["dflash_mlx.loading.loader"]
+    )  # function-local imports count
     cycle = _cycle(graph)
     assert not cycle, "import cycle: " + " -> ".join(cycle)
 
@@ -142,7 +143,7 @@ def test_one_module_reads_the_offline_setting():
         for f in _modules().values()
         if re.search(r"HF_HUB_OFFLINE|TRANSFORMERS_OFFLINE", f.read_text())
     ]
-    assert readers == ["dflash_mlx/hub.py"]
+    assert readers == ["dflash_mlx/loading/hub.py"]
 
 
 def test_pyproject_lists_every_package():
@@ -152,14 +153,14 @@ def test_pyproject_lists_every_package():
     found = {n for n, f in _modules().items() if f.name == "__init__.py"}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
     assert cfg["package-dir"]["dflash_mlx.metal"] == "metal"
-    assert cfg["package-dir"]["dflash_mlx.cpu"] == "cpu"
+    assert cfg["package-data"]["dflash_mlx.cpu"] == ["csrc/*.c", "csrc/*.cpp"]
 
 
 def _can_build_offline() -> bool:
     """Whether the installed setuptools can build this pyproject without an index."""
     try:
         import setuptools
-        import wheel  # noqa: F401
+        import wheel
     except ImportError:
         return False
     return int(setuptools.__version__.split(".")[0]) >= 77  # PEP 639 license string
@@ -197,5 +198,5 @@ def test_wheel_carries_the_metal_and_cpu_kernel_sources(tmp_path):
     assert bodies, "no metal/*.metal in the checkout"
     for body in bodies:
         assert f"dflash_mlx/metal/{body}" in names
-    assert "dflash_mlx/metal_kernel.py" in names and "dflash_mlx/cli/app.py" in names
-    assert "dflash_mlx/cpu/small_gemm.c" in names and "dflash_mlx/small_gemm.py" in names
+    assert "dflash_mlx/model/metal_kernel.py" in names and "dflash_mlx/cli/app.py" in names
+    assert "dflash_mlx/cpu/csrc/small_gemm.c" in names and "dflash_mlx/cpu/small_gemm.py" in names

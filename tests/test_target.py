@@ -7,10 +7,10 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from oracle import OracleDrafter
 from test_decode import reference
 
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.decode import decode
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.loop import decode
 from dflash_mlx.errors import UnsupportedModelError
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.model.target import TargetAdapter
 
 
 def test_captured_features_are_the_tapped_layer_outputs(pairs):
@@ -75,7 +75,7 @@ def test_compiled_target_modules_give_mlx_lms_bits(tiny_dir, kind):
     target's logits stay the bits of the untouched mlx-lm model, prefill and decode steps."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from dflash_mlx import target as target_mod
+    from dflash_mlx.model import target as target_mod
 
     plain, _ = mlx_lm_load(str(tiny_dir / kind))
     wrapped, _ = mlx_lm_load(str(tiny_dir / kind))

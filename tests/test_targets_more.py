@@ -3,16 +3,16 @@
 import json
 
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
+from mlx import nn
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-
-from dflash_mlx import load
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.decode import decode
 from oracle import OracleDrafter
 from tiny_models import build_drafter, build_target
+
+from dflash_mlx import load
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.loop import decode
 
 
 def parity(model, ids, n=64, block=8, wrong=(4,)):

@@ -9,9 +9,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from tiny_models import build_target
 
-from dflash_mlx.bench_prompts import CHAT, CODE
-from dflash_mlx.checkpoint import load_drafter
-from dflash_mlx.loading import load_target
+from dflash_mlx.bench.prompts import CHAT, CODE
+from dflash_mlx.loading.loader import load_target
+from dflash_mlx.model.checkpoint import load_drafter
 from dflash_mlx.train import distill
 from dflash_mlx.train.data import ShardSet, build_batch
 from dflash_mlx.train.drafter import TrainConfig, train
@@ -166,7 +166,7 @@ def test_released_drafter_reads_raw_features_the_scale_is_folded_into_fc(tiny):
 def test_committed_token_ids_rebuild_the_same_shards_by_prefill(tiny, tmp_path):
     """A later round on a fresh machine rebuilds features, teacher and top-k from the
     committed token ids alone; they must match what generation recorded."""
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.model.target import TargetAdapter
     from dflash_mlx.train import rounds
 
     _root, target, _tok, data = tiny
@@ -217,7 +217,7 @@ def test_a_round_warm_starts_trains_its_draft_vocab_and_reports_its_baseline(tin
     assert first["step"] == 0 and summary["vocab"] == 200 and summary["blocks_per_s"] > 0
     assert np.array_equal(load_drafter(out).draft_vocab, vocab)
     # the baseline is the released drafter itself, scored over the same vocabulary
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.model.target import TargetAdapter
     from dflash_mlx.train.data import eval_anchors
     from dflash_mlx.train.evaluate import evaluate
 
@@ -236,7 +236,7 @@ def test_the_best_evaluation_is_kept_with_its_drafter(tiny):
     hist = json.loads((out / "train_state" / "state.json").read_text())["history"]
     best = max(hist, key=lambda h: h["tau_selector"])  # the first of equals
     assert summary["best"]["step"] == best["step"] and len(hist) > 2
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.model.target import TargetAdapter
     from dflash_mlx.train.data import eval_anchors
     from dflash_mlx.train.evaluate import evaluate
 

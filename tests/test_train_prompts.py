@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from dflash_mlx.bench_prompts import CHAT, CODE
+from dflash_mlx.bench.prompts import CHAT, CODE
 from dflash_mlx.train import distill, prompts, rounds
 from dflash_mlx.train.instructions import (
     chat_requests,

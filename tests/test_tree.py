@@ -7,10 +7,10 @@ import pytest
 from mlx_lm.generate import generate_step
 from oracle import OracleDrafter
 
-from dflash_mlx import tree
-from dflash_mlx.acceptance import SamplingParams
-from dflash_mlx.decode import decode
-from dflash_mlx.schedule import CostTable, Scheduler
+from dflash_mlx.decoding import tree
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.schedule import CostTable, Scheduler
 
 PROMPT = "def parse_args("
 

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mlx.checkpoint import drafter_config, random_drafter, save_drafter
+from dflash_mlx.model.checkpoint import drafter_config, random_drafter, save_drafter
 
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -111,10 +110,10 @@ def build_target(
     path: Path,
     kind: str = "qwen3",
     seed: int = 0,
-    vocab_size: Optional[int] = None,
+    vocab_size: int | None = None,
     tokenizer: bool = True,
     chat_template: bool = True,
-    context: Optional[int] = None,
+    context: int | None = None,
     **kw,
 ) -> Path:
     """Write a tiny random float32 target (config, weights, tokenizer) to path; context
@@ -165,9 +164,9 @@ def eight_token_pair(root: Path):
     loaded as a DFlashModel: small enough to enumerate the exact sampling law."""
     from mlx_lm.utils import load_model
 
-    from dflash_mlx.checkpoint import load_drafter
-    from dflash_mlx.state import DFlashModel
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.decoding.state import DFlashModel
+    from dflash_mlx.model.checkpoint import load_drafter
+    from dflash_mlx.model.target import TargetAdapter
 
     build_target(root / "t", "qwen3", tokenizer=False, vocab_size=8, seed=5)
     build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)

@@ -1,6 +1,6 @@
 """``dflash bench``: the benchmark command, and its report as rich tables, JSON and a PNG.
 
-The measurements themselves are ``dflash_mlx.bench``'s.
+The measurements themselves are ``dflash_mlx.bench.runner``'s.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -21,20 +20,20 @@ from .streams import require_stdout
 
 def bench(
     model: str = c.MODEL,
-    drafter: Optional[str] = c.DRAFTER,
-    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
-    quant: Optional[str] = c.QUANT,
-    dataset: Optional[str] = typer.Option(
+    drafter: str | None = c.DRAFTER,
+    draft_vocab: int | None = c.DRAFT_VOCAB,
+    quant: str | None = c.QUANT,
+    dataset: str | None = typer.Option(
         None,
         "--dataset",
         help="Built-in 'mixed' (default: code + chat), 'code' or 'chat'; 'humaneval' (needs the "
         "bench extra); or a JSONL file.",
     ),
     field: str = typer.Option("prompt", "--field", help="JSONL field holding the prompt."),
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="A single prompt."),
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="A single prompt."),
     max_samples: int = typer.Option(20, "--max-samples", "-n", help="Prompts to run."),
     max_tokens: int = c.max_tokens_option("bench", "Tokens per prompt."),
-    block_size: Optional[str] = c.BLOCK_SIZE,
+    block_size: str | None = c.BLOCK_SIZE,
     temp: float = c.TEMP,
     seed: int = typer.Option(
         0, "--seed", help="PRNG seed, 0..2**32-1 (fixed, for comparable runs)."
@@ -44,8 +43,8 @@ def bench(
         "--chat-template/--raw",
         help="Send prompts through the model's chat template (default), or as raw text.",
     ),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the report as JSON."),
-    plot_path: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of the curves."),
+    json_path: str | None = typer.Option(None, "--json", help="Write the report as JSON."),
+    plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG of the curves."),
     no_lookup: bool = c.NO_LOOKUP,
     no_tree: bool = c.NO_TREE,
     offline: bool = c.OFFLINE,
@@ -68,14 +67,14 @@ def bench(
         seed=seed,
     )
     cfg.validate(flags=True)
-    from ..bench import load_prompts
+    from ..bench.runner import load_prompts
 
     prompts = load_prompts(dataset, max_samples, prompt, field)
     json_path = json_path if json_path is None else check_output(json_path, "--json")
     plot_path = plot_path if plot_path is None else check_output(plot_path, "--plot", PLOT_SUFFIXES)
     if plot_path:
         try:
-            import matplotlib  # noqa: F401
+            import matplotlib
         except ImportError:
             raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'") from None
     m, tok = c.load_pair(model, drafter, quant, offline, False, False, cfg, draft_vocab)
@@ -134,7 +133,7 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     from rich.console import Console
     from rich.progress import Progress
 
-    from ..bench import latency_split, run_bench
+    from ..bench.runner import latency_split, run_bench
     from ..generation import encode_prompt
 
     block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size

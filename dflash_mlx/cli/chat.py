@@ -13,7 +13,6 @@ from __future__ import annotations
 import select
 import sys
 from dataclasses import replace
-from typing import Dict, List, Optional
 
 import typer
 
@@ -49,7 +48,7 @@ class ChatSession:
         tokenizer,
         name: str,
         gen: GenerationConfig,
-        system: Optional[str] = None,
+        system: str | None = None,
         show_stats: bool = True,
         stdin=None,
         stdout=None,
@@ -57,7 +56,7 @@ class ChatSession:
     ):
         from rich.console import Console
 
-        from ..prompt import context_length, with_default_stops
+        from ..decoding.prompt import context_length, with_default_stops
 
         self.model, self.tok, self.name = model, tokenizer, name
         self.gen = replace(gen, stop=with_default_stops(gen.stop, tokenizer))
@@ -68,12 +67,12 @@ class ChatSession:
         self.stdin = stdin or sys.stdin
         self.out = stdout or sys.stdout
         self.con = Console(file=self.out, highlight=False, soft_wrap=True)
-        self.history: List[Dict[str, str]] = []
+        self.history: list[dict[str, str]] = []
         self.cache = model.make_cache()
         # Token-exact transcript (template text and ids through the last answer), so the
         # next turn appends to exactly what the cache holds, as mlx-lm's chat does.
-        self.prev_text: Optional[str] = None
-        self.prev_ids: List[int] = []
+        self.prev_text: str | None = None
+        self.prev_ids: list[int] = []
         self.last = None
         self.turns = 0
         self.total_generated = 0
@@ -81,7 +80,7 @@ class ChatSession:
         self.tty = self.stdin.isatty()
         if self.tty:
             try:
-                import readline  # noqa: F401 - line editing and history for input()
+                import readline
             except ImportError:  # pragma: no cover
                 pass
 
@@ -94,14 +93,14 @@ class ChatSession:
         except (OSError, ValueError):
             return False
 
-    def _read(self) -> Optional[str]:
+    def _read(self) -> str | None:
         """One message (None at end of input); handles trailing backslashes and pastes.
 
         Lines that follow at once are a paste (one message), except when input is already
         waiting as the prompt appears: typed while the answer streamed, each line is its own
         message or command, as typed.
         """
-        lines: List[str] = []
+        lines: list[str] = []
         prompt = ">>> "
         typed_ahead = self._more_pending()
         while True:
@@ -151,7 +150,7 @@ class ChatSession:
             return full, self.prev_ids + list(tail)
         return full, encode_prompt(self.tok, msgs)
 
-    def messages(self) -> List[Dict[str, str]]:
+    def messages(self) -> list[dict[str, str]]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
         return sys_msg + self.history
 
@@ -200,7 +199,7 @@ class ChatSession:
     # -- one turn
     def answer(self, text: str) -> None:
         """Answer one message: fit the conversation in the context, stream, keep the stats."""
-        from ..prompt import check_chars, check_text
+        from ..decoding.prompt import check_chars, check_text
 
         try:
             check_text(text, "that message", "type it again")
@@ -279,13 +278,13 @@ class ChatSession:
             )
         return full, ids
 
-    def _stream(self, ids: List[int]):
+    def _stream(self, ids: list[int]):
         """Stream one answer: (last response or None, text pieces, ids, stopped)."""
+        from ..decoding.state import Interrupted
         from ..generation import stream_generate
-        from ..state import Interrupted
 
-        pieces: List[str] = []
-        answer_ids: List[int] = []
+        pieces: list[str] = []
+        answer_ids: list[int] = []
         last, stopped = None, False
         self.cache.interrupt.clear()
         gen = stream_generate(self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache)
@@ -344,21 +343,21 @@ class ChatSession:
 
 def chat(
     model: str = c.MODEL,
-    drafter: Optional[str] = c.DRAFTER,
-    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
-    quant: Optional[str] = c.QUANT,
+    drafter: str | None = c.DRAFTER,
+    draft_vocab: int | None = c.DRAFT_VOCAB,
+    quant: str | None = c.QUANT,
     max_tokens: int = c.max_tokens_option("chat", "Tokens per answer."),
     temp: float = c.TEMP,
     top_p: float = c.TOP_P,
     top_k: int = c.TOP_K,
     min_p: float = c.MIN_P,
     presence_penalty: float = c.PRESENCE,
-    seed: Optional[int] = c.SEED,
-    block_size: Optional[str] = c.BLOCK_SIZE,
+    seed: int | None = c.SEED,
+    block_size: str | None = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     no_lookup: bool = c.NO_LOOKUP,
     no_tree: bool = c.NO_TREE,
-    system: Optional[str] = c.SYSTEM,
+    system: str | None = c.SYSTEM,
     offline: bool = c.OFFLINE,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-turn stats line."),
@@ -373,7 +372,7 @@ def chat(
     if streams.stdin_closed():
         raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")
     m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg, draft_vocab)
-    from ..prompt import notice_default_format
+    from ..decoding.prompt import notice_default_format
 
     notice_default_format(tok)  # no chat template: say once which format stands in
     session = ChatSession(

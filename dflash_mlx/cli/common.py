@@ -8,13 +8,12 @@ Option defaults are ``GenerationConfig``'s (``settings.MAX_TOKENS`` per command)
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import typer
 
+from ..decoding.prompt import check_text
 from ..errors import DFlashError
-from ..hub import OFFLINE_HELP
-from ..prompt import check_text
+from ..loading.hub import OFFLINE_HELP
 from ..settings import MAX_TOKENS, GenerationConfig, parse_block_size
 from .streams import stdin_closed
 
@@ -91,8 +90,8 @@ def settings(
     top_k: int,
     min_p: float,
     presence_penalty: float,
-    seed: Optional[int],
-    block_size: Optional[str],
+    seed: int | None,
+    block_size: str | None,
     no_selector: bool,
     no_lookup: bool = False,
     no_tree: bool = False,
@@ -131,7 +130,7 @@ def load_pair(
     quiet: bool,
     verbose: bool,
     cfg=None,
-    draft_vocab: Optional[int] = None,
+    draft_vocab: int | None = None,
 ):
     """(model, tokenizer) through ``dflash_mlx.load``.
 
@@ -141,7 +140,7 @@ def load_pair(
         cfg: the command's settings; its block size is checked against the drafter's.
         draft_vocab: ``--draft-vocab`` (None: the drafter's own).
     """
-    from ..loading import load
+    from ..loading.loader import load
 
     if draft_vocab is not None and draft_vocab < 0:
         raise DFlashError(f"--draft-vocab must be 0 (off) or a positive size (got {draft_vocab})")
@@ -185,7 +184,7 @@ def fit_prompt(m, tok, text: str, cfg: GenerationConfig, raw: bool, system, quie
     return ids, fitted
 
 
-def read_prompt(prompt: Optional[str], prompt_opt: Optional[str]) -> str:
+def read_prompt(prompt: str | None, prompt_opt: str | None) -> str:
     """The prompt text.
 
     Args:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
 
 import typer
 
-from .. import hub, registry
+from ..loading import hub, registry
 
 
-def _local_size(path: str) -> Optional[int]:
+def _local_size(path: str) -> int | None:
     return hub.dir_size(path) if os.path.exists(path) else None
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Optional
 
 import typer
 
@@ -15,26 +14,26 @@ from .streams import require_stdout
 
 
 def run(
-    prompt: Optional[str] = typer.Argument(
+    prompt: str | None = typer.Argument(
         None, help='The prompt; "-" or a pipe reads stdin.', show_default=False
     ),
     model: str = c.MODEL,
-    drafter: Optional[str] = c.DRAFTER,
-    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
-    quant: Optional[str] = c.QUANT,
-    prompt_opt: Optional[str] = typer.Option(None, "--prompt", "-p", help="The prompt."),
+    drafter: str | None = c.DRAFTER,
+    draft_vocab: int | None = c.DRAFT_VOCAB,
+    quant: str | None = c.QUANT,
+    prompt_opt: str | None = typer.Option(None, "--prompt", "-p", help="The prompt."),
     max_tokens: int = c.max_tokens_option("run"),
     temp: float = c.TEMP,
     top_p: float = c.TOP_P,
     top_k: int = c.TOP_K,
     min_p: float = c.MIN_P,
     presence_penalty: float = c.PRESENCE,
-    seed: Optional[int] = c.SEED,
-    block_size: Optional[str] = c.BLOCK_SIZE,
+    seed: int | None = c.SEED,
+    block_size: str | None = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     no_lookup: bool = c.NO_LOOKUP,
     no_tree: bool = c.NO_TREE,
-    system: Optional[str] = c.SYSTEM,
+    system: str | None = c.SYSTEM,
     ignore_chat_template: bool = typer.Option(
         False, "--ignore-chat-template", help="Use the prompt as-is, without the chat template."
     ),
@@ -59,7 +58,7 @@ def run(
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
     extra = None
     if verbose:
-        from ..blas import measure
+        from ..cpu.blas import measure
 
         extra = {"schedule": last.schedule, "blas": measure()["name"]}
     if as_json:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import typer
 
@@ -13,12 +12,12 @@ from . import common as c
 
 def serve(
     model: str = c.MODEL,
-    drafter: Optional[str] = c.DRAFTER,
-    draft_vocab: Optional[int] = c.DRAFT_VOCAB,
-    quant: Optional[str] = c.QUANT,
+    drafter: str | None = c.DRAFTER,
+    draft_vocab: int | None = c.DRAFT_VOCAB,
+    quant: str | None = c.QUANT,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: a free one)."),
-    api_key: Optional[str] = typer.Option(
+    api_key: str | None = typer.Option(
         None,
         "--api-key",
         help="Require 'Authorization: Bearer KEY' (also DFLASH_API_KEY).",
@@ -34,8 +33,8 @@ def serve(
     top_k: int = c.TOP_K,
     min_p: float = c.MIN_P,
     presence_penalty: float = c.PRESENCE,
-    seed: Optional[int] = c.SEED,
-    block_size: Optional[str] = c.BLOCK_SIZE,
+    seed: int | None = c.SEED,
+    block_size: str | None = c.BLOCK_SIZE,
     no_selector: bool = c.NO_SELECTOR,
     no_lookup: bool = c.NO_LOOKUP,
     offline: bool = c.OFFLINE,

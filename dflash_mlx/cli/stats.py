@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 _BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: List[float]) -> str:
+def sparkline(values: list[float]) -> str:
     """One character per value in [0, 1]."""
     out = []
     for v in values:
@@ -50,7 +48,7 @@ def stats_dict(r, name: str, block_size, selector: bool) -> dict:
     }
 
 
-def stats_lines(s: dict, timings: Optional[dict] = None, verbose: Optional[dict] = None):
+def stats_lines(s: dict, timings: dict | None = None, verbose: dict | None = None):
     """The human stats block (rich markup).
 
     Args:

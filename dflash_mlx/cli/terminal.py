@@ -7,7 +7,6 @@ import math
 import re
 import shutil
 import signal
-from typing import Optional
 
 _MARKDOWN = re.compile(r"(^|\n)(#{1,6} |```|\s*[-*] |\s*\d+\. |> )|\*\*[^*\n]+\*\*|`[^`\n]+`")
 
@@ -17,7 +16,7 @@ def looks_like_markdown(text: str) -> bool:
     return bool(_MARKDOWN.search(text))
 
 
-def rows_used(text: str, width: int) -> Optional[int]:
+def rows_used(text: str, width: int) -> int | None:
     """Terminal rows that text printed from column 0 (plus a final newline) occupies, or
     None when that cannot be known (control characters, tabs)."""
     from rich.cells import cell_len

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, List, Optional
+from typing import Any
 
 from .schema import APIError, parse_request
 from .structured import prepare
@@ -37,7 +37,7 @@ class AnthropicError(APIError):
     """An APIError answered as ``{"type": "error", "error": {"type", "message"}}``."""
 
     @classmethod
-    def of(cls, e: APIError) -> "AnthropicError":
+    def of(cls, e: APIError) -> AnthropicError:
         return e if isinstance(e, cls) else cls(e.status, e.message, e.param, e.code)
 
     def body(self) -> dict:
@@ -94,11 +94,11 @@ def _block(b: Any, where: str, role: str, texts: list, calls: list, results: lis
         raise bad(f"{where}: unsupported content block {kind!r} in a {role} turn; use {allowed}")
 
 
-def _messages(body: dict) -> List[dict]:
+def _messages(body: dict) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages: must be a non-empty list of {role, content} objects")
-    out: List[dict] = []
+    out: list[dict] = []
     system = body.get("system")
     if system is not None:
         out.append({"role": "system", "content": _text(system, "system")})
@@ -122,7 +122,7 @@ def _messages(body: dict) -> List[dict]:
     return out
 
 
-def _tools(body: dict) -> Optional[list]:
+def _tools(body: dict) -> list | None:
     tools = body.get("tools")
     if tools is None:
         return None
@@ -215,7 +215,7 @@ def handle(h, path: str) -> None:
 class Answer:
     """One Messages answer, whole or as Anthropic's server-sent events."""
 
-    def __init__(self, h, req, job, model: str, stops: List[str]):
+    def __init__(self, h, req, job, model: str, stops: list[str]):
         self.h, self.req, self.job, self.model, self.stops = h, req, job, model, stops
         self.id = "msg_" + uuid.uuid4().hex[:24]
         self.text, self.tokens, self.blocks, self.open = [], [], [], None
@@ -267,9 +267,9 @@ class Answer:
         self.send("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
         self.send("message_stop", {"type": "message_stop"})
 
-    def _events(self, events) -> List[dict]:
+    def _events(self, events) -> list[dict]:
         """Content blocks of split events (consecutive text joined)."""
-        out: List[dict] = []
+        out: list[dict] = []
         for kind, val in events:
             if kind == "text":
                 if out and out[-1]["type"] == "text":
@@ -318,7 +318,7 @@ class Answer:
             self.send("content_block_stop", {"type": "content_block_stop", "index": i})
             self.open = None
 
-    def _reason(self, finish: Optional[str], content: List[dict]):
+    def _reason(self, finish: str | None, content: list[dict]):
         """(stop_reason, stop_sequence): which stop sequence ended the answer, if one did."""
         if any(b["type"] == "tool_use" for b in content) and finish == "stop":
             return "tool_use", None

@@ -19,11 +19,10 @@ import socket
 import threading
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import List, Optional
 
 from .. import generation
+from ..decoding.prompt import context_length
 from ..errors import ContextLengthError, DFlashError
-from ..prompt import context_length
 from ..settings import GenerationConfig
 from .http import Handler
 from .schema import DEFAULTS, bad, now
@@ -34,7 +33,7 @@ logger = logging.getLogger("dflash_mlx.server")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def bind_warning(host: str, api_key: Optional[str]) -> Optional[str]:
+def bind_warning(host: str, api_key: str | None) -> str | None:
     """The warning printed when the server listens beyond loopback with no key."""
     if host in LOOPBACK or host.startswith("127.") or api_key:
         return None
@@ -55,8 +54,8 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         sock: socket.socket,
         engine: Engine,
         model_name: str,
-        api_key: Optional[str],
-        defaults: Optional[GenerationConfig],
+        api_key: str | None,
+        defaults: GenerationConfig | None,
     ):
         super().__init__(sock.getsockname()[:2], Handler, bind_and_activate=False)
         self.socket.close()  # the unbound one made above; serve the socket ``listen`` bound
@@ -78,7 +77,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         """Whether ``name`` is the served model (its name or its directory, any case)."""
         return name.lower() in self.names
 
-    def tokenize(self, req) -> List[int]:
+    def tokenize(self, req) -> list[int]:
         """Prompt ids: chat messages through the chat template, completions raw."""
         tok = self.engine.tokenizer
         field = "messages" if req.kind == "chat" else "prompt"
@@ -140,10 +139,10 @@ def make_server(
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 8080,
-    api_key: Optional[str] = None,
-    defaults: Optional[GenerationConfig] = None,
+    api_key: str | None = None,
+    defaults: GenerationConfig | None = None,
     max_queue: int = 16,
-    sock: Optional[socket.socket] = None,
+    sock: socket.socket | None = None,
     max_batch: int = 8,
 ) -> DFlashHTTPServer:
     """Bind the HTTP server; ``run_server`` serves it.
@@ -172,10 +171,10 @@ def run_server(
     model_name: str,
     host: str = "127.0.0.1",
     port: int = 8080,
-    api_key: Optional[str] = None,
-    defaults: Optional[GenerationConfig] = None,
+    api_key: str | None = None,
+    defaults: GenerationConfig | None = None,
     max_queue: int = 16,
-    sock: Optional[socket.socket] = None,
+    sock: socket.socket | None = None,
     max_batch: int = 8,
 ) -> None:
     """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.

@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler
 
-from ..prompt import room, with_default_stops
+from ..decoding.prompt import room, with_default_stops
 from . import anthropic, structured
 from .schema import (
     APIError,
@@ -123,7 +123,7 @@ class Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.body_timeout)
         try:
             data = self.rfile.read(length)
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             self.close_connection = True
             msg = f"the request body stopped before its Content-Length ({length} bytes) for "
             msg += f"{self.body_timeout:g} s; send the whole body or fix the header"
@@ -160,7 +160,7 @@ class Handler(BaseHTTPRequestHandler):
             self._safe_error(e)
         except (BrokenPipeError, ConnectionResetError):
             pass
-        except Exception as e:  # noqa: BLE001 - the last resort of a server: log it, answer 500
+        except Exception as e:
             logger.exception("request failed")
             self._safe_error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
 

@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .. import __version__
 from ..settings import MAX_TOKENS, GenerationConfig, SettingError
@@ -53,7 +53,7 @@ class APIError(Exception):
     MAX_MESSAGE = 1000  # a message quoting a huge value stays readable
 
     def __init__(
-        self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None
+        self, status: int, message: str, param: str | None = None, code: str | None = None
     ):
         if len(message) > self.MAX_MESSAGE:
             message = message[: self.MAX_MESSAGE - 3] + "..."
@@ -67,7 +67,7 @@ class APIError(Exception):
         }
 
 
-def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param, code)
 
 
@@ -84,15 +84,15 @@ class CompletionRequest:
     """
 
     kind: str
-    model: Optional[str]
+    model: str | None
     prompt: Any
     stream: bool = False
     include_usage: bool = False
     gen: GenerationConfig = DEFAULTS
-    body: Optional[dict] = None
+    body: dict | None = None
     tools: Any = None
-    grammar: Optional[str] = None
-    template_tools: Optional[list] = None
+    grammar: str | None = None
+    template_tools: list | None = None
 
 
 def _n(body: dict) -> None:
@@ -114,12 +114,12 @@ def _logit_bias(lb) -> Any:
     return out or None
 
 
-def _settings(body: dict, defaults: GenerationConfig, max_block: Optional[int]):
+def _settings(body: dict, defaults: GenerationConfig, max_block: int | None):
     """The request's decoding settings over the server's defaults, validated.
 
     ``max_completion_tokens`` wins over ``max_tokens``; unset (null) fields keep the default.
     """
-    got: Dict[str, Any] = {}
+    got: dict[str, Any] = {}
     for key, name in SETTINGS.items():
         if body.get(key) is not None and name not in got:
             got[name] = body[key]
@@ -154,7 +154,7 @@ def _content(msg: dict, i: int) -> str:
     raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def _messages(body: dict) -> List[Dict[str, str]]:
+def _messages(body: dict) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -186,8 +186,8 @@ def _prompt(body: dict):
 def parse_request(
     raw: bytes,
     kind: str,
-    defaults: Optional[GenerationConfig] = None,
-    max_block_size: Optional[int] = None,
+    defaults: GenerationConfig | None = None,
+    max_block_size: int | None = None,
 ) -> CompletionRequest:
     """Validate a request body for /v1/chat/completions (kind "chat") or /v1/completions.
 
@@ -286,7 +286,7 @@ def completion(
     model: str,
     created: int,
     text: str,
-    finish_reason: Optional[str],
+    finish_reason: str | None,
     usage_: dict,
     stats: dict,
 ) -> dict:
@@ -310,15 +310,15 @@ def chunk(
     rid: str,
     model: str,
     created: int,
-    text: Optional[str],
-    finish_reason: Optional[str] = None,
+    text: str | None,
+    finish_reason: str | None = None,
     role: bool = False,
     include_usage: bool = False,
 ) -> dict:
     """One streamed chunk carrying text (or the role, or the finish reason)."""
     out = _base(kind, rid, model, created, True)
     if kind == "chat":
-        delta: Dict[str, Any] = {}
+        delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:

@@ -1,5 +1,5 @@
 """Agent features of a chat request shared by the OpenAI and Anthropic routes: tools and
-``response_format`` become a grammar (``dflash_mlx.grammar``) that constrains the target at
+``response_format`` become a grammar (``dflash_mlx.decoding.grammar``) that constrains the target at
 every verify row, and the answer's tool calls become OpenAI ``tool_calls``.
 
 ``prepare`` runs in the HTTP thread before the job is queued, so a bad schema is a 400.
@@ -7,16 +7,16 @@ every verify row, and the answer's tool calls become OpenAI ``tool_calls``.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
-from ..grammar import GrammarError, check_grammar, json_schema_grammar, make_processor
-from ..prompt import end_of_turn_ids
+from ..decoding.grammar import GrammarError, check_grammar, json_schema_grammar, make_processor
+from ..decoding.prompt import end_of_turn_ids
 from .schema import bad
 from .tool_request import ToolSpec, call_grammar, history_fields, parse_tools, render
 from .tools import CallStream, parse_calls
 
 
-def response_format_grammar(rf: Any) -> Optional[str]:
+def response_format_grammar(rf: Any) -> str | None:
     """The grammar of OpenAI's ``response_format`` (None for text).
 
     Raises:
@@ -67,7 +67,7 @@ def prepare(req, body: dict, tokenizer) -> None:
     req.grammar = call_grammar(spec) or response_format_grammar(body.get("response_format"))
 
 
-def processors(req, tokenizer, vocab_size: int) -> List:
+def processors(req, tokenizer, vocab_size: int) -> list:
     """The logits processors that enforce ``req.grammar`` (none without one)."""
     if not getattr(req, "grammar", None):
         return []
@@ -78,7 +78,7 @@ def processors(req, tokenizer, vocab_size: int) -> List:
         raise bad(f"cannot compile the grammar for this request: {e}", "response_format")
 
 
-def message(text: str, spec: Optional[ToolSpec], finish: Optional[str]):
+def message(text: str, spec: ToolSpec | None, finish: str | None):
     """(the assistant message, the finish reason) of a whole answer."""
     if spec is None or not spec.active:
         return {"role": "assistant", "content": text}, finish
@@ -93,11 +93,11 @@ class DeltaStream:
     """Streamed text as OpenAI chat deltas: content, or ``tool_calls`` entries once a call
     is whole (its id, name and arguments in one delta)."""
 
-    def __init__(self, spec: Optional[ToolSpec]):
+    def __init__(self, spec: ToolSpec | None):
         self.calls = 0
         self.split = CallStream(spec.fmt) if spec is not None and spec.active else None
 
-    def deltas(self, text: str, final: bool) -> List[dict]:
+    def deltas(self, text: str, final: bool) -> list[dict]:
         """Deltas for a piece of text (``final``: the answer ends with it)."""
         if self.split is None:
             return [{"content": text}] if text else []
@@ -111,6 +111,6 @@ class DeltaStream:
                 self.calls += 1
         return out
 
-    def finish(self, finish: Optional[str]) -> Optional[str]:
+    def finish(self, finish: str | None) -> str | None:
         """OpenAI's reason: "tool_calls" when the answer ended with calls."""
         return "tool_calls" if self.calls and finish == "stop" else finish

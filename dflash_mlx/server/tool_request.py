@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-from ..grammar import JSON_STYLE, GrammarError, check_grammar, closed, json_schema_grammar
+from ..decoding.grammar import JSON_STYLE, GrammarError, check_grammar, closed, json_schema_grammar
 from .schema import bad
 from .tools import HERMES, LLAMA3, template_text, tool_format
 
@@ -42,7 +42,7 @@ class ToolSpec:
             ``tools.LLAMA3``). native: the template renders tools itself.
     """
 
-    tools: List[dict] = field(default_factory=list)
+    tools: list[dict] = field(default_factory=list)
     choice: str = "auto"
     parallel: bool = True
     fmt: str = HERMES
@@ -90,7 +90,7 @@ def _function(t: Any, i: int) -> dict:
     return {"type": "function", "function": out}
 
 
-def _choice(raw: Any, names: List[str]) -> str:
+def _choice(raw: Any, names: list[str]) -> str:
     if raw is None:
         return "auto" if names else "none"
     if isinstance(raw, str):
@@ -137,10 +137,10 @@ def parse_tools(body: dict, tokenizer) -> ToolSpec:
                     tool_format(text), native)  # fmt: skip
 
 
-def history_fields(m: dict, i: int) -> Dict[str, Any]:
+def history_fields(m: dict, i: int) -> dict[str, Any]:
     """The tool fields of a history message (assistant ``tool_calls``, a tool's
     ``tool_call_id``), validated; arguments come back as objects where they parse."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     calls = m.get("tool_calls")
     if calls is not None and m.get("role") == "assistant":
         if not isinstance(calls, list):
@@ -177,7 +177,7 @@ def _history_call(c: Any, i: int, j: int) -> dict:
     }
 
 
-def render(messages: List[dict], spec: ToolSpec):
+def render(messages: list[dict], spec: ToolSpec):
     """(messages for the template, the ``tools`` to pass it or None).
 
     Native templates get both as they are; otherwise the fallback format (module doc)."""
@@ -212,10 +212,10 @@ def _call_text(name: str, args: dict, fmt: str) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
-def call_grammar(spec: ToolSpec) -> Optional[str]:
+def call_grammar(spec: ToolSpec) -> str | None:
     """The llguidance grammar forcing a call (``required``: any tool, several when parallel;
     a named function: that one), or None when nothing is forced."""
-    from ..grammar import lark_grammar
+    from ..decoding.grammar import lark_grammar
 
     if not spec.forced:
         return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 HERMES, LLAMA3 = "hermes", "llama3"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -30,7 +29,7 @@ class ToolCall:
     def __post_init__(self):
         self.id = self.id or "call_" + uuid.uuid4().hex[:24]
 
-    def openai(self, index: Optional[int] = None) -> dict:
+    def openai(self, index: int | None = None) -> dict:
         """The OpenAI ``tool_calls`` entry (with ``index`` in a streamed delta)."""
         out = {
             "id": self.id,
@@ -59,7 +58,7 @@ def tool_format(template: str) -> str:
     return HERMES
 
 
-def _call(obj) -> Optional[ToolCall]:
+def _call(obj) -> ToolCall | None:
     """A call from a decoded JSON object, or None if it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -74,14 +73,14 @@ def _call(obj) -> Optional[ToolCall]:
     return ToolCall(obj["name"], json.dumps(args))
 
 
-def _json_call(text: str) -> Optional[ToolCall]:
+def _json_call(text: str) -> ToolCall | None:
     try:
         return _call(json.loads(text))
     except ValueError:
         return None
 
 
-def _llama_calls(text: str) -> Optional[List[ToolCall]]:
+def _llama_calls(text: str) -> list[ToolCall] | None:
     body = text.strip()
     if body.startswith(PYTHON_TAG):
         body = body[len(PYTHON_TAG) :].strip()
@@ -95,7 +94,7 @@ def _llama_calls(text: str) -> Optional[List[ToolCall]]:
     return [one] if one else None
 
 
-def parse_calls(text: str, fmt: str = HERMES) -> Tuple[Optional[str], List[ToolCall]]:
+def parse_calls(text: str, fmt: str = HERMES) -> tuple[str | None, list[ToolCall]]:
     """(the text outside calls, or None when only calls; the calls) of a whole answer."""
     if fmt == LLAMA3:
         calls = _llama_calls(text)
@@ -122,9 +121,9 @@ class CallStream:
 
     def __init__(self, fmt: str = HERMES):
         self.fmt, self.buf, self.inside, self.ws, self.started = fmt, "", False, "", False
-        self.llama: Optional[bool] = None  # LLAMA3: the answer is a call (decided at its start)
+        self.llama: bool | None = None  # LLAMA3: the answer is a call (decided at its start)
 
-    def _text(self, s: str) -> List[tuple]:
+    def _text(self, s: str) -> list[tuple]:
         if not s:
             return []
         if not s.strip():  # whitespace waits for what follows it
@@ -133,12 +132,12 @@ class CallStream:
         s, self.ws, self.started = self.ws + s, "", True
         return [("text", s)]
 
-    def feed(self, text: str) -> List[tuple]:
+    def feed(self, text: str) -> list[tuple]:
         """Events that ``text`` completes."""
         self.buf += text
         if self.fmt == LLAMA3:
             return self._feed_llama()
-        out: List[tuple] = []
+        out: list[tuple] = []
         while True:
             if not self.inside:
                 i = self.buf.find(OPEN)
@@ -160,7 +159,7 @@ class CallStream:
             else:
                 out += self._text(OPEN + body + CLOSE)
 
-    def _feed_llama(self) -> List[tuple]:
+    def _feed_llama(self) -> list[tuple]:
         if self.llama is None:
             head = self.buf.lstrip()
             if not head or (PYTHON_TAG.startswith(head) and len(head) < len(PYTHON_TAG)):
@@ -171,7 +170,7 @@ class CallStream:
         out, self.buf = self._text(self.buf), ""
         return out
 
-    def close(self) -> List[tuple]:
+    def close(self) -> list[tuple]:
         """The events left at the end of the answer."""
         rest, self.buf = self.buf, ""
         if self.fmt == LLAMA3:

@@ -12,14 +12,13 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
 
 import mlx.core as mx
 
 from .. import generation
+from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
-from ..state import Interrupted
 from .schema import APIError, bad
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -30,10 +29,10 @@ class Job:
     """One queued generation. ``out`` receives ("data", GenerationResponse), ("error",
     APIError) and finally ("end", None); ``cancel`` is set when the client goes away."""
 
-    ids: List[int]
+    ids: list[int]
     gen: GenerationConfig
     processors: list = field(default_factory=list)  # e.g. a grammar (structured output)
-    out: "queue.Queue" = field(default_factory=queue.Queue)
+    out: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
 
 
@@ -47,12 +46,12 @@ class Engine:
 
     def __init__(self, model, tokenizer, max_queue: int = 16, max_batch: int = 8):
         self.model, self.tokenizer = model, tokenizer
-        self.jobs: "queue.Queue[Job]" = queue.Queue(maxsize=max(1, int(max_queue)))
+        self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max(1, int(max_queue)))
         self.max_batch = 1 if model.adapter.is_hybrid else max(1, int(max_batch))
         self.cache = None
         self.running = False
-        self.current: Optional[Job] = None
-        self.active: Dict[int, Job] = {}  # batched jobs by row uid
+        self.current: Job | None = None
+        self.active: dict[int, Job] = {}  # batched jobs by row uid
         self.served = self.cancelled = 0
         self.stopping = threading.Event()
 
@@ -133,7 +132,7 @@ class Engine:
             job.out.put(("error", APIError(503, "the request was cancelled before its answer")))
         except DFlashError as e:
             job.out.put(("error", bad(str(e))))
-        except Exception as e:  # noqa: BLE001 - one request must not take the server down
+        except Exception as e:
             logger.exception("generation failed")
             self.cache = self.model.make_cache()  # its contents are unknown now
             job.out.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}")))
@@ -157,7 +156,7 @@ class Engine:
                     continue
                 try:
                     results = gen.step()
-                except Exception as e:  # noqa: BLE001 - fail these jobs, keep serving
+                except Exception as e:
                     logger.exception("batched generation failed")
                     self._fail_all(APIError(500, f"generation failed: {type(e).__name__}: {e}"))
                     gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)

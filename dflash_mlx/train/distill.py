@@ -29,8 +29,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from dflash_mlx import fastmath
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.cpu import fastmath
+from dflash_mlx.model.target import TargetAdapter
 from dflash_mlx.train.prompts import build_prompts
 
 FP16_MAX = 65000.0
@@ -288,7 +288,7 @@ def run(
 
 def main(argv=None) -> None:
     """Command-line entry point (see the module docstring)."""
-    from dflash_mlx.loading import load_target
+    from dflash_mlx.loading.loader import load_target
     from dflash_mlx.train.common import add_target_option, default_layer_ids, default_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -14,7 +14,7 @@ selector with a cross-entropy over the K lattice candidates of row k (gold inser
 missing from the top-K), the gold previous token as predecessor. The conv starts as the
 identity and the codebooks near zero, so the untrained drafter is plain DFlash.
 
-Published files are written by :func:`dflash_mlx.checkpoint.save_drafter` (bf16, the
+Published files are written by :func:`dflash_mlx.model.checkpoint.save_drafter` (bf16, the
 released format); ``train_state/`` keeps float32 weights and AdamW state for ``--resume``.
 """
 
@@ -31,8 +31,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dflash_mlx.checkpoint import drafter_config, save_drafter
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.model.checkpoint import drafter_config, save_drafter
+from dflash_mlx.model.target import TargetAdapter
 from dflash_mlx.train.common import (
     Every,
     init_drafter,
@@ -363,7 +363,7 @@ def blocks_per_s(run: Trainer, s_start: int, t_start: float) -> float:
 
 def main(argv=None) -> None:
     """Command-line entry point (see the module docstring)."""
-    from dflash_mlx.loading import load_target
+    from dflash_mlx.loading.loader import load_target
     from dflash_mlx.train.common import add_target_option, default_target
 
     d = TrainConfig()

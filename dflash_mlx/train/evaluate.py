@@ -6,9 +6,9 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from dflash_mlx.drafter import embed_block
-from dflash_mlx.selector import select_path, top_candidates
-from dflash_mlx.target import TargetAdapter
+from dflash_mlx.model.drafter import embed_block
+from dflash_mlx.model.selector import select_path, top_candidates
+from dflash_mlx.model.target import TargetAdapter
 from dflash_mlx.train.data import ShardSet, build_batch
 
 
@@ -39,7 +39,7 @@ def evaluate(
             answers and fixed anchors (``data.eval_anchors``). vocab_ids: the draft
             vocabulary to score over, as decoding would (None: the full vocabulary).
     """
-    from dflash_mlx.draft_vocab import DraftHead
+    from dflash_mlx.model.draft_vocab import DraftHead
 
     head = None if vocab_ids is None else DraftHead(adapter, np.asarray(vocab_ids, np.int32))
     a = drafter.args

@@ -154,7 +154,7 @@ def chat_requests(topics: list[str]) -> list[str]:
 def extra_prompts(topics: list[str], exclude: set, seed: int = 1) -> list[str]:
     """Code instructions and chat requests, deduplicated against ``exclude``, interleaved
     reproducibly so every slice of them holds both kinds."""
-    from dflash_mlx.bench_prompts import CHAT, CODE
+    from dflash_mlx.bench.prompts import CHAT, CODE
 
     banned = set(exclude) | set(CODE) | set(CHAT)
     seen, out = set(), []

@@ -205,7 +205,7 @@ def pool(split: str = "train", tokenizer=None) -> list:
     out = base + [p for p in extra_prompts(topics(), set(base)) if is_heldout(p) == held]
     for path in finished_rounds():
         if tokenizer is None:
-            from dflash_mlx.loading import load_target
+            from dflash_mlx.loading.loader import load_target
             from dflash_mlx.train.common import default_target
 
             tokenizer = load_target(default_target(), quiet=True)[1]

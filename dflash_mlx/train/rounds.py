@@ -60,7 +60,7 @@ def distill_worker(work: Path, r: int, deadline: float) -> None:
     """One distillation process: helps finish the fixed held-out set (its first
     ``HELDOUT_PROMPTS`` prompts), then claims shards of round r until the deadline or until
     every shard is done."""
-    from dflash_mlx.loading import load_target
+    from dflash_mlx.loading.loader import load_target
     from dflash_mlx.train.common import default_layer_ids, default_target
     from dflash_mlx.train.distill import run
     from dflash_mlx.train.prompts import build_prompts
@@ -156,8 +156,8 @@ def export(split_dir: Path, dest: Path) -> int:
 def rebuild(src: Path, split_dir: Path, log=print) -> None:
     """Rebuild a split's shards (features, teacher, top-k) from committed token ids when
     the working folder is gone, by a teacher-forced prefill (``distill.featurize``)."""
-    from dflash_mlx.loading import load_target
-    from dflash_mlx.target import TargetAdapter
+    from dflash_mlx.loading.loader import load_target
+    from dflash_mlx.model.target import TargetAdapter
     from dflash_mlx.train.common import default_layer_ids, default_target
     from dflash_mlx.train.distill import claim, featurize, write_shard
 
@@ -187,9 +187,9 @@ def train_round(work: Path, r: int, minutes: float, log=print) -> dict:
         the training summary (``train.drafter.train``), ``first`` being the shipped
         drafter's own held-out figures.
     """
-    from dflash_mlx.checkpoint import load_drafter
-    from dflash_mlx.draft_vocab import calibrated_vocab
-    from dflash_mlx.loading import load_target
+    from dflash_mlx.loading.loader import load_target
+    from dflash_mlx.model.checkpoint import load_drafter
+    from dflash_mlx.model.draft_vocab import calibrated_vocab
     from dflash_mlx.train.common import default_target
     from dflash_mlx.train.data import ShardSet
     from dflash_mlx.train.drafter import TrainConfig, train

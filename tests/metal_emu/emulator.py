@@ -1,7 +1,7 @@
 """Run an ``mx.fast.metal_kernel`` body on the CPU by compiling it as C++ with g++.
 
 ``EmulatedKernel`` has the same constructor and call signature as ``mx.fast.metal_kernel``,
-so the launch code in ``dflash_mlx.conv`` and ``dflash_mlx.selector`` can be pointed at it
+so the launch code in ``dflash_mlx.model.conv`` and ``dflash_mlx.model.selector`` can be pointed at it
 unchanged. The generated function signature follows MLX's rules (inputs by dtype, ``const
 constant T&`` for 0-d inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and thread
 attributes only when the source mentions them). The body is compiled against
@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -54,7 +53,7 @@ _UNSUPPORTED = re.compile(r"simd_|simdgroup|quad_|atomic|texture")
 _CONSTANT_LIMIT = 8  # MLX passes inputs with fewer elements in the constant address space
 
 
-def compiler() -> Optional[str]:
+def compiler() -> str | None:
     """Path of a usable C++ compiler (``$CXX``, g++ or c++), or None."""
     for name in (os.environ.get("CXX"), "g++", "c++"):
         if name and shutil.which(name):
@@ -232,7 +231,7 @@ class EmulatedKernel:
 
 def _strip_comments(code: str) -> str:
     """Source without // and /* */ comments (so a comment naming a feature is harmless)."""
-    return re.sub(r"//[^\n]*|/\*.*?\*/", "", code, flags=re.S)
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", code, flags=re.DOTALL)
 
 
 _FLAGS = ["-std=c++17", "-O1", "-Wno-attributes", "-ffp-contract=off"]

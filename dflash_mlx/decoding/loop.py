@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from . import draft_step
+from ..cpu import draft_step
 from .acceptance import SamplingParams, process_rows, sample_rows, target_probs
 from .lookup import FIXED_MIN_MATCH, Lookup
 from .propose import accept, copied_drafts, propose

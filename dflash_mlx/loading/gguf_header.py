@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 # GGUF value type -> byte size of the fixed-size scalars (8 = string, 9 = array).
 _VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}

@@ -8,10 +8,8 @@ which convolves the sublayer output. Taps never cross a block boundary.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
 from . import metal_kernel
 from .metal_kernel import KernelSpec
@@ -110,7 +108,7 @@ class TwoTapConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
         self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
 
-    def prepare(self, u: mx.array, block_size: int) -> Tuple[mx.array, mx.array]:
+    def prepare(self, u: mx.array, block_size: int) -> tuple[mx.array, mx.array]:
         """Convolve the normed sublayer input u [B, L, H] with side 0.
 
         Returns:

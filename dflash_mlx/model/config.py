@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 DFLASH2 = "DFlash2DraftModel"
 DFLASH1 = "DFlashDraftModel"
@@ -22,37 +22,37 @@ class DrafterArgs:
     num_attention_heads: int
     num_key_value_heads: int
     vocab_size: int
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     rms_norm_eps: float = 1e-6
-    num_target_layers: Optional[int] = None
+    num_target_layers: int | None = None
     max_position_embeddings: int = 262144
-    rope_theta: Optional[float] = None
-    rope_scaling: Optional[Dict[str, Any]] = None
-    rope_parameters: Optional[Dict[str, Any]] = None
-    sliding_window: Optional[int] = None
+    rope_theta: float | None = None
+    rope_scaling: dict[str, Any] | None = None
+    rope_parameters: dict[str, Any] | None = None
+    sliding_window: int | None = None
     use_sliding_window: bool = False
-    layer_types: Optional[List[str]] = None
-    architectures: List[str] = field(default_factory=lambda: [DFLASH2])
+    layer_types: list[str] | None = None
+    architectures: list[str] = field(default_factory=lambda: [DFLASH2])
     model_type: str = "qwen3"
     is_causal: bool = False
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
-    dflash_config: Dict[str, Any] = field(default_factory=dict)
+    dflash_config: dict[str, Any] = field(default_factory=dict)
     # Flattened from dflash_config (or older top-level keys):
     block_size: int = 16
     mask_token_id: int = 0
-    target_layer_ids: List[int] = field(default_factory=list)
+    target_layer_ids: list[int] = field(default_factory=list)
     conv_kernel_size: int = 2
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
     output_multiplier: float = 1.0
-    final_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: float | None = None
     input_embedding_scale: float = 1.0
-    draft_vocab_size: Optional[int] = None  # rows of the optional draft_vocab tensor
+    draft_vocab_size: int | None = None  # rows of the optional draft_vocab tensor
 
     @classmethod
-    def from_dict(cls, params: Dict[str, Any]) -> "DrafterArgs":
+    def from_dict(cls, params: dict[str, Any]) -> DrafterArgs:
         """Build from a config.json dict; unknown keys are ignored.
 
         Args:
@@ -110,7 +110,7 @@ class DrafterArgs:
         """G: number of channel groups that share one dynamic conv coefficient."""
         return self.hidden_size // self.conv_group_size
 
-    def window(self, layer: int) -> Optional[int]:
+    def window(self, layer: int) -> int | None:
         """Context rows a layer may see, or None when it sees them all."""
         if self.layer_types[layer] == "sliding_attention" and self.sliding_window:
             return self.sliding_window - 1

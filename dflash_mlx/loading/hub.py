@@ -14,11 +14,11 @@ from __future__ import annotations
 import fnmatch
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 OFFLINE_ENV = "HF_HUB_OFFLINE"
 OFFLINE_HELP = f"Use the local Hugging Face cache only (also {OFFLINE_ENV}=1)."
@@ -27,7 +27,7 @@ OFFLINE_HELP = f"Use the local Hugging Face cache only (also {OFFLINE_ENV}=1)."
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.py", "*.txt", "*.jinja", "*.model", "*.tiktoken"]
 
 
-def offline_mode(offline: Optional[bool] = None) -> bool:
+def offline_mode(offline: bool | None = None) -> bool:
     """Whether to stay off the network.
 
     Args:
@@ -69,7 +69,7 @@ def repo_folder(repo_id: str) -> Path:
     return cache_dir() / ("models--" + repo_id.replace("/", "--"))
 
 
-def cached_size(repo_id: str) -> Optional[int]:
+def cached_size(repo_id: str) -> int | None:
     """Bytes of a repo in the local cache (its blobs), or None when it has no snapshot."""
     folder = repo_folder(repo_id)
     snaps = folder / "snapshots"
@@ -92,7 +92,7 @@ def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def human_size(n: Optional[float]) -> str:
+def human_size(n: float | None) -> str:
     """1234567 -> '1.2 MB' (decimal units, like the Hub)."""
     if n is None:
         return "?"
@@ -124,7 +124,7 @@ class Plan:
     """What a download would fetch: (filename, size) per missing file."""
 
     repo_id: str
-    missing: List[Tuple[str, Optional[int]]] = field(default_factory=list)
+    missing: list[tuple[str, int | None]] = field(default_factory=list)
     total_files: int = 0
 
     @property
@@ -160,7 +160,7 @@ def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def cached(repo_id: str) -> Optional[Path]:
+def cached(repo_id: str) -> Path | None:
     """The cached snapshot of a repo, or None; never touches the network.
 
     Args:
@@ -189,9 +189,9 @@ def _not_cached(repo_id: str, what: str) -> DFlashError:
 def fetch(
     repo_id: str,
     what: str = "model",
-    offline: Optional[bool] = None,
+    offline: bool | None = None,
     quiet: bool = False,
-    log: Optional[Callable[[str], None]] = None,
+    log: Callable[[str], None] | None = None,
 ) -> Path:
     """The local snapshot of a Hub repo, downloading what is missing.
 

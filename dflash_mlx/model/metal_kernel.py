@@ -11,9 +11,9 @@ pure-MLX twins (for debugging).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 
@@ -29,18 +29,18 @@ class KernelSpec:
     """
 
     name: str
-    inputs: Tuple[str, ...]
-    outputs: Tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
 
 
-_cache: Dict[str, object] = {}
-_metal_available: Optional[bool] = None
+_cache: dict[str, object] = {}
+_metal_available: bool | None = None
 
 
 def source_dir() -> Path:
     """Folder of the ``.metal`` bodies: ``dflash_mlx/metal`` in a wheel, the top-level
     ``metal/`` of a checkout (editable install, PYTHONPATH)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # the dflash_mlx package
     for d in (here / "metal", here.parent / "metal"):
         if d.is_dir():
             return d
@@ -56,7 +56,7 @@ def source(name: str) -> str:
     return (source_dir() / f"{name}.metal").read_text()
 
 
-def build(spec: KernelSpec, factory: Optional[Callable] = None):
+def build(spec: KernelSpec, factory: Callable | None = None):
     """Create the kernel object of ``spec``.
 
     Args:

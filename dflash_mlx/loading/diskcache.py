@@ -18,10 +18,10 @@ import platform
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
-from .cachedir import ENV_DIR, ENV_OFF, cache_dir, enabled  # noqa: F401  (the public names)
+from .cachedir import ENV_DIR, ENV_OFF, cache_dir, enabled
 
 MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
@@ -32,7 +32,7 @@ GGUF_LAYOUT = "f16+tokenizer.json"  # what an entry holds; a new layout makes ne
 def identity(*paths, tag: str = "") -> str:
     """A short key for files (or folders: their files) as they are now: path, size, mtime
     of each, the package version and tag (the layout of the entry)."""
-    parts = [sys.modules[__package__].__version__, tag]  # the package is loaded: no cycle
+    parts = [sys.modules["dflash_mlx"].__version__, tag]  # the package is loaded: no cycle
     for p in map(Path, paths):
         files = sorted(f for f in p.iterdir() if f.is_file()) if p.is_dir() else [p]
         for f in files:
@@ -41,7 +41,7 @@ def identity(*paths, tag: str = "") -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
-def read_json(path: Path) -> Optional[dict]:
+def read_json(path: Path) -> dict | None:
     """The JSON object in path, or None when it is missing or unreadable."""
     try:
         obj = json.loads(path.read_text())
@@ -75,7 +75,7 @@ def write_json(path: Path, obj: dict) -> bool:
 # ------------------------------------------------------------------ GGUF weights
 
 
-def gguf_entry(path) -> Optional[Path]:
+def gguf_entry(path) -> Path | None:
     """The cache folder of a GGUF file's dequantized weights, or None with caching off."""
     if not enabled():
         return None
@@ -85,7 +85,7 @@ def gguf_entry(path) -> Optional[Path]:
         return None
 
 
-def load_weights(entry: Optional[Path]):
+def load_weights(entry: Path | None):
     """(weights dict, config dict, tokenizer metadata) cached in entry (with its
     tokenizer.json beside them), or None."""
     if entry is None:
@@ -103,7 +103,7 @@ def load_weights(entry: Optional[Path]):
 
 
 def save_weights(
-    entry: Optional[Path],
+    entry: Path | None,
     weights: dict,
     config: dict,
     tok_meta: dict,
@@ -173,8 +173,8 @@ def _cpu_model() -> str:
 def _machine() -> str:
     import mlx.core as mx
 
-    from . import exact_ops, small_gemm
-    from .blas import _loaded
+    from ..cpu import exact_ops, small_gemm
+    from ..cpu.blas import _loaded
 
     return "|".join(
         [platform.node(), platform.machine(), _cpu_model(), str(os.cpu_count())]
@@ -186,7 +186,7 @@ def _machine() -> str:
 WARM_UP_VERSION = 3  # how ``warmup.warm_up`` times: tables of another version are re-measured
 
 
-def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Optional[Path]:
+def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Path | None:
     """Where the warm-up costs of this pair on this machine are kept, or None.
 
     Args:
@@ -207,8 +207,8 @@ def warm_up(pair) -> None:
     """Set ``pair.tuning`` from the stored step costs of this pair on this machine, or
     measure them (``warmup.warm_up``) and store them; stored costs older than a week are
     measured afresh. The costs steer only the block schedule, never the tokens."""
-    from .warmup import warm_up as measure
-    from .schedule import CostTable, Tuning
+    from ..decoding.schedule import CostTable, Tuning
+    from ..decoding.warmup import warm_up as measure
 
     head = getattr(pair, "draft_head", None)
     path = costs_file(pair.target_path, pair.drafter_path, "" if head is None else str(head.size))

@@ -13,16 +13,17 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING
 
+from ..errors import DFlashError, IncompatibleDrafterError
+from ..model.config import check_target_config
 from . import hub, registry
-from .config import check_target_config
-from .errors import DFlashError, IncompatibleDrafterError
 
 if TYPE_CHECKING:
-    from .state import DFlashModel
+    from ..decoding.state import DFlashModel
 
 DFLASH_JSON = "dflash.json"
 
@@ -38,11 +39,11 @@ class Resolved:
     """
 
     target: str
-    drafters: List[str]
+    drafters: list[str]
     display_name: str
-    entry: Optional[registry.Entry] = None
-    block_size: Optional[int] = None
-    notes: List[str] = field(default_factory=list)
+    entry: registry.Entry | None = None
+    block_size: int | None = None
+    notes: list[str] = field(default_factory=list)
 
 
 def _missing_path(name: str, what: str) -> DFlashError:
@@ -60,7 +61,7 @@ def _is_gguf(p: Path) -> bool:
     return p.suffix.lower() == ".gguf" and not p.is_dir()
 
 
-def read_dflash_json(directory: Path) -> Optional[str]:
+def read_dflash_json(directory: Path) -> str | None:
     """The drafter named by ``directory/dflash.json`` (``{"dflash_drafter": "<dir>"}``,
     relative to directory), or None when there is no such file.
 
@@ -90,7 +91,7 @@ def _installed(path: Path) -> bool:
     return path.is_dir() and any(path.glob("*.safetensors"))
 
 
-def _resolve_alias(entry: registry.Entry, drafter: Optional[str], quant: Optional[str]):
+def _resolve_alias(entry: registry.Entry, drafter: str | None, quant: str | None):
     if entry.local:
         if quant is not None:
             raise DFlashError(f"--quant does not apply to the {entry.alias} model; drop it")
@@ -111,7 +112,7 @@ def _resolve_alias(entry: registry.Entry, drafter: Optional[str], quant: Optiona
     return Resolved(entry.target(quant), drafters, entry.alias, entry, entry.block_size)
 
 
-def _resolve_target(model: str) -> Tuple[str, str]:
+def _resolve_target(model: str) -> tuple[str, str]:
     """(target, display name) for a Hub id, a directory or a .gguf file."""
     p = Path(os.path.expanduser(model))
     if p.is_dir():
@@ -132,7 +133,7 @@ def _resolve_target(model: str) -> Tuple[str, str]:
     )
 
 
-def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = None) -> Resolved:
+def resolve(model: str, drafter: str | None = None, quant: str | None = None) -> Resolved:
     """Turn a model name, a drafter and a quantisation into a target and an ordered list of
     drafters (no I/O on the Hub).
 
@@ -177,7 +178,7 @@ def resolve(model: str, drafter: Optional[str] = None, quant: Optional[str] = No
     return Resolved(target, drafters, display, match, match.block_size if match else None)
 
 
-def locate(name: str, what: str, offline: Optional[bool], quiet: bool, log) -> Path:
+def locate(name: str, what: str, offline: bool | None, quiet: bool, log) -> Path:
     """A local path for a directory, a ``.gguf`` target or a Hub id (fetched if needed).
 
     Args:
@@ -194,7 +195,7 @@ def locate(name: str, what: str, offline: Optional[bool], quiet: bool, log) -> P
     return hub.fetch(str(name), what, offline=offline, quiet=quiet, log=log)
 
 
-def _locate_drafter(names: List[str], offline, quiet, log) -> Tuple[str, Path]:
+def _locate_drafter(names: list[str], offline, quiet, log) -> tuple[str, Path]:
     """The first drafter that can be found or fetched: (its name, its directory)."""
     errors = []
     for name in names:
@@ -238,14 +239,14 @@ def check_compatible(adapter, drafter, drafter_name: str = "drafter") -> None:
         )
 
 
-def _notices(quiet: bool, log: Optional[Callable[[str], None]]):
+def _notices(quiet: bool, log: Callable[[str], None] | None):
     """Where one-time notices go: log, else stderr; nowhere when quiet."""
     if quiet:
         return None
     return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
-def _load_target(path: Path, name: str, tokenizer_config: Optional[dict], log=None):
+def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None):
     """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
     if _is_gguf(path):
         from .gguf import load_gguf
@@ -275,7 +276,7 @@ def _load_target(path: Path, name: str, tokenizer_config: Optional[dict], log=No
         ) from None
 
 
-def load_target(model: str, offline: Optional[bool] = None, quiet: bool = False):
+def load_target(model: str, offline: bool | None = None, quiet: bool = False):
     """Only the target (no drafter): for training a drafter, or plain mlx-lm decoding.
 
     Args:
@@ -301,16 +302,16 @@ def _target_dtype(model):
 
 def load(
     model: str,
-    drafter: Optional[str] = None,
+    drafter: str | None = None,
     *,
-    quant: Optional[str] = None,
-    offline: Optional[bool] = None,
+    quant: str | None = None,
+    offline: bool | None = None,
     quiet: bool = False,
-    log: Optional[Callable[[str], None]] = None,
-    tokenizer_config: Optional[dict] = None,
+    log: Callable[[str], None] | None = None,
+    tokenizer_config: dict | None = None,
     warmup: bool = True,
-    draft_vocab: Optional[int] = None,
-) -> Tuple["DFlashModel", object]:
+    draft_vocab: int | None = None,
+) -> tuple[DFlashModel, object]:
     """Load a target model and its DFlash drafter, and time a few decode steps for the
     ``block_size="auto"`` scheduler.
 
@@ -338,10 +339,10 @@ def load(
     Raises:
         DFlashError: one line naming the problem and the fix.
     """
-    from .checkpoint import load_drafter
+    from ..decoding.state import DFlashModel
+    from ..model.checkpoint import load_drafter
+    from ..model.target import TargetAdapter
     from .diskcache import warm_up
-    from .state import DFlashModel
-    from .target import TargetAdapter
 
     res = resolve(model, drafter, quant)
     offline = hub.offline_mode(offline)
@@ -361,16 +362,16 @@ def load(
     return pair, tokenizer
 
 
-def set_draft_vocab(pair, tokenizer, n: Optional[int]) -> None:
+def set_draft_vocab(pair, tokenizer, n: int | None) -> None:
     """Give the pair the draft vocabulary ``load(draft_vocab=n)`` asks for.
 
     Args:
         pair: the loaded DFlashModel. tokenizer: its tokenizer (for the merge ranks).
         n: None (the checkpoint's own), 0 (the full vocabulary) or a size.
     """
-    from .draft_vocab import DraftHead, ranked_vocab
-    from .fastmath import on_cpu
-    from .half_weights import register_drafter
+    from ..cpu.fastmath import on_cpu
+    from ..cpu.half_weights import register_drafter
+    from ..model.draft_vocab import DraftHead, ranked_vocab
 
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
         raise DFlashError(f"draft_vocab must be None, 0 or a positive integer (got {n!r})")

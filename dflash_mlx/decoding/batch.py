@@ -15,15 +15,14 @@ into the batch between cycles; finished rows are filtered out between cycles.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ..model.drafter import embed_block
 from .acceptance import SamplingParams
-from .decode import Cycle, prefill, prefill_chunk
-from .drafter import embed_block
 from .lookup import FIXED_MIN_MATCH, Lookup
+from .loop import Cycle, prefill, prefill_chunk
 from .propose import accept, copied_drafts, propose
 from .state import DFlashModel, PromptCache
 
@@ -43,18 +42,18 @@ class Row:
     """
 
     uid: int
-    prompt: List[int]
+    prompt: list[int]
     params: SamplingParams
     max_tokens: int
-    block: Optional[int]
+    block: int | None
     use_selector: bool
     key: mx.array
     lookup: bool = True
-    history: List[int] = field(default_factory=list)
+    history: list[int] = field(default_factory=list)
     generated: int = 0
     prefilled: int = -1  # prompt tokens in the joining cache; -1 before the first chunk
     reused: int = 0  # prompt tokens the joining cache already held
-    index: Optional[Lookup] = None  # the n-gram index of history, when lookup is on
+    index: Lookup | None = None  # the n-gram index of history, when lookup is on
 
 
 def _as_kv(keys, values, n) -> KVCache:
@@ -64,7 +63,7 @@ def _as_kv(keys, values, n) -> KVCache:
     return c
 
 
-def _extend(batch: Optional[list], single: list) -> list:
+def _extend(batch: list | None, single: list) -> list:
     """Append one merged row to each layer's batch cache (or start the batch)."""
     merged = [BatchKVCache.merge([c]) for c in single]
     if batch is None:
@@ -74,7 +73,7 @@ def _extend(batch: Optional[list], single: list) -> list:
     return batch
 
 
-def _shift(caches: list, pad: List[int]) -> None:
+def _shift(caches: list, pad: list[int]) -> None:
     """Move row i's last pad[i] entries out past the write index (their left padding grows)."""
     for c in caches:
         c.prepare(right_padding=pad)
@@ -95,10 +94,10 @@ class BatchDecoder:
             raise ValueError("hybrid (recurrent) targets are decoded one request at a time")
         self.model, self.block = model, block_size
         self.step_size = prefill_chunk(prefill_step_size)
-        self.rows: List[Row] = []
-        self.target: Optional[list] = None  # BatchKVCache per target layer
-        self.context: Optional[list] = None  # BatchKVCache per drafter layer
-        self.joining: List[Tuple[Row, PromptCache]] = []
+        self.rows: list[Row] = []
+        self.target: list | None = None  # BatchKVCache per target layer
+        self.context: list | None = None  # BatchKVCache per drafter layer
+        self.joining: list[tuple[Row, PromptCache]] = []
         self.cycles = 0
         args = model.drafter.args
         windows = {args.window(i) for i in range(args.num_hidden_layers)}
@@ -106,11 +105,11 @@ class BatchDecoder:
         self.window = windows.pop() if len(windows) == 1 else None
 
     # -- rows joining and leaving ----------------------------------------------------
-    def join(self, row: Row, cache: Optional[PromptCache] = None) -> None:
+    def join(self, row: Row, cache: PromptCache | None = None) -> None:
         """Queue a row for prefill; ``cache`` (e.g. a server's shared one) lends its prefix."""
         self.joining.append((row, cache if cache is not None else self.model.make_cache()))
 
-    def prefill_step(self) -> Optional[Tuple[Row, Cycle]]:
+    def prefill_step(self) -> tuple[Row, Cycle] | None:
         """Run one prefill chunk of the first joining row; when its prompt is done, merge it
         into the batch and return (row, the Cycle holding its first token)."""
         if not self.joining:
@@ -160,7 +159,7 @@ class BatchDecoder:
         return len(self.rows)
 
     # -- one cycle for every decoding row --------------------------------------------
-    def step(self, block: Optional[int] = None) -> List[Tuple[Row, Cycle]]:
+    def step(self, block: int | None = None) -> list[tuple[Row, Cycle]]:
         """One draft - verify - accept cycle for all decoding rows (one host sync).
 
         Args:
@@ -246,7 +245,7 @@ class BatchDecoder:
             )
         return [d for d, _ in out], [q for _, q in out]
 
-    def _context_mask(self, L: int) -> Optional[mx.array]:
+    def _context_mask(self, L: int) -> mx.array | None:
         """[B, 1, L, C + L] bool: each block sees its own context rows (the last ``window``
         of them on sliding layers; both demo layers slide alike) and its whole block."""
         c = self.context[0]
@@ -260,7 +259,7 @@ class BatchDecoder:
         ok = mx.concatenate([ok, mx.ones((ok.shape[0], L), dtype=mx.bool_)], axis=1)
         return ok[:, None, None, :]
 
-    def _rollback(self, L: int, kept: List[int], feats: mx.array) -> None:
+    def _rollback(self, L: int, kept: list[int], feats: mx.array) -> None:
         """Keep the first kept[i] of the L tokens just fed, per row, in both models' caches."""
         m = max(kept)
         pad = [m - k for k in kept]
@@ -288,7 +287,7 @@ class BatchDecoder:
                 c.left_padding = mx.maximum(c.left_padding - cut, 0)
 
 
-def _pad(rows: List[mx.array], n: int) -> mx.array:
+def _pad(rows: list[mx.array], n: int) -> mx.array:
     """Stack 1-D uint32 rows, right-padded with zeros to n -> [B, n]."""
     out = [mx.concatenate([r, mx.zeros((n - r.shape[0],), mx.uint32)]) for r in rows]
     return mx.stack(out) if n else mx.zeros((len(rows), 0), mx.uint32)

@@ -13,8 +13,9 @@ import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
-from . import exact_ops, fastmath, tree
-from .errors import UnsupportedModelError
+from ..cpu import exact_ops, fastmath
+from ..decoding import tree
+from ..errors import UnsupportedModelError
 
 # Architectures whose attention takes positions from ``cache.offset`` and its mask from
 # ``make_mask`` of the first layer's cache: they can verify a tree (``tree.py``).

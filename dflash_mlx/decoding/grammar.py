@@ -16,25 +16,25 @@ from __future__ import annotations
 
 import json
 import weakref
-from typing import Any, List, Optional
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 # JSON as json.dumps writes it: one space after ':' and ','; no free whitespace, which a small
 # model would otherwise fill with newlines.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
-_tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class GrammarError(DFlashError):
     """A grammar or JSON schema that cannot be compiled (the message says why)."""
 
 
-def ll_tokenizer(tokenizer, vocab_size: int, eos: Optional[List[int]] = None):
+def ll_tokenizer(tokenizer, vocab_size: int, eos: list[int] | None = None):
     """The llguidance view of a tokenizer, built once per tokenizer (about a second).
 
     Args:
@@ -147,10 +147,10 @@ class GrammarProcessor:
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
         if self.matcher.is_error():
             raise GrammarError(self.matcher.get_error().strip().splitlines()[0])
-        self.base: Optional[int] = None
-        self.consumed: List[int] = []  # answer tokens the matcher has consumed
+        self.base: int | None = None
+        self.consumed: list[int] = []  # answer tokens the matcher has consumed
 
-    def _sync(self, answer: List[int]) -> bool:
+    def _sync(self, answer: list[int]) -> bool:
         """Move the matcher to the state after ``answer``; False if the grammar forbids it
         (the matcher then stays at its longest allowed prefix)."""
         have = self.consumed

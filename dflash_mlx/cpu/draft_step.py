@@ -17,9 +17,9 @@ from functools import partial
 
 import mlx.core as mx
 
+from ..model.conv import TwoTapConv
+from ..model.drafter import ContextCache, DecoderLayer, DFlashDrafter, attention
 from . import fastmath
-from .conv import TwoTapConv
-from .drafter import ContextCache, DecoderLayer, DFlashDrafter, attention
 
 
 def _conv(conv: TwoTapConv, x: mx.array, side: int, dyn: mx.array) -> mx.array:

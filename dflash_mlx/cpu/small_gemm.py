@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from . import cachedir
+from ..loading import cachedir
 
 ENV = "DFLASH_SMALL_GEMM"
 MAX_ROWS = 16  # decode widths (block <= 16); more rows (prefill) go to the BLAS behind it
@@ -40,12 +40,11 @@ _state: dict = {"path": None, "error": None, "lib": None, "split": False}
 
 
 def source_path() -> Path:
-    """``cpu/small_gemm.c``: ``dflash_mlx/cpu`` in a wheel, the top-level ``cpu/`` of a checkout."""
-    here = Path(__file__).resolve().parent
-    for d in (here / "cpu", here.parent / "cpu"):
-        if (d / "small_gemm.c").is_file():
-            return d / "small_gemm.c"
-    raise FileNotFoundError(f"no cpu/small_gemm.c next to {here}; reinstall dflash-mlx")
+    """``dflash_mlx/cpu/csrc/small_gemm.c`` (package data, beside the other C sources)."""
+    src = Path(__file__).resolve().parent / "csrc" / "small_gemm.c"
+    if not src.is_file():
+        raise FileNotFoundError(f"no {src}; reinstall dflash-mlx")
+    return src
 
 
 def _cpu_flags() -> str:

@@ -8,7 +8,7 @@ import time
 
 import mlx.core as mx
 
-from . import decode
+from . import loop as decode
 from .acceptance import SamplingParams
 from .schedule import CostTable, Tuning
 from .state import DFlashModel

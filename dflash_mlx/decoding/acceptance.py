@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from . import fastmath
+from ..cpu import fastmath
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 MIN_TEMPERATURE = 1e-5  # a lower temperature samples as temperature 0 (greedy)

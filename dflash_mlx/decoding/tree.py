@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..model.selector import top_candidates
 from .acceptance import accept_greedy, accept_sampled, sample_rows, target_probs
-from .selector import top_candidates
 
 MAX_SIBLINGS = 3  # past 3 (Recall@4), each more sibling catches under 2% of the misses
 SIBLING_PRIOR = 0.08  # share of the path's first-token misses caught per sibling, a priori

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import cachedir, small_gemm
+from ..loading import cachedir
+from . import small_gemm
 
 ENV = "DFLASH_EXACT_OPS"
 MODULE = "_dflash_exact_ops"

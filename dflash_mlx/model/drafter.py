@@ -16,7 +16,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import fastmath
+from ..cpu import fastmath
 from .config import DrafterArgs
 from .conv import TwoTapConv
 from .selector import PathSelector

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import fastmath
+from ..cpu import fastmath
 from .acceptance import (
     accept_greedy,
     accept_sampled,

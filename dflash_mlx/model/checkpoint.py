@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from ..errors import DFlashError
 from .config import DFLASH1, DFLASH2, DrafterArgs
 from .draft_vocab import TENSOR as DRAFT_VOCAB
 from .draft_vocab import check_ids
 from .drafter import DFlashDrafter
-from .errors import DFlashError
 
 
 def drafter_config(
@@ -30,12 +30,12 @@ def drafter_config(
     mask_token_id: int,
     block_size: int = 8,
     num_hidden_layers: int = 1,
-    intermediate_size: Optional[int] = None,
+    intermediate_size: int | None = None,
     num_attention_heads: int = 4,
     num_key_value_heads: int = 2,
-    head_dim: Optional[int] = None,
+    head_dim: int | None = None,
     dflash2: bool = True,
-    sliding_window: Optional[int] = 2048,
+    sliding_window: int | None = 2048,
     rope_theta: float = 10000.0,
     rms_norm_eps: float = 1e-6,
     conv_kernel_size: int = 2,
@@ -43,7 +43,7 @@ def drafter_config(
     selector_rank: int = 256,
     selector_top_k: int = 16,
     **extra_dflash: Any,
-) -> Dict[str, Any]:
+) -> dict[str, Any]:
     """A config.json dict laid out like the released checkpoints.
 
     Args:
@@ -89,7 +89,7 @@ def drafter_config(
     }
 
 
-def random_drafter(config: Dict[str, Any], seed: int = 0, scale: float = 1.0) -> DFlashDrafter:
+def random_drafter(config: dict[str, Any], seed: int = 0, scale: float = 1.0) -> DFlashDrafter:
     """A drafter with random weights, including non-trivial conv and selector tensors.
 
     Args:
@@ -113,7 +113,7 @@ def random_drafter(config: Dict[str, Any], seed: int = 0, scale: float = 1.0) ->
     return model
 
 
-def save_drafter(path, model: DFlashDrafter, config: Dict[str, Any], draft_vocab=None) -> Path:
+def save_drafter(path, model: DFlashDrafter, config: dict[str, Any], draft_vocab=None) -> Path:
     """Write config.json and model.safetensors (bf16, released tensor names) to path.
 
     Args:
@@ -137,7 +137,7 @@ def save_drafter(path, model: DFlashDrafter, config: Dict[str, Any], draft_vocab
     return path
 
 
-def load_drafter(path, dtype: Optional[mx.Dtype] = None) -> DFlashDrafter:
+def load_drafter(path, dtype: mx.Dtype | None = None) -> DFlashDrafter:
     """Load a drafter directory (config.json + *.safetensors), checking every tensor.
 
     Args:

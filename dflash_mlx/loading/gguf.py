@@ -10,10 +10,10 @@ GGUF stores Q/K rows for the interleaved ("traditional") RoPE layout, hence
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .gguf_header import check_header
 
 GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 blocks hold 32 weights
@@ -67,7 +67,7 @@ def model_config(meta: dict) -> dict:
     missing = [k for k in need if f"{arch}.{k}" not in meta]
     if missing:
         raise DFlashError(f"GGUF metadata lacks {arch}.{missing[0]}; the file is incomplete")
-    g = lambda k, d=None: _scalar(meta, f"{arch}.{k}", d)  # noqa: E731
+    g = lambda k, d=None: _scalar(meta, f"{arch}.{k}", d)
     for key in need + ["attention.head_count_kv", "rope.dimension_count", "context_length"]:
         v = g(key)
         if v is not None and (isinstance(v, (bool, str)) or not isinstance(v, int) or v < 1):
@@ -104,7 +104,7 @@ def model_config(meta: dict) -> dict:
     }
 
 
-def _rename(name: str) -> Optional[str]:
+def _rename(name: str) -> str | None:
     """GGUF tensor name (without .weight/.scales/.biases) -> mlx-lm module path."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
@@ -114,7 +114,7 @@ def _rename(name: str) -> Optional[str]:
     return None
 
 
-def convert_weights(raw: Dict, dequantize: bool) -> Tuple[Dict, Dict]:
+def convert_weights(raw: dict, dequantize: bool) -> tuple[dict, dict]:
     """Rename GGUF tensors; dequantize them or keep them quantized.
 
     Args:
@@ -148,7 +148,7 @@ def convert_weights(raw: Dict, dequantize: bool) -> Tuple[Dict, Dict]:
     return out, bits
 
 
-def build_tokenizer(meta: dict, tokenizer_file: Optional[Path] = None):
+def build_tokenizer(meta: dict, tokenizer_file: Path | None = None):
     """A fast byte-level BPE tokenizer (transformers + mlx-lm wrapper) from GGUF metadata.
 
     Args:
@@ -214,7 +214,7 @@ def _bpe(meta: dict, tokens: list, pre):
     return tok
 
 
-def load_gguf(path, dtype: Optional[str] = None, log: Optional[Callable[[str], None]] = None):
+def load_gguf(path, dtype: str | None = None, log: Callable[[str], None] | None = None):
     """Load a llama-family GGUF file as (mlx-lm model, TokenizerWrapper, config dict).
 
     The dequantized weights and the tokenizer of the CPU path are cached on disk
@@ -249,7 +249,7 @@ def load_gguf(path, dtype: Optional[str] = None, log: Optional[Callable[[str], N
         try:
             tokenizer = build_tokenizer(meta, entry / "tokenizer.json")
             return _build(config, weights, {}, dtype), tokenizer, config
-        except Exception:  # noqa: BLE001 - a stale or damaged entry of any kind: rebuild it
+        except Exception:
             pass
     raw, meta = _read(path)
     config = model_config(meta)
@@ -287,10 +287,10 @@ def tokenizer_meta(meta: dict) -> dict:
     return out
 
 
-def _build(config: dict, weights: dict, bits: dict, dtype: Optional[str]):
+def _build(config: dict, weights: dict, bits: dict, dtype: str | None):
     """The mlx-lm llama model of a config with its weights loaded (strictly)."""
     import mlx.core as mx
-    import mlx.nn as nn
+    from mlx import nn
     from mlx_lm.models import llama
 
     model = llama.Model(llama.ModelArgs.from_dict(config))

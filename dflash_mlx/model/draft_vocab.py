@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 
-from .errors import DFlashError
+from ..errors import DFlashError
 from .target import TargetAdapter, _text_model
 
 TENSOR = "draft_vocab"  # optional checkpoint tensor: sorted int32 target ids

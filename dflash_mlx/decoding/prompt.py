@@ -11,10 +11,10 @@ import json
 import logging
 import sys
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
-from .errors import ContextLengthError, DFlashError
+from ..errors import ContextLengthError, DFlashError
 
 # We check prompts against the context ourselves, in one line; transformers' own warning
 # about long sequences would be a second, misleading one ("will result in indexing errors").
@@ -24,8 +24,8 @@ CHATML = ("<|im_start|>", "<|im_end|>")
 PLAIN_ROLES = {"system": "System", "user": "User", "assistant": "Assistant", "tool": "Tool"}
 PLAIN_STOPS = ["\nUser:"]
 
-_vocab_cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_noticed: "weakref.WeakSet" = weakref.WeakSet()
+_vocab_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_noticed: weakref.WeakSet = weakref.WeakSet()
 
 
 # ----------------------------------------------------------------------------- valid text
@@ -55,7 +55,7 @@ def check_text(text: str, what: str = "the prompt", fix: str = "") -> None:
 # ----------------------------------------------------------------------------- the context
 
 
-def context_length(model) -> Optional[int]:
+def context_length(model) -> int | None:
     """The target's context in tokens: ``max_position_embeddings`` of its config (a GGUF's
     ``context_length`` lands there when it is loaded), or None when the config has none.
 
@@ -84,7 +84,7 @@ def context_length(model) -> Optional[int]:
     return v if isinstance(v, int) and v > 0 else None
 
 
-def _vocab(tokenizer) -> Dict[str, int]:
+def _vocab(tokenizer) -> dict[str, int]:
     return _vocab_and_longest(tokenizer)[0]
 
 
@@ -96,7 +96,7 @@ def _vocab_and_longest(tokenizer):
         pass
     try:
         vocab = dict(tokenizer.get_vocab())
-    except Exception:  # noqa: BLE001 - an exotic tokenizer: no vocabulary, no shortcuts
+    except Exception:
         vocab = {}
     found = (vocab, max(map(len, vocab), default=0))
     try:
@@ -106,7 +106,7 @@ def _vocab_and_longest(tokenizer):
     return found
 
 
-def check_chars(tokenizer, chars: int, context: Optional[int]) -> None:
+def check_chars(tokenizer, chars: int, context: int | None) -> None:
     """Refuse text far too long for the context without tokenizing it (which takes a while
     for megabytes): no token spans more characters than the vocabulary's longest entry.
 
@@ -128,7 +128,7 @@ def check_chars(tokenizer, chars: int, context: Optional[int]) -> None:
         )
 
 
-def check_prompt(tokenizer, prompt, system: Optional[str], context: Optional[int]) -> None:
+def check_prompt(tokenizer, prompt, system: str | None, context: int | None) -> None:
     """Check a prompt before tokenizing it: valid UTF-8 everywhere, not far too long.
 
     Args:
@@ -149,7 +149,7 @@ def check_prompt(tokenizer, prompt, system: Optional[str], context: Optional[int
     check_chars(tokenizer, sum(len(t) for _, t in texts), context)
 
 
-def check_fits(n_tokens: int, context: Optional[int]) -> None:
+def check_fits(n_tokens: int, context: int | None) -> None:
     """Refuse a prompt that leaves no room in the context for a single generated token.
 
     Args:
@@ -165,7 +165,7 @@ def check_fits(n_tokens: int, context: Optional[int]) -> None:
         )
 
 
-def room(n_tokens: int, max_tokens: int, context: Optional[int]) -> int:
+def room(n_tokens: int, max_tokens: int, context: int | None) -> int:
     """max_tokens, clamped to what the context leaves after a prompt of n_tokens.
 
     Args:
@@ -183,7 +183,7 @@ def has_chat_template(tokenizer) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
-def default_format(tokenizer) -> Optional[str]:
+def default_format(tokenizer) -> str | None:
     """The default chat format for a tokenizer without a template: "chatml" when it has the
     ``<|im_start|>`` / ``<|im_end|>`` tokens, else "plain"; None when it has a template."""
     if has_chat_template(tokenizer):
@@ -192,7 +192,7 @@ def default_format(tokenizer) -> Optional[str]:
     return "chatml" if all(t in vocab for t in CHATML) else "plain"
 
 
-def default_stops(tokenizer) -> List[str]:
+def default_stops(tokenizer) -> list[str]:
     """Stop strings that end an answer in the default format (the next "User:" line of the
     plain format; ChatML ends with its ``<|im_end|>`` token, see ``end_of_turn_ids``)."""
     return list(PLAIN_STOPS) if default_format(tokenizer) == "plain" else []
@@ -232,7 +232,7 @@ def _seen(tokenizer) -> bool:
     return False
 
 
-def chat_ids(tokenizer, messages: Sequence[Dict[str, str]], tools=None) -> List[int]:
+def chat_ids(tokenizer, messages: Sequence[dict[str, str]], tools=None) -> list[int]:
     """Ids of a conversation ready for the assistant's answer: the tokenizer's chat
     template, or the default format (with a one-time notice) when it has none.
 
@@ -245,11 +245,11 @@ def chat_ids(tokenizer, messages: Sequence[Dict[str, str]], tools=None) -> List[
         ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kw)
         return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
     notice_default_format(tokenizer)
-    enc = lambda s: list(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    enc = lambda s: list(tokenizer.encode(s, add_special_tokens=False))
     if default_format(tokenizer) == "chatml":
         # Special ids placed directly: right even where the tokenizer would split their text.
         start, end = (_vocab(tokenizer)[t] for t in CHATML)
-        ids: List[int] = []
+        ids: list[int] = []
         for m in messages:
             ids += [start] + enc(f"{m['role']}\n{m['content']}") + [end] + enc("\n")
         return ids + [start] + enc("assistant\n")
@@ -259,7 +259,7 @@ def chat_ids(tokenizer, messages: Sequence[Dict[str, str]], tools=None) -> List[
     return list(tokenizer.encode(text + "Assistant:"))
 
 
-def with_default_stops(stop, tokenizer) -> Optional[List[str]]:
+def with_default_stops(stop, tokenizer) -> list[str] | None:
     """A ``stop`` setting plus the default format's own stop strings (for chat prompts).
 
     Args:

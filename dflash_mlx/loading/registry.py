@@ -14,9 +14,8 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 DEMO_ENV = "DFLASH_DEMO_DIR"
 
@@ -37,8 +36,8 @@ class Entry:
     """
 
     alias: str
-    targets: Dict[str, str]
-    drafters: Tuple[str, ...]
+    targets: dict[str, str]
+    drafters: tuple[str, ...]
     block_size: int
     kind: str = "DFlash 2"
     note: str = ""
@@ -49,7 +48,7 @@ class Entry:
     def default_quant(self) -> str:
         return next(iter(self.targets))
 
-    def target(self, quant: Optional[str] = None) -> str:
+    def target(self, quant: str | None = None) -> str:
         """The target for a quantisation (default: the first listed)."""
         if quant is None:
             return self.targets[self.default_quant]
@@ -62,11 +61,11 @@ class Entry:
         return self.targets[q]
 
 
-def _mlx(name: str, quants=("4bit", "8bit", "bf16")) -> Dict[str, str]:
+def _mlx(name: str, quants=("4bit", "8bit", "bf16")) -> dict[str, str]:
     return {q: f"mlx-community/{name}-{q}" for q in quants}
 
 
-ENTRIES: List[Entry] = [
+ENTRIES: list[Entry] = [
     Entry(
         "Qwen3.8-27B",
         _mlx("Qwen3.8-27B", ("4bit", "8bit", "bf16", "mxfp8")),
@@ -110,7 +109,7 @@ def demo_dir() -> Path:
     a ``target/`` directory (or ``target.gguf``).
     """
     env = os.environ.get(DEMO_ENV)
-    return Path(env) if env else Path(__file__).parent / "demo"
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "demo"
 
 
 def demo_entry() -> Entry:
@@ -142,12 +141,12 @@ def demo_entry() -> Entry:
     )
 
 
-def entries() -> List[Entry]:
+def entries() -> list[Entry]:
     """All registry entries, the demo pair first."""
     return [demo_entry()] + ENTRIES
 
 
-def find(alias: str) -> Optional[Entry]:
+def find(alias: str) -> Entry | None:
     """The entry for an alias (case-insensitive), or None."""
     key = alias.strip().lower()
     for e in entries():
@@ -156,7 +155,7 @@ def find(alias: str) -> Optional[Entry]:
     return None
 
 
-def suggest(name: str, n: int = 3) -> List[str]:
+def suggest(name: str, n: int = 3) -> list[str]:
     """Aliases nearest to name (case-insensitive), best first."""
     aliases = {e.alias.lower(): e.alias for e in entries()}
     key = name.strip().lower().split("/")[-1]
@@ -170,7 +169,7 @@ def suggest(name: str, n: int = 3) -> List[str]:
 
 
 _QUANT_SUFFIX = re.compile(
-    r"[-_](\d+bit|bf16|fp16|f16|f32|fp32|mxfp[48]|nvfp4|dwq|mlx|awq|gptq)(\b.*)?$", re.I
+    r"[-_](\d+bit|bf16|fp16|f16|f32|fp32|mxfp[48]|nvfp4|dwq|mlx|awq|gptq)(\b.*)?$", re.IGNORECASE
 )
 
 
@@ -188,7 +187,7 @@ def repo_name(model: str) -> str:
     return p.name or model
 
 
-def entry_for_target(model: str) -> Optional[Entry]:
+def entry_for_target(model: str) -> Entry | None:
     """The registry entry whose target has the same name as model (quant suffix ignored)."""
     name = _strip_quant(repo_name(model)).lower()
     for e in ENTRIES:

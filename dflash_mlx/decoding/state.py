@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
-from .drafter import ContextCache, DFlashDrafter, embed_block
-from .target import TargetAdapter
+from ..model.drafter import ContextCache, DFlashDrafter, embed_block
+from ..model.target import TargetAdapter
 
 
 @dataclass
@@ -30,9 +29,9 @@ class DFlashModel:
     drafter_path: str = ""
     name: str = ""
     # Costs measured here and acceptance priors for block_size="auto" (schedule.Tuning).
-    tuning: Optional[object] = None
+    tuning: object | None = None
     # The LM head over the drafter's draft vocabulary (draft_vocab.DraftHead), or None.
-    draft_head: Optional[object] = None
+    draft_head: object | None = None
 
     @property
     def block_size(self) -> int:
@@ -57,7 +56,7 @@ class DFlashModel:
             return idx.astype(mx.uint32)
         return self.draft_head.to_target(idx)
 
-    def make_cache(self) -> "PromptCache":
+    def make_cache(self) -> PromptCache:
         """An empty cache for one conversation."""
         return PromptCache(self.adapter.make_cache(), self.drafter.make_cache())
 
@@ -76,17 +75,17 @@ class PromptCache:
     """
 
     target: list
-    drafter: List[ContextCache]
-    tokens: List[int] = field(default_factory=list)
+    drafter: list[ContextCache]
+    tokens: list[int] = field(default_factory=list)
     # (token count, recurrent-state snapshot) taken after the last prefill, hybrids only
-    checkpoint: Optional[Tuple[int, list]] = None
+    checkpoint: tuple[int, list] | None = None
     # True while a cycle is mutating the caches; an interrupted cycle leaves it set
     busy: bool = False
     # Set it (from a signal handler or another thread) to stop a prefill at its next chunk:
     # ``Interrupted`` is raised and the caches keep the prompt tokens run so far.
     interrupt: threading.Event = field(default_factory=threading.Event)
 
-    def reuse(self, model: DFlashModel, prompt: List[int]) -> int:
+    def reuse(self, model: DFlashModel, prompt: list[int]) -> int:
         """Keep the longest usable cached prefix of prompt; return its length.
 
         At least one prompt token is always left to run (its logits start generation).
