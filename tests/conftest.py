@@ -22,11 +22,7 @@ _CACHE = tempfile.mkdtemp(prefix="dflash-test-cache-")
 os.environ["DFLASH_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
 
-# The package before MLX: MLX then binds the system OpenBLAS and the few-row kernel, so the
-# parity and sampling-law tests run through the same matmuls as a user's decode.
-from tiny_models import build_drafter, build_target
-
-import dflash_mlx
+from tiny_models import build_drafter, build_target, eight_token_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +51,8 @@ def pairs(tiny_dir):
         return cache[kind, drafter]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def small_vocab_pair(tmp_path_factory):
+    return eight_token_pair(tmp_path_factory.mktemp("v8"))

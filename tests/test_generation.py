@@ -127,7 +127,7 @@ def test_a_cycle_interrupted_mid_verify_leaves_a_usable_cache(pairs, monkeypatch
 def test_stats_count_the_cycles_that_verified_copied_drafts(pairs, monkeypatch):
     """``copied`` counts the cycles whose drafts came from the context, as the decode
     loop's own cycles report them; the CLI's stats and the server's extra field show it."""
-    from test_decode import PROMPTS
+    from references import PROMPTS
 
     from dflash_mlx import generation
     from dflash_mlx.cli.stats import stats_dict, stats_lines

@@ -9,6 +9,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# The package before MLX (conftest imports this module first, once the cache folder is
+# set): MLX then binds the system OpenBLAS and the few-row kernel, as in a user's decode.
+import dflash_mlx  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_flatten
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from oracle import OracleDrafter
-from test_decode import reference
+from references import reference
 
 from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.loop import decode

@@ -39,7 +39,7 @@ def test_context_length_is_the_targets_max_position_embeddings(pairs, small):
 
 
 def test_context_length_of_a_gguf_is_its_context_length(tmp_path):
-    from test_gguf import write_tiny_gguf
+    from tiny_gguf import write_tiny_gguf
 
     from dflash_mlx.loading.gguf import load_gguf
 

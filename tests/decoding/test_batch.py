@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 from oracle import BatchOracle
-from test_decode import reference
+from references import reference
 
 from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.batch import BatchDecoder, Row

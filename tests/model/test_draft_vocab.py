@@ -6,12 +6,12 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from laws import draw, exact_law, tv
 from mlx import nn
 from mlx_lm.sample_utils import make_logits_processors
 from mlx_lm.utils import load_model
 from oracle import OracleDrafter
-from test_acceptance import draw, exact_law, tv
-from test_decode import reference, run
+from references import reference, run
 from tiny_models import build_target, eight_token_pair
 
 from dflash_mlx.decoding.acceptance import SamplingParams

@@ -11,7 +11,6 @@ import pytest
 from mlx_lm.models import base
 from mlx_lm.models.activations import swiglu
 
-import dflash_mlx
 from dflash_mlx.cpu import exact_ops
 from dflash_mlx.decoding import tree
 from dflash_mlx.model import target

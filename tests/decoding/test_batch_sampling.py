@@ -4,8 +4,8 @@ filters, penalties, selector, block) and so different acceptance, decoded togeth
 import mlx.core as mx
 import numpy as np
 import pytest
+from laws import exact_law, tv
 from mlx_lm.sample_utils import make_logits_processors
-from test_acceptance import exact_law, small_vocab_pair, tv
 
 from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.batch import BatchDecoder, Row

@@ -4,9 +4,9 @@ exact sampling law) and their scheduling."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from laws import exact_law, tv
 from mlx_lm.sample_utils import make_logits_processors
 from scripted import Scripted
-from test_acceptance import exact_law, tv
 from tiny_models import eight_token_pair
 
 from dflash_mlx.decoding.acceptance import SamplingParams
@@ -78,7 +78,7 @@ def run(model, ids, n, block, lookup, params=None, key=None, scheduler=None):
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("block", [2, 4, 8])
 def test_greedy_with_copied_drafts_matches_mlx_lm(pairs, kind, block):
-    from test_decode import PROMPTS, reference
+    from references import PROMPTS, reference
 
     model, tok = pairs(kind, "d2")
     used = 0
@@ -91,7 +91,7 @@ def test_greedy_with_copied_drafts_matches_mlx_lm(pairs, kind, block):
 
 
 def test_greedy_with_lookup_and_auto_blocks_matches_mlx_lm(pairs):
-    from test_decode import PROMPTS, reference
+    from references import PROMPTS, reference
 
     model, tok = pairs("qwen3", "d2")
     costs = CostTable(model.block_size)

@@ -170,7 +170,7 @@ class FirstFixed(OracleDrafter):
 def test_sampled_trees_keep_the_target_law(tmp_path_factory, selector, temp, top_p):
     """Sampling through trees: the first token is the path's rule's draw, a sibling only
     extends the cycle by a draw from its own row; the joint law stays the target's."""
-    from test_acceptance import assert_law, exact_law
+    from laws import assert_law, exact_law
     from tiny_models import eight_token_pair
 
     model = eight_token_pair(tmp_path_factory.mktemp("v8tree"))

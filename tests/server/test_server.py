@@ -26,7 +26,7 @@ from dflash_mlx import generate
 from dflash_mlx.server import bind_warning, context_length
 from dflash_mlx.server.schema import DEFAULTS, APIError, parse_request
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-test-key"
 EOS = 3  # tiny models' <|im_end|>
 NO_EOS = {str(EOS): -100}  # keeps a generation going until max_tokens

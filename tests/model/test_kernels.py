@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for metal_emu
 
 from metal_emu.emulator import EmulatedKernel, RaceDetected, compiler
 
@@ -211,7 +211,7 @@ def test_sources_are_package_data_with_header_comment():
             assert word in src.split("const ")[0], (name, word)
         assert (metal_kernel.source_dir() / f"{name}.metal").exists()
     # a checkout keeps the bodies in the top-level metal/ (a wheel carries them as package data)
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     if (repo / "pyproject.toml").is_file():
         assert metal_kernel.source_dir() == repo / "metal"
 

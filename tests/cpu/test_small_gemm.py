@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import pytest
 
-import dflash_mlx
 from dflash_mlx.cpu import blas, small_gemm
 
 pytestmark = pytest.mark.skipif(

@@ -8,7 +8,7 @@ import os
 
 import mlx.core as mx
 import pytest
-from test_gguf import write_tiny_gguf
+from tiny_gguf import write_tiny_gguf
 
 from dflash_mlx.loading import diskcache, gguf
 
