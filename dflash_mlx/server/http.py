@@ -321,16 +321,12 @@ class Handler(BaseHTTPRequestHandler):
                 pass
 
     def _answer(self, req, job: Job) -> None:
-        kind, rid, created = req.kind, new_id(req.kind), now()
-        name = self.server.model_name
-        block = req.gen.block_size or self.server.engine.model.block_size
-        texts, accepted, last, started = [], 0, None, False
+        """Relay the job's results to the client: one JSON object, or server-sent events
+        when ``req.stream``. Returns early (the job cancelled) when the client goes away."""
+        # (kind, id, model, created): the header every chunk and the whole answer share
+        head = (req.kind, new_id(req.kind), self.server.model_name, now())
         calls = structured.DeltaStream(req.tools)  # content and tool-call deltas (chat)
-
-        def send(obj) -> None:
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-            self.wfile.flush()
-
+        texts, accepted, last, started = [], 0, None, False
         while True:
             item = self._next(job)
             if item is None:
@@ -339,61 +335,78 @@ class Handler(BaseHTTPRequestHandler):
             if tag == "end":
                 break
             if tag == "error":
-                if not started:
+                if not started:  # nothing sent yet: the error is the answer
                     raise val
-                send(val.body())
+                self._send_event(val.body())
                 self.wfile.write(b"data: [DONE]\n\n")
                 return
-            r, last = val, val
-            accepted += r.accepted
+            last = val
+            accepted += val.accepted
             if not req.stream:
-                texts.append(r.text)
+                texts.append(val.text)
                 continue
             if not started:
                 started = True
-                self.start_events()
-                if kind == "chat":
-                    send(
-                        chunk(
-                            kind, rid, name, created, "", role=True, include_usage=req.include_usage
-                        )
-                    )
-            try:
-                pieces = [{"content": r.text}] if r.text else []
-                if kind == "chat":
-                    pieces = calls.deltas(r.text, bool(r.finish_reason))
-                for delta in pieces:
-                    text = None if kind == "chat" else delta["content"]
-                    piece = chunk(kind, rid, name, created, text, include_usage=req.include_usage)
-                    if kind == "chat":
-                        piece["choices"][0]["delta"] = delta
-                    send(piece)
-                if r.finish_reason:
-                    end = None if kind == "chat" else ""
-                    finish = calls.finish(r.finish_reason)
-                    send(
-                        chunk(
-                            kind, rid, name, created, end, finish, include_usage=req.include_usage
-                        )
-                    )
-            except OSError:
+                self._start_stream(req, head)
+            if not self._stream(req, head, calls, val):
                 job.cancel.set()
                 return
+        self._finish(req, head, "".join(texts), last, accepted)
+
+    def _send_event(self, obj: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _start_stream(self, req, head: tuple) -> None:
+        """Begin the events; a chat stream opens with the assistant's role."""
+        self.start_events()
+        if req.kind == "chat":
+            self._send_event(chunk(*head, "", role=True, include_usage=req.include_usage))
+
+    def _stream(self, req, head: tuple, calls: structured.DeltaStream, r) -> bool:
+        """Send the chunks of one result ``r``; False when the client went away."""
+        chat = req.kind == "chat"
+        try:
+            pieces = [{"content": r.text}] if r.text else []
+            if chat:  # a tool call goes out as one delta once it is whole
+                pieces = calls.deltas(r.text, bool(r.finish_reason))
+            for delta in pieces:
+                piece = chunk(
+                    *head, None if chat else delta["content"], include_usage=req.include_usage
+                )
+                if chat:
+                    piece["choices"][0]["delta"] = delta
+                self._send_event(piece)
+            if r.finish_reason:
+                end = None if chat else ""
+                finish = calls.finish(r.finish_reason)
+                self._send_event(chunk(*head, end, finish, include_usage=req.include_usage))
+        except OSError:
+            return False
+        return True
+
+    def _finish(self, req, head: tuple, text: str, last, accepted: int) -> None:
+        """End the answer: the whole of it as JSON, or the stream's usage chunk and [DONE].
+
+        Args:
+            text: the whole answer (empty when streamed: it went out chunk by chunk).
+            last: the last GenerationResponse (None when the generation produced nothing).
+            accepted: draft tokens accepted over the whole generation.
+        """
         if last is None:
             raise APIError(500, "the generation produced nothing")
+        block = req.gen.block_size or self.server.engine.model.block_size
         use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
         stats = dflash_stats(last, accepted, block)
         if not req.stream:
-            out = completion(
-                kind, rid, name, created, "".join(texts), last.finish_reason, use, stats
-            )
-            if kind == "chat":
+            out = completion(*head, text, last.finish_reason, use, stats)
+            if req.kind == "chat":
                 choice = out["choices"][0]
                 choice["message"], choice["finish_reason"] = structured.message(
-                    "".join(texts), req.tools, last.finish_reason
+                    text, req.tools, last.finish_reason
                 )
             return self._send_json(200, out)
         if req.include_usage:
-            send(usage_chunk(kind, rid, name, created, use, stats))
+            self._send_event(usage_chunk(*head, use, stats))
         self.wfile.write(b"data: [DONE]\n\n")
         self.wfile.flush()

@@ -12,7 +12,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, ClassVar
 
 from .. import __version__
 from ..settings import MAX_TOKENS, GenerationConfig, SettingError
@@ -49,7 +49,11 @@ TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")  # checked by tool_request.
 class APIError(Exception):
     """An error answered to the client as ``{"error": {...}}`` with an HTTP status."""
 
-    TYPES = {401: "authentication_error", 500: "server_error", 503: "server_error"}
+    TYPES: ClassVar[dict[int, str]] = {
+        401: "authentication_error",
+        500: "server_error",
+        503: "server_error",
+    }
     MAX_MESSAGE = 1000  # a message quoting a huge value stays readable
 
     def __init__(

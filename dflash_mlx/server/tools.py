@@ -164,7 +164,7 @@ class CallStream:
             head = self.buf.lstrip()
             if not head or (PYTHON_TAG.startswith(head) and len(head) < len(PYTHON_TAG)):
                 return []
-            self.llama = head.startswith("{") or head.startswith(PYTHON_TAG)
+            self.llama = head.startswith(("{", PYTHON_TAG))
         if self.llama:
             return []  # parsed whole at the end
         out, self.buf = self._text(self.buf), ""

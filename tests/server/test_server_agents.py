@@ -107,9 +107,10 @@ def test_a_tool_result_continues_the_chat(client):
 
 
 def test_streamed_tool_calls_arrive_as_deltas_and_match_the_whole_answer(client):
-    kw = dict(
-        tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}
-    )
+    kw = {
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+    }
     whole = _call(client, **kw).choices[0].message.tool_calls[0]
     deltas, reasons = [], []
     for ch in _call(client, stream=True, **kw):

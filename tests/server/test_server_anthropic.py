@@ -105,7 +105,7 @@ def test_a_stop_sequence_is_reported(client, pairs):
 
 
 def test_a_forced_tool_gives_tool_use_and_a_result_continues(client):
-    kw = dict(model="m", messages=ASK, max_tokens=200, tools=[WEATHER])
+    kw = {"model": "m", "messages": ASK, "max_tokens": 200, "tools": [WEATHER]}
     m = client.messages.create(tool_choice={"type": "tool", "name": "get_weather"}, **kw)
     assert m.stop_reason == "tool_use"
     use = [b for b in m.content if b.type == "tool_use"]
@@ -135,7 +135,7 @@ def test_a_streamed_tool_use_sends_input_json_deltas(client):
                 deltas.append(ev.delta.partial_json)
         final = s.get_final_message()
     assert final.stop_reason == "tool_use"
-    use = [b for b in final.content if b.type == "tool_use"][0]
+    use = next(b for b in final.content if b.type == "tool_use")
     assert json.loads("".join(deltas)) == use.input and use.input["city"] in ("Paris", "Rome")
 
 

@@ -163,7 +163,7 @@ def in_process(pairs, monkeypatch):
         httpd = make_server(model, tok, "tiny", port=0, **kw)
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         started.append(httpd)
-        return "http://127.0.0.1:%d" % httpd.server_address[1]
+        return f"http://127.0.0.1:{httpd.server_address[1]}"
 
     yield start
     for httpd in started:
