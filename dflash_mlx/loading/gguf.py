@@ -249,7 +249,9 @@ def load_gguf(path, dtype: str | None = None, log: Callable[[str], None] | None 
         try:
             tokenizer = build_tokenizer(meta, entry / "tokenizer.json")
             return _build(config, weights, {}, dtype), tokenizer, config
-        except Exception:
+        except Exception:  # noqa: BLE001, S110
+            # a stale or damaged cache entry fails in many ways (the tokenizers library
+            # raises a bare Exception): rebuild it from the file below
             pass
     raw, meta = _read(path)
     config = model_config(meta)

@@ -186,6 +186,41 @@ def _not_cached(repo_id: str, what: str) -> DFlashError:
     )
 
 
+def _plan(repo_id: str, what: str) -> Plan:
+    """``plan``, with the Hub's answers about the repo itself as one-line errors (network
+    errors pass through: ``fetch`` may fall back to the cache)."""
+    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
+
+    try:
+        return plan(repo_id)
+    except GatedRepoError:
+        raise DFlashError(
+            f"{what} {repo_id} is gated on the Hub; accept its terms on huggingface.co and log "
+            "in with `hf auth login`"
+        ) from None
+    except RepositoryNotFoundError:
+        raise DFlashError(
+            f"{what} {repo_id} does not exist on the Hugging Face Hub (or is private); check the id"
+        ) from None
+    except HFValidationError as e:
+        raise DFlashError(f"{what} '{repo_id}' is not a valid Hub id ({_reason(e)})") from None
+
+
+def _unreachable(
+    repo_id: str, what: str, e: BaseException, quiet: bool, log: Callable[[str], None]
+) -> Path:
+    """The cached copy when the Hub cannot be reached (``e``), else a one-line error."""
+    got = cached(repo_id)
+    if got is None:
+        raise DFlashError(
+            f"cannot reach the Hugging Face Hub to fetch {what} {repo_id} ({_reason(e)}); "
+            "check your connection, or pass a local directory"
+        ) from None
+    if not quiet:
+        log(f"Hub not reachable; using the cached {what} {repo_id}")
+    return got
+
+
 def fetch(
     repo_id: str,
     what: str = "model",
@@ -207,8 +242,6 @@ def fetch(
     Raises:
         DFlashError: unknown or gated repo, not cached while offline, no network.
     """
-    from huggingface_hub.errors import GatedRepoError, HFValidationError, RepositoryNotFoundError
-
     log = log or _stderr
     if offline_mode(offline):
         got = cached(repo_id)
@@ -216,28 +249,9 @@ def fetch(
             raise _not_cached(repo_id, what)
         return got
     try:
-        todo = plan(repo_id)
-    except GatedRepoError:
-        raise DFlashError(
-            f"{what} {repo_id} is gated on the Hub; accept its terms on huggingface.co and log "
-            "in with `hf auth login`"
-        ) from None
-    except RepositoryNotFoundError:
-        raise DFlashError(
-            f"{what} {repo_id} does not exist on the Hugging Face Hub (or is private); check the id"
-        ) from None
-    except HFValidationError as e:
-        raise DFlashError(f"{what} '{repo_id}' is not a valid Hub id ({_reason(e)})") from None
+        todo = _plan(repo_id, what)
     except _network_errors() as e:
-        got = cached(repo_id)
-        if got is None:
-            raise DFlashError(
-                f"cannot reach the Hugging Face Hub to fetch {what} {repo_id} ({_reason(e)}); "
-                "check your connection, or pass a local directory"
-            ) from None
-        if not quiet:
-            log(f"Hub not reachable; using the cached {what} {repo_id}")
-        return got
+        return _unreachable(repo_id, what, e, quiet, log)
     got = None if todo.missing else cached(repo_id)
     if got is not None:
         return got

@@ -84,23 +84,23 @@ def test_tensor_shapes_must_match_config(tiny_dir, tmp_path):
 @pytest.mark.parametrize(
     "change,needle",
     [
-        (dict(vocab_size=999), "vocabulary 999 does not match the target's"),
-        (dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), "hidden size 32"),
-        (dict(target_layer_ids=[0, 7]), "reads target layers [7]"),
-        (dict(num_target_layers=64, target_layer_ids=[0, 1]), "made for a 64-layer target"),
+        ({"vocab_size": 999}, "vocabulary 999 does not match the target's"),
+        ({"hidden_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1}, "hidden size 32"),
+        ({"target_layer_ids": [0, 7]}, "reads target layers [7]"),
+        ({"num_target_layers": 64, "target_layer_ids": [0, 1]}, "made for a 64-layer target"),
     ],
 )
 def test_drafter_that_does_not_fit_the_target(tiny_dir, tmp_path, change, needle):
     from dflash_mlx.model.checkpoint import drafter_config, random_drafter, save_drafter
 
-    base = dict(
-        hidden_size=64,
-        vocab_size=320,
-        num_target_layers=4,
-        target_layer_ids=[0, 2],
-        mask_token_id=1,
-        selector_rank=8,
-    )
+    base = {
+        "hidden_size": 64,
+        "vocab_size": 320,
+        "num_target_layers": 4,
+        "target_layer_ids": [0, 2],
+        "mask_token_id": 1,
+        "selector_rank": 8,
+    }
     base.update(change)
     cfg = drafter_config(**base)
     save_drafter(tmp_path / "d", random_drafter(cfg), cfg)
@@ -112,21 +112,21 @@ def test_drafter_that_does_not_fit_the_target(tiny_dir, tmp_path, change, needle
 @pytest.mark.parametrize(
     "kw,needle",
     [
-        (dict(block_size=17), "block size 17 is out of range; this drafter supports 2..16"),
-        (dict(block_size=1), "block size 1 is out of range"),
-        (dict(temperature=-0.5), "temperature must be >= 0"),
-        (dict(top_p=0.0), "top_p must be in (0, 1]"),
-        (dict(top_k=-1), "top_k must be >= 0"),
-        (dict(max_tokens=0), "max_tokens must be at least 1"),
-        (dict(temperature=float("nan")), "temperature must be a finite number (got nan)"),
-        (dict(temperature=0.7, top_p=float("inf")), "top_p must be a finite number"),
-        (dict(presence_penalty=float("nan")), "presence_penalty must be a finite number"),
-        (dict(frequency_penalty=float("-inf")), "frequency_penalty must be a finite number"),
-        (dict(repetition_penalty=float("inf")), "repetition_penalty must be a finite number"),
-        (dict(logit_bias={5: float("nan")}), "logit_bias must be a finite number"),
-        (dict(temperature=0.7, seed=-1), "seed must be in 0..4294967295 (got -1)"),
-        (dict(temperature=0.7, seed=2**32), "seed must be in 0..4294967295"),
-        (dict(seed=1.5), "seed must be an integer"),
+        ({"block_size": 17}, "block size 17 is out of range; this drafter supports 2..16"),
+        ({"block_size": 1}, "block size 1 is out of range"),
+        ({"temperature": -0.5}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"temperature": float("nan")}, "temperature must be a finite number (got nan)"),
+        ({"temperature": 0.7, "top_p": float("inf")}, "top_p must be a finite number"),
+        ({"presence_penalty": float("nan")}, "presence_penalty must be a finite number"),
+        ({"frequency_penalty": float("-inf")}, "frequency_penalty must be a finite number"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias must be a finite number"),
+        ({"temperature": 0.7, "seed": -1}, "seed must be in 0..4294967295 (got -1)"),
+        ({"temperature": 0.7, "seed": 2**32}, "seed must be in 0..4294967295"),
+        ({"seed": 1.5}, "seed must be an integer"),
     ],
 )
 def test_bad_generation_options(pairs, kw, needle):
