@@ -51,20 +51,13 @@ def drafter_config(
             fit the target. dflash2: DFlash 2 (conv + selector) or DFlash 1.
         extra_dflash: optional dflash_config keys (output_multiplier, ...).
     """
-    dcfg = {
-        "block_size": block_size,
-        "mask_token_id": mask_token_id,
-        "target_layer_ids": list(target_layer_ids),
-    }
-    if dflash2:
-        dcfg.update(
-            conv_kernel_size=conv_kernel_size,
-            conv_group_size=conv_group_size,
-            selector_rank=selector_rank,
-            selector_top_k=selector_top_k,
-        )
-    dcfg.update(extra_dflash)
-    sliding = sliding_window is not None
+    dcfg = _dflash_config(
+        block_size,
+        mask_token_id,
+        target_layer_ids,
+        (conv_kernel_size, conv_group_size, selector_rank, selector_top_k) if dflash2 else None,
+        extra_dflash,
+    )
     return {
         "architectures": [DFLASH2 if dflash2 else DFLASH1],
         "model_type": "qwen3",
@@ -81,11 +74,39 @@ def drafter_config(
         "vocab_size": vocab_size,
         "num_target_layers": num_target_layers,
         "max_position_embeddings": 262144,
-        "layer_types": ["sliding_attention" if sliding else "full_attention"] * num_hidden_layers,
-        "sliding_window": sliding_window,
-        "use_sliding_window": sliding,
+        **_attention_window(sliding_window, num_hidden_layers),
         "rope_parameters": {"rope_theta": rope_theta, "rope_type": "default"},
         "dflash_config": dcfg,
+    }
+
+
+def _dflash_config(
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids,
+    dflash2: tuple[int, int, int, int] | None,
+    extra: dict[str, Any],
+) -> dict[str, Any]:
+    """The ``dflash_config`` block; ``dflash2`` is (conv_kernel_size, conv_group_size,
+    selector_rank, selector_top_k), None for DFlash 1 (which has no conv and no selector)."""
+    dcfg = {
+        "block_size": block_size,
+        "mask_token_id": mask_token_id,
+        "target_layer_ids": list(target_layer_ids),
+    }
+    if dflash2 is not None:
+        keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        dcfg.update(zip(keys, dflash2, strict=True))
+    return {**dcfg, **extra}
+
+
+def _attention_window(sliding_window: int | None, num_layers: int) -> dict[str, Any]:
+    """Every layer attends within the sliding window, or (``None``) to the whole context."""
+    sliding = sliding_window is not None
+    return {
+        "layer_types": ["sliding_attention" if sliding else "full_attention"] * num_layers,
+        "sliding_window": sliding_window,
+        "use_sliding_window": sliding,
     }
 
 

@@ -191,6 +191,12 @@ _NULLABLE = {
     "draft_vocab_size",
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# The list fields: what each item must pass, and the rule an error names when one fails.
+_LISTS = {
+    "architectures": (lambda a: isinstance(a, str), "must be a list of strings"),
+    "layer_types": (lambda t: t in LAYER_TYPES, f"must be a list of {' / '.join(LAYER_TYPES)}"),
+    "target_layer_ids": (lambda i: _is_int(i) and i >= 0, "must be a list of layer indices >= 0"),
+}
 
 
 def _json_kind(v) -> str:
@@ -228,15 +234,10 @@ def _check_field(name: str, v) -> None:
         _bad(name, "must be a string", v)
     elif name in _DICT and not isinstance(v, dict):
         _bad(name, "must be an object", v)
-    elif name == "architectures":
-        if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
-            _bad(name, "must be a list of strings", v)
-    elif name == "layer_types":
-        if not isinstance(v, list) or not all(t in LAYER_TYPES for t in v):
-            _bad(name, f"must be a list of {' / '.join(LAYER_TYPES)}", v)
-    elif name == "target_layer_ids":
-        if not isinstance(v, list) or not all(_is_int(i) and i >= 0 for i in v):
-            _bad(name, "must be a list of layer indices >= 0", v)
+    elif name in _LISTS:
+        item_ok, rule = _LISTS[name]
+        if not isinstance(v, list) or not all(item_ok(x) for x in v):
+            _bad(name, rule, v)
     if name == "rope_parameters" and "rope_theta" in v:
         _check_field("rope_theta", v["rope_theta"])
 

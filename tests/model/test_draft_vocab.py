@@ -2,6 +2,7 @@
 exactly the target's (greedy parity, sampling law), including tokens outside the subset."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -161,7 +162,7 @@ def test_sampling_law_is_exact_with_a_draft_vocab(
 def test_checkpoint_round_trips_its_draft_vocab(tmp_path, pairs):
     model, _ = pairs("qwen3", "d2")
     src = model.drafter_path
-    config = json.loads(open(f"{src}/config.json").read())
+    config = json.loads((Path(src) / "config.json").read_text())
     ids = subset(config["vocab_size"], 77, seed=6)
     save_drafter(tmp_path / "d", model.drafter, config, draft_vocab=ids)
     saved = json.loads((tmp_path / "d" / "config.json").read_text())
@@ -184,7 +185,7 @@ def test_checkpoint_round_trips_its_draft_vocab(tmp_path, pairs):
 )
 def test_a_bad_draft_vocab_is_one_clear_error(tmp_path, pairs, ids, size, msg):
     model, _ = pairs("qwen3", "d2")
-    config = json.loads(open(f"{model.drafter_path}/config.json").read())
+    config = json.loads((Path(model.drafter_path) / "config.json").read_text())
     save_drafter(tmp_path, model.drafter, config)
     w = dict(mx.load(str(tmp_path / "model.safetensors")))
     if ids is not None:

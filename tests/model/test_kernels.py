@@ -265,7 +265,7 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     conv.kernel_projection.weight = 0.02 * mx.random.normal(conv.kernel_projection.weight.shape)
     conv.base_kernel = mx.random.normal(conv.base_kernel.shape)
     u = mx.random.normal((1, 16, H))  # [B, L, H]
-    y0, d1 = conv.prepare(u, 8)
+    y0, _d1 = conv.prepare(u, 8)
     d = conv.kernel_projection(u).reshape(1, 16, 2, 2, G_ODD)
     np.testing.assert_allclose(
         np.array(y0),
@@ -278,7 +278,7 @@ def test_module_dispatch_branch_with_emulated_kernels(monkeypatch):
     sel.successor_codebook = 0.3 * mx.random.normal((300, 64))
     logits, hidden = mx.random.normal((2, 7, 300)), mx.random.normal((2, 7, 32))
     anchor = mx.array([3, 9])
-    tokens, cand, q, path = sel(logits, hidden, anchor, 16)
+    _tokens, cand, q, path = sel(logits, hidden, anchor, 16)
     U = mx.take_along_axis(logits, cand.astype(mx.int32), axis=-1)
     g = sel.hidden_projection(hidden)
     ref_path, _ = select_reference(
