@@ -2,12 +2,12 @@
 
 ``from dflash_mlx import load, generate, stream_generate, batch_generate, GenerationConfig``.
 Heavy imports are deferred so that ``dflash --help`` stays instant; the system OpenBLAS (Linux) is loaded
-here, before any module of the package imports MLX (see ``blas.py``).
+here, before any module of the package imports MLX (see ``cpu/blas.py``).
 """
 
-from .cpu.blas import load_system_blas
+from . import cpu
 
-load_system_blas()
+cpu.preload()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -24,6 +24,11 @@ atexit.register(shutil.rmtree, _CACHE, True)
 
 from tiny_models import build_drafter, build_target, eight_token_pair  # noqa: E402
 
+from dflash_mlx import cpu  # noqa: E402
+
+# Models built by hand take the backend's ops too, as a loaded pair does (Linux: the CPU twins).
+cpu.install()
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from .. import env
+
 ENV = "DFLASH_SYSTEM_BLAS"
 CANDIDATES = (
     "/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -68,7 +70,7 @@ def load_system_blas() -> str | None:
         return None
     from . import small_gemm
 
-    if os.environ.get(ENV, "1") == "0":
+    if not env.switch(ENV):
         _front_bundled_blas(small_gemm)
         return None
     for path in candidates():
@@ -85,6 +87,11 @@ def load_system_blas() -> str | None:
         return path
     _front_bundled_blas(small_gemm)
     return None
+
+
+def loaded_path() -> str | None:
+    """The system OpenBLAS loaded by :func:`load_system_blas`, or None."""
+    return _loaded["path"]
 
 
 def bundled_blas() -> str | None:

@@ -18,8 +18,9 @@ from functools import partial
 import mlx.core as mx
 
 from ..model.conv import TwoTapConv
-from ..model.drafter import ContextCache, DecoderLayer, DFlashDrafter, attention
+from ..model.drafter import ContextCache, DecoderLayer, DFlashDrafter
 from . import fastmath
+from .fastmath import attention
 
 
 def _conv(conv: TwoTapConv, x: mx.array, side: int, dyn: mx.array) -> mx.array:

@@ -15,7 +15,6 @@ another OS or ``DFLASH_EXACT_OPS=0``: :func:`silu_mul` and :func:`softmax` are M
 
 from __future__ import annotations
 
-import hashlib
 import importlib.machinery
 import importlib.util
 import os
@@ -23,13 +22,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 
-from ..loading import cachedir
-from . import small_gemm
+from .. import env
+from . import builder
 
 ENV = "DFLASH_EXACT_OPS"
 MODULE = "_dflash_exact_ops"
@@ -50,7 +48,7 @@ def _paths() -> dict:
     nb = Path(nanobind.source_dir()).parent
     mlx_dir = Path(mx.__file__).resolve().parent  # mlx/core.*.so: the package folder
     return {
-        "source": small_gemm.source_path().with_name("exact_ops.cpp"),
+        "source": builder.source("exact_ops.cpp"),
         "includes": [
             nb / "include",
             nb / "ext" / "robin_map" / "include",
@@ -79,24 +77,12 @@ def build(out_dir: Path | None = None) -> Path:
         raise RuntimeError("no C++ compiler (g++); install g++ for the fast SiLU and softmax")
     p = _paths()
     parts = [p["source"].read_bytes(), cxx.encode(), p["versions"].encode()]
-    parts += [small_gemm._cpu_flags().encode(), " ".join(FLAGS).encode()]
-    key = hashlib.sha256(b"\n".join(parts)).hexdigest()[:16]
-    if out_dir is None:
-        out_dir = cachedir.cache_dir() / "cpu" if cachedir.enabled() else Path(tempfile.mkdtemp())
-    lib = Path(out_dir) / f"exact_ops-{key}" / (MODULE + sysconfig.get_config_var("EXT_SUFFIX"))
-    if lib.is_file():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+    parts.append(" ".join(FLAGS).encode())
+    name = MODULE + sysconfig.get_config_var("EXT_SUFFIX")
+    lib = builder.output_path("exact_ops", name, parts, out_dir)
     cmd = [cxx, *FLAGS, *(f"-I{d}" for d in p["includes"]), str(p["source"]), str(p["nb_source"])]
-    cmd += [f"-L{p['mlx_lib']}", "-lmlx", f"-Wl,-rpath,{p['mlx_lib']}", "-o", str(tmp)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        lines = proc.stderr.strip().splitlines() or ["(no output)"]
-        first = next((ln for ln in lines if "error" in ln), lines[-1])
-        raise RuntimeError(f"{cxx} could not build exact_ops.cpp: {first.strip()}")
-    os.replace(tmp, lib)
-    return lib
+    cmd += [f"-L{p['mlx_lib']}", "-lmlx", f"-Wl,-rpath,{p['mlx_lib']}", "-o", "{out}"]
+    return builder.compile_once(lib, [cmd], p["source"].name)
 
 
 def _import(path: Path):
@@ -133,7 +119,7 @@ def load():
     if _state["tried"]:
         return _state["module"]
     _state["tried"] = True
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if not env.switch(ENV):
         _state["error"] = f"turned off ({ENV}=0)"
         return None
     if sys.platform != "linux":

@@ -40,3 +40,21 @@ def logsumexp(x: mx.array, axis: int = -1) -> mx.array:
         return mx.logsumexp(x, axis=axis, keepdims=True)
     e, m = exp2_shifted(x, axis)
     return m + mx.log2(e.sum(axis=axis, keepdims=True)) * LN2
+
+
+def attention(q, k, v, scale: float, mask=None) -> mx.array:
+    """The drafter's attention (``ops.attention``), q [N, Hq, L, hd] over k, v [N, Hkv, S, hd].
+
+    Unmasked on the CPU the softmax's scalar exp dominates at long contexts (28 ns an
+    element, measured), so the query heads of each KV head are grouped into one matmul and
+    the softmax takes powers of 2 (~4x faster); otherwise MLX's fused kernel.
+    """
+    if mask is not None or not on_cpu():
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    N, Hq, L, hd = q.shape
+    Hkv = k.shape[1]
+    qg = (q * (scale * LOG2E)).reshape(N, Hkv, (Hq // Hkv) * L, hd)
+    s = qg @ k.swapaxes(-1, -2)  # [N, Hkv, g * L, S], in units of log2
+    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
+    p = p / p.sum(axis=-1, keepdims=True)
+    return (p @ v).reshape(N, Hq, L, hd)

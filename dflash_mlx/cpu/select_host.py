@@ -12,11 +12,11 @@ whose evaluation is synchronous anyway.
 from __future__ import annotations
 
 import ctypes
-import os
 
 import mlx.core as mx
 import numpy as np
 
+from .. import env
 from . import fastmath, small_gemm
 
 ENV = "DFLASH_HOST_SELECT"  # "0": the MLX ops on the CPU too (A/B, debugging)
@@ -30,9 +30,16 @@ def _fn():
 def enabled() -> bool:
     """Whether the host selector may run: on MLX's CPU backend with the C library loaded
     (built with the few-row kernel), unless ``DFLASH_HOST_SELECT=0``."""
-    if os.environ.get(ENV, "1").strip() == "0" or not fastmath.on_cpu():
+    if not env.switch(ENV) or not fastmath.on_cpu():
         return False
     return _fn() is not None
+
+
+def selector_for(top_k: int, rank: int, codebook_dtype):
+    """``ops.host_selector``: :func:`select` when it may run for these sizes (float32
+    codebooks, the C buffers' limits), else None."""
+    fits = top_k <= MAX_K and rank <= MAX_RANK and codebook_dtype == mx.float32
+    return select if fits and enabled() else None
 
 
 def view(a: mx.array) -> np.ndarray:

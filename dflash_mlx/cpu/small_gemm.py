@@ -21,41 +21,26 @@ OpenBLAS directly, as before. Nothing here imports MLX.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
-from ..loading import cachedir
+from .. import env
+from . import builder
 
 ENV = "DFLASH_SMALL_GEMM"
 MAX_ROWS = 16  # decode widths (block <= 16); more rows (prefill) go to the BLAS behind it
 ONE_THREAD_MACS = 1 << 21  # forwarded products smaller than this run on one OpenBLAS thread
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
-EXTRA_SOURCES = ("path_select.c",)  # built into the same library (select_host.py)
+SELECTOR_SOURCES = ("path_select.c",)  # built into the same library (select_host.py)
 
 _state: dict = {"path": None, "error": None, "lib": None, "split": False}
 
 
 def source_path() -> Path:
-    """``dflash_mlx/cpu/csrc/small_gemm.c`` (package data, beside the other C sources)."""
-    src = Path(__file__).resolve().parent / "csrc" / "small_gemm.c"
-    if not src.is_file():
-        raise FileNotFoundError(f"no {src}; reinstall dflash-mlx")
-    return src
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return os.uname().machine
+    """``dflash_mlx/cpu/csrc/small_gemm.c``, the kernel's C source."""
+    return builder.source("small_gemm.c")
 
 
 def compiler() -> str | None:
@@ -63,27 +48,20 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _key(src: bytes, cc: str) -> str:
-    st = os.stat(shutil.which(cc))
-    parts = [
-        src,
-        cc.encode(),
-        str(st.st_size).encode(),
-        _cpu_flags().encode(),
-        " ".join(FLAGS).encode(),
-    ]
-    return hashlib.sha256(b"\n".join(parts)).hexdigest()[:16]
-
-
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the kernel (or find it already built) and return the shared library's path.
+    """Compile the kernel library (or find it already built) and return its path.
+
+    One shared library holds two kernels: the few-row matmul (``small_gemm.c``) and the
+    host path selector (``path_select.c``, used by ``select_host.py``). When the selector's
+    source does not build here the matmul is built alone, and the selector runs as MLX ops;
+    without libgomp it is built without OpenMP (one thread).
 
     Args:
         out_dir: where to put it; the cache folder (``cpu/``) by default, a fresh temporary
             folder when the caches are off.
 
     Raises:
-        RuntimeError: no compiler, or it failed (its last line is in the message).
+        RuntimeError: no compiler, or it failed (its error line is in the message).
     """
     cc = compiler()
     if not cc:
@@ -91,26 +69,20 @@ def build(out_dir: Path | None = None) -> Path:
     if shutil.which(cc) is None:
         raise RuntimeError(f"C compiler {cc} not found; install gcc or set CC")
     src = source_path()
-    srcs = [src] + [p for p in [src.with_name(n) for n in EXTRA_SOURCES] if p.is_file()]
-    key = _key(b"\n".join(p.read_bytes() for p in srcs), cc)
-    if out_dir is None:
-        out_dir = cachedir.cache_dir() / "cpu" if cachedir.enabled() else Path(tempfile.mkdtemp())
-    lib = Path(out_dir) / f"small_gemm-{key}.so"
-    if lib.is_file():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    tmp = lib.with_suffix(f".{os.getpid()}.tmp")
-    # Without OpenMP when libgomp is missing (one thread); the kernel alone when an extra
-    # source does not build here (the selector then runs as MLX ops).
-    for files in (srcs, [src]) if len(srcs) > 1 else (srcs,):
-        for flags in (FLAGS, FLAGS[:-1]):
-            cmd = [cc, *flags, "-o", str(tmp), *map(str, files), "-ldl", "-lm"]
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
-            if proc.returncode == 0:
-                os.replace(tmp, lib)
-                return lib
-    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise RuntimeError(f"{cc} could not build {src.name}: {tail}")
+    srcs = [src] + [p for p in [src.with_name(n) for n in SELECTOR_SOURCES] if p.is_file()]
+    parts = [p.read_bytes() for p in srcs]
+    parts += [
+        cc.encode(),
+        str(os.stat(shutil.which(cc)).st_size).encode(),
+        " ".join(FLAGS).encode(),
+    ]
+    lib = builder.output_path("small_gemm", "small_gemm.so", parts, out_dir)
+    commands = [
+        [cc, *flags, "-o", "{out}", *map(str, files), "-ldl", "-lm"]
+        for files in ((srcs, [src]) if len(srcs) > 1 else (srcs,))
+        for flags in (FLAGS, FLAGS[:-1])
+    ]
+    return builder.compile_once(lib, commands, src.name)
 
 
 def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str | None:
@@ -128,7 +100,7 @@ def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str |
     """
     if _state["lib"] is not None:
         return _state["path"]
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+    if not env.switch(ENV):
         _state["error"] = f"turned off ({ENV}=0)"
         return None
     try:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from ..cpu import fastmath
+from .. import ops
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 MIN_TEMPERATURE = 1e-5  # a lower temperature samples as temperature 0 (greedy)
@@ -81,15 +81,15 @@ def target_probs(logits: mx.array, params: SamplingParams) -> mx.array:
     filtered = 0 < params.top_p < 1.0 or params.min_p != 0.0
     if not (filtered or 0 < params.top_k < logits.shape[-1]):
         # softmax is shift-invariant: normalising the log-probs first changes nothing
-        return fastmath.softmax(logits * (1.0 / params.temperature))
-    logprobs = logits - fastmath.logsumexp(logits)
+        return ops.softmax(logits * (1.0 / params.temperature))
+    logprobs = logits - ops.logsumexp(logits)
     if 0 < params.top_p < 1.0:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.min_p != 0.0:
         logprobs = apply_min_p(logprobs, params.min_p)
     if 0 < params.top_k < logprobs.shape[-1]:  # top_k >= the vocabulary keeps every token
         logprobs = apply_top_k(logprobs, params.top_k)
-    return fastmath.softmax(logprobs * (1.0 / params.temperature))
+    return ops.softmax(logprobs * (1.0 / params.temperature))
 
 
 def accept_greedy(logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:

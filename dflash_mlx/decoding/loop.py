@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from ..cpu import draft_step
+from .. import ops
 from .acceptance import SamplingParams, process_rows, sample_rows, target_probs
 from .lookup import FIXED_MIN_MATCH, Lookup
 from .propose import accept, copied_drafts, propose
@@ -146,7 +146,7 @@ def _draft(model, cache, anchor, b, params, use_selector, key, clock, n_sib=0):
     if b < 2:
         return mx.array([], dtype=mx.uint32), None, None
     drafter = model.drafter
-    hidden = draft_step.step(drafter, model.embed_block(anchor, b), cache.drafter)
+    hidden = ops.draft_step(drafter, model.embed_block(anchor, b), cache.drafter)
     d_logits = model.draft_logits(hidden[:, 1:])  # [1, b-1, V'] (V' = V without a draft vocab)
     clock.lap("drafter", d_logits)
     drafts, q_full = propose(model, d_logits, hidden[:, 1:], anchor, params, use_selector, key)

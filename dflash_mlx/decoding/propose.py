@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from ..cpu import fastmath
+from .. import ops
 from .acceptance import (
     accept_greedy,
     accept_sampled,
@@ -32,7 +32,7 @@ def propose(model, logits, hidden, anchor, params, use_selector, key):
         return toks[0].astype(mx.uint32), q_full
     if params.greedy:
         return model.to_target(mx.argmax(logits[0], axis=-1)), None
-    q = fastmath.softmax(logits[0].astype(mx.float32) / params.temperature)
+    q = ops.softmax(logits[0].astype(mx.float32) / params.temperature)
     if head is None:
         return sample_rows(q, key), q
     ids = mx.broadcast_to(head.ids, q.shape)  # [L, V']

@@ -1,4 +1,4 @@
-"""Where dflash keeps what it caches on disk (a leaf module: nothing of the package imported).
+"""Where dflash keeps what it caches on disk (a leaf module: only ``env`` of the package imported).
 
 ``DFLASH_CACHE_DIR``, else ``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx``;
 ``DFLASH_CACHE=0`` turns the caches off. ``diskcache.py`` keeps the entries.
@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .. import env
+
 ENV_DIR, ENV_OFF = "DFLASH_CACHE_DIR", "DFLASH_CACHE"
 
 
 def enabled() -> bool:
     """False when ``DFLASH_CACHE=0`` (or off / false / no) turns the caches off."""
-    return os.environ.get(ENV_OFF, "1").strip().lower() not in ("0", "off", "false", "no")
+    return env.switch(ENV_OFF)
 
 
 def cache_dir() -> Path:

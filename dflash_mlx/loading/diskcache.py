@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .cachedir import ENV_DIR, ENV_OFF, cache_dir, enabled
+from .cachedir import cache_dir, enabled
 
 MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
@@ -171,15 +171,12 @@ def _cpu_model() -> str:
 
 
 def _machine() -> str:
-    import mlx.core as mx
+    from .. import ops
 
-    from ..cpu import exact_ops, small_gemm
-    from ..cpu.blas import _loaded
-
+    described = ops.describe()  # the device, MLX, and the CPU backend's BLAS and kernels
     return "|".join(
         [platform.node(), platform.machine(), _cpu_model(), str(os.cpu_count())]
-        + [str(mx.default_device()), mx.__version__, str(_loaded.get("path"))]
-        + [str(small_gemm.status()["path"]), str(exact_ops.status()["path"])]
+        + [str(described[k]) for k in sorted(described)]
     )
 
 

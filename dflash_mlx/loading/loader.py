@@ -248,6 +248,9 @@ def _notices(quiet: bool, log: Callable[[str], None] | None):
 
 def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None):
     """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
+    from .. import cpu
+
+    cpu.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
     if _is_gguf(path):
         from .gguf import load_gguf
 
@@ -369,8 +372,7 @@ def set_draft_vocab(pair, tokenizer, n: int | None) -> None:
         pair: the loaded DFlashModel. tokenizer: its tokenizer (for the merge ranks).
         n: None (the checkpoint's own), 0 (the full vocabulary) or a size.
     """
-    from ..cpu.fastmath import on_cpu
-    from ..cpu.half_weights import register_drafter
+    from .. import cpu
     from ..model.draft_vocab import DraftHead, ranked_vocab
 
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
@@ -380,5 +382,4 @@ def set_draft_vocab(pair, tokenizer, n: int | None) -> None:
     if n and n < vocab:
         ids = ranked_vocab(tokenizer, n, vocab)
     pair.draft_head = None if ids is None else DraftHead(pair.adapter, ids)
-    if on_cpu():  # the few-row kernel reads its exact 16-bit weights: half the bytes
-        register_drafter(pair)
+    cpu.install(pair)  # on the CPU, the few-row kernel reads the drafter's and head's 16-bit words

@@ -16,7 +16,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..cpu import fastmath
+from .. import ops
 from .config import DrafterArgs
 from .conv import TwoTapConv
 from .selector import PathSelector
@@ -174,24 +174,6 @@ class ContextCache:
         return [a for a in held if a is not None] + self.pending
 
 
-def attention(q, k, v, scale: float, mask=None) -> mx.array:
-    """Scaled dot-product attention, q [N, Hq, L, hd] over k, v [N, Hkv, S, hd].
-
-    MLX's fused kernel, except unmasked on the CPU backend: there the softmax's scalar exp
-    dominates at long contexts (28 ns an element, measured), so the query heads of each KV
-    head are grouped into one matmul and the softmax takes powers of 2 (~4x faster).
-    """
-    if mask is not None or not fastmath.on_cpu():
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    N, Hq, L, hd = q.shape
-    Hkv = k.shape[1]
-    qg = (q * (scale * fastmath.LOG2E)).reshape(N, Hkv, (Hq // Hkv) * L, hd)
-    s = qg @ k.swapaxes(-1, -2)  # [N, Hkv, g * L, S], in units of log2
-    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
-    p = p / p.sum(axis=-1, keepdims=True)
-    return (p @ v).reshape(N, Hq, L, hd)
-
-
 class Attention(nn.Module):
     """Qwen3 attention whose keys are the context rows followed by the block rows."""
 
@@ -242,7 +224,7 @@ class Attention(nn.Module):
                 ck = mx.broadcast_to(ck, (N,) + ck.shape[1:])
                 cv = mx.broadcast_to(cv, (N,) + cv.shape[1:])
             k, v = mx.concatenate([ck, k], axis=2), mx.concatenate([cv, v], axis=2)
-        out = attention(q, k, v, self.scale, mask)
+        out = ops.attention(q, k, v, self.scale, mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
 
 

@@ -10,12 +10,13 @@ pure-MLX twins (for debugging).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+
+from .. import env
 
 REFERENCE_ENV = "DFLASH_MLX_REFERENCE_KERNELS"
 
@@ -87,7 +88,7 @@ def cached(spec: KernelSpec):
 def use_metal() -> bool:
     """True when the fused kernels should run: Metal present, default device GPU, no override."""
     global _metal_available
-    if os.environ.get(REFERENCE_ENV, "0") not in ("", "0"):
+    if env.switch(REFERENCE_ENV, default=False):
         return False
     if _metal_available is None:
         _metal_available = bool(mx.metal.is_available())

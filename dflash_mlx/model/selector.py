@@ -8,7 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 
-from ..cpu import select_host
+from .. import ops
 from . import metal_kernel
 from .metal_kernel import KernelSpec
 
@@ -160,13 +160,6 @@ def select_path_kernel(
     return path, (q if sample else None)
 
 
-def host_path(codebook: mx.array) -> bool:
-    """Whether ``PathSelector`` runs on the host (``select_host``): on the CPU backend, with
-    no Metal kernel in use and float32 codebooks, unless ``DFLASH_HOST_SELECT=0``."""
-    cpu = select_host.enabled() and not metal_kernel.use_metal()
-    return cpu and codebook.dtype == mx.float32
-
-
 def select_path(U, cand, anchor, g, A, Bc, temperature=0.0, uniforms=None):
     """Path selection: the fused kernel on a Metal GPU, else ``select_path_ops``.
 
@@ -221,11 +214,9 @@ class PathSelector(nn.Module):
         """
         g = self.hidden_projection(hidden)
         A, Bc = self.predecessor_codebook, self.successor_codebook
-        fits = top_k <= select_host.MAX_K and A.shape[-1] <= select_host.MAX_RANK
-        if fits and host_path(A):
-            return select_host.select(
-                logits, g, anchor, A, Bc, top_k, temperature, uniforms, to_target
-            )
+        host = ops.host_selector(top_k, A.shape[-1], A.dtype)  # the CPU's C twin
+        if host is not None and not metal_kernel.use_metal():
+            return host(logits, g, anchor, A, Bc, top_k, temperature, uniforms, to_target)
         U, cand = top_candidates(logits, top_k)
         if to_target is not None:
             cand = to_target[cand].astype(mx.uint32)

@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
-from dflash_mlx.cpu import fastmath
+from dflash_mlx import ops
 from dflash_mlx.model.target import TargetAdapter
 from dflash_mlx.train.prompts import build_prompts
 
@@ -50,7 +50,7 @@ def top_logprobs(logits: mx.array, k: int = TOPK):
         (ids [B, L, k] int32, log-probs [B, L, k] float16), best first.
     """
     logits = logits.astype(mx.float32)
-    lse = fastmath.logsumexp(logits)
+    lse = ops.logsumexp(logits)
     part = mx.argpartition(-logits, k - 1, axis=-1)[..., :k]  # [B, L, k] unordered
     vals = mx.take_along_axis(logits, part, axis=-1)
     order = mx.argsort(-vals, axis=-1)

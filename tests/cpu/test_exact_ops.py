@@ -12,6 +12,7 @@ from mlx_lm.models import base
 from mlx_lm.models.activations import swiglu
 
 from dflash_mlx.cpu import exact_ops
+from dflash_mlx.cpu import target as cpu_target
 from dflash_mlx.decoding import tree
 from dflash_mlx.model import target
 
@@ -157,7 +158,7 @@ def test_target_layers_use_the_kernels_with_the_same_logits(ops, pairs):
     model, _ = pairs("qwen3", "d2")
     ad = model.adapter
     bases = [x.inner if isinstance(x, target._Tap) else x for x in ad.inner.layers]
-    assert all(isinstance(b.mlp, target._ExactMLP) for b in bases)
+    assert all(isinstance(b.mlp, cpu_target._ExactMLP) for b in bases)
     mod = sys.modules[type(bases[0].self_attn).__module__]
     assert mod.scaled_dot_product_attention is exact_ops.attention
 
@@ -173,7 +174,7 @@ def test_target_layers_use_the_kernels_with_the_same_logits(ops, pairs):
     saved = [b.mlp for b in bases]
     try:
         for b in bases:
-            b.mlp = target._Compiled(b.mlp.inner)
+            b.mlp = cpu_target._Compiled(b.mlp.inner)
         mod.scaled_dot_product_attention = base.scaled_dot_product_attention
         slow = logits()
     finally:

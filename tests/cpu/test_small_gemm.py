@@ -183,7 +183,7 @@ def test_without_openblas_the_kernel_fronts_the_wheels_blas(tmp_path):
 
     code = (
         "import numpy as np, dflash_mlx\n"
-        "from dflash_mlx import blas, small_gemm\n"
+        "from dflash_mlx.cpu import blas, small_gemm\n"
         "import mlx.core as mx\n"
         "w = np.random.default_rng(0).standard_normal((200, 48)).astype(np.float32)\n"
         "for rows in (3, 40):\n"
@@ -220,7 +220,7 @@ def test_small_forwarded_products_run_on_one_openblas_thread():
         pytest.skip("no system OpenBLAS here (the wheel's reference BLAS has no threads)")
     code = (
         "import ctypes, numpy as np, dflash_mlx\n"
-        "from dflash_mlx import blas, small_gemm\n"
+        "from dflash_mlx.cpu import blas, small_gemm\n"
         "import mlx.core as mx\n"
         "assert blas._loaded['path'], blas._loaded\n"
         "ob = ctypes.CDLL(blas._loaded['path'])\n"

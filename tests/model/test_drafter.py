@@ -46,18 +46,6 @@ def test_pending_features_are_bounded(pairs, monkeypatch):
     assert cache[0].pending_rows == 0 and cache[0].offset == 12  # flushed past the bound
 
 
-@pytest.mark.parametrize("heads,kv_heads,rows", [(4, 2, 1), (9, 3, 300), (4, 4, 37)])
-def test_cpu_attention_equals_the_fused_kernel(heads, kv_heads, rows):
-    k0, k1, k2 = mx.random.split(mx.random.key(3), 3)
-    q = mx.random.normal((1, heads, 8, 16), key=k0)
-    k = mx.random.normal((1, kv_heads, rows + 8, 16), key=k1)
-    v = mx.random.normal((1, kv_heads, rows + 8, 16), key=k2)
-    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25)
-    with mx.stream(mx.cpu):
-        out = drafter_mod.attention(q, k, v, 0.25)
-    assert mx.allclose(out, ref, atol=1e-5).item()
-
-
 def test_a_step_attends_in_place_and_keeps_no_block_rows(pairs):
     model, _ = pairs("qwen3", "d2")
     d = model.drafter

@@ -75,12 +75,12 @@ def test_compiled_target_modules_give_mlx_lms_bits(tiny_dir, kind):
     target's logits stay the bits of the untouched mlx-lm model, prefill and decode steps."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from dflash_mlx.model import target as target_mod
+    from dflash_mlx.cpu import target as cpu_target
 
     plain, _ = mlx_lm_load(str(tiny_dir / kind))
     wrapped, _ = mlx_lm_load(str(tiny_dir / kind))
     with mx.stream(mx.cpu):
-        n = target_mod.compile_layers(wrapped.model.layers)
+        n = cpu_target.compile_layers(wrapped.model.layers)
         assert n >= 2 * len(wrapped.model.layers)  # the norms at least; RoPE where there is one
         ids = mx.array([[5, 17, 3, 99, 42, 7, 11, 64, 2]])
         c_plain, c_wrapped = make_prompt_cache(plain), make_prompt_cache(wrapped)
