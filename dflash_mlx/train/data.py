@@ -149,49 +149,74 @@ def build_batch(
         valid [N, B-1] (0 past the answer's end), offsets [N], mask [N, 1, B, T + B].
     """
     seqs = [data.seqs[i] for i in picks]
+    parts = [data.rows(s) for s in seqs]  # (tokens [n], teacher [n-1], feats [n-1, D])
     T = _bucket(max(s.n - 1 for s in seqs))
-    parts = [data.rows(s) for s in seqs]
-    D = parts[0][2].shape[1]
-    feats = np.zeros((len(seqs), T, D), np.float32)
-    ids = np.full((len(seqs) * n_blocks, B), mask_id, np.int32)
-    labels = np.zeros((len(seqs) * n_blocks, B - 1), np.int32)
-    valid = np.zeros((len(seqs) * n_blocks, B - 1), np.float32)
-    offs = np.zeros(len(seqs) * n_blocks, np.int32)
+    feats, ids, labels, valid, offs = _empty_batch(
+        len(seqs), n_blocks, T, parts[0][2].shape[1], B, mask_id
+    )
     soft = data.has_soft and soft_k > 0
     if soft:
-        soft_ids = np.zeros((len(seqs) * n_blocks, B - 1, soft_k), np.int32)
-        soft_lp = np.full((len(seqs) * n_blocks, B - 1, soft_k), -np.inf, np.float32)
+        soft_ids = np.zeros((len(ids), B - 1, soft_k), np.int32)  # [N, B-1, soft_k]
+        soft_lp = np.full((len(ids), B - 1, soft_k), -np.inf, np.float32)
     for j, (s, (tok, teach, f)) in enumerate(zip(seqs, parts)):
         feats[j, : s.n - 1] = f
-        if anchors is None:
-            lo, hi = s.prompt, s.n - 2  # anchor a needs teacher[a] (row 1's label)
-            a = rng.integers(lo, hi + 1, size=n_blocks)
-        else:
-            a = anchors[j]
+        a = _draw_anchors(s, n_blocks, rng) if anchors is None else anchors[j]  # [n_blocks]
         rows = slice(j * n_blocks, (j + 1) * n_blocks)
-        ids[rows, 0] = tok[a]
-        pos = a[:, None] + np.arange(B - 1)[None, :]  # row k's label is teacher[a + k - 1]
-        ok = pos <= s.n - 2
-        labels[rows] = np.where(ok, teach[np.minimum(pos, s.n - 2)], 0)
-        valid[rows] = ok
-        offs[rows] = a
+        ids[rows, 0], offs[rows] = tok[a], a  # the block [x_a, mask, ...] starts at a
+        lab, ok, at = _label_rows(teach, a, s.n, B)
+        labels[rows], valid[rows] = lab, ok
         if soft:
-            k_ids, k_lp = data.soft_rows(s)
-            at = np.minimum(pos, s.n - 2)
-            soft_ids[rows] = k_ids[at][..., :soft_k]
-            soft_lp[rows] = np.where(ok[..., None], k_lp[at][..., :soft_k], -np.inf)
-    mask = block_mask(offs, T, B, window)
+            soft_ids[rows], soft_lp[rows] = _soft_rows(data.soft_rows(s), at, ok, soft_k)
     out = {
         "feats": feats,
         "ids": ids,
         "labels": labels,
         "valid": valid,
         "offsets": offs,
-        "mask": mask,
+        "mask": block_mask(offs, T, B, window),
     }
     if soft:
         out["soft_ids"], out["soft_logp"] = soft_ids, soft_lp
     return out
+
+
+def _empty_batch(S: int, n_blocks: int, T: int, D: int, B: int, mask_id: int):
+    """(feats [S, T, D], ids [N, B] all masks, labels [N, B-1], valid [N, B-1], offsets [N])
+    before any answer is written in, N = S * n_blocks."""
+    N = S * n_blocks
+    return (
+        np.zeros((S, T, D), np.float32),
+        np.full((N, B), mask_id, np.int32),
+        np.zeros((N, B - 1), np.int32),
+        np.zeros((N, B - 1), np.float32),
+        np.zeros(N, np.int32),
+    )
+
+
+def _draw_anchors(s: Seq, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """``n_blocks`` random anchors in the answer of ``s``."""
+    lo, hi = s.prompt, s.n - 2  # anchor a needs teacher[a] (row 1's label)
+    return rng.integers(lo, hi + 1, size=n_blocks)
+
+
+def _label_rows(teach: np.ndarray, a: np.ndarray, n: int, B: int):
+    """The labels of the blocks anchored at ``a`` [n_blocks] in a sequence of n tokens.
+
+    Returns:
+        (labels [n_blocks, B-1] (0 past the answer), ok [n_blocks, B-1] (a label within the
+        answer), the teacher rows read [n_blocks, B-1] (clamped into the answer)).
+    """
+    pos = a[:, None] + np.arange(B - 1)[None, :]  # row k's label is teacher[a + k - 1]
+    ok = pos <= n - 2
+    at = np.minimum(pos, n - 2)
+    return np.where(ok, teach[at], 0), ok, at
+
+
+def _soft_rows(top_k, at: np.ndarray, ok: np.ndarray, k: int):
+    """The target's top-k (ids, log-probs) [n_blocks, B-1, k] at the teacher rows ``at``
+    (``ShardSet.soft_rows``' arrays); log-probs -inf past the answer (not ``ok``)."""
+    k_ids, k_lp = top_k
+    return k_ids[at][..., :k], np.where(ok[..., None], k_lp[at][..., :k], -np.inf)
 
 
 def eval_anchors(data: ShardSet, n_seqs: int, n_blocks: int, seed: int = 1234):
