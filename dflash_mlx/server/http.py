@@ -24,6 +24,7 @@ from .schema import (
     bad,
     chunk,
     completion,
+    delta_chunks,
     dflash_stats,
     new_id,
     now,
@@ -365,34 +366,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, req, head: tuple, calls: structured.DeltaStream, r) -> bool:
         """Send the chunks of one result ``r``; False when the client went away."""
-        chat = req.kind == "chat"
+        deltas = calls.deltas(r.text, bool(r.finish_reason))  # without tools: the text
+        finish = calls.finish(r.finish_reason)  # "stop" after tool calls: "tool_calls"
         try:
-            pieces = [{"content": r.text}] if r.text else []
-            if chat:  # a tool call goes out as one delta once it is whole
-                pieces = calls.deltas(r.text, bool(r.finish_reason))
-            for delta in pieces:
-                piece = chunk(
-                    *head, None if chat else delta["content"], include_usage=req.include_usage
-                )
-                if chat:
-                    piece["choices"][0]["delta"] = delta
+            for piece in delta_chunks(*head, deltas, finish, req.include_usage):
                 self._send_event(piece)
-            if r.finish_reason:
-                end = None if chat else ""
-                finish = calls.finish(r.finish_reason)
-                self._send_event(chunk(*head, end, finish, include_usage=req.include_usage))
         except OSError:
             return False
         return True
 
     def _finish(self, req, head: tuple, text: str, last, accepted: int) -> None:
-        """End the answer: the whole of it as JSON, or the stream's usage chunk and [DONE].
-
-        Args:
-            text: the whole answer (empty when streamed: it went out chunk by chunk).
-            last: the last GenerationResponse (None when the generation produced nothing).
-            accepted: draft tokens accepted over the whole generation.
-        """
+        """End the answer: the whole ``text`` as JSON, or the stream's usage chunk and [DONE].
+        ``last``: the last GenerationResponse (None: the generation produced nothing);
+        ``accepted``: draft tokens accepted over the whole generation."""
         if last is None:
             raise APIError(500, "the generation produced nothing")
         block = req.gen.block_size or self.server.engine.model.block_size

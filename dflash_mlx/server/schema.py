@@ -336,6 +336,33 @@ def chunk(
     return out
 
 
+def delta_chunks(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    deltas: list[dict],
+    finish_reason: str | None,
+    include_usage: bool = False,
+) -> list[dict]:
+    """The chunks of one streamed piece: one per delta (chat: the delta as it is, content or
+    tool calls; completion: its content as text), then the finish chunk if it ends here."""
+    chat = kind == "chat"
+    out = []
+    for delta in deltas:
+        text = None if chat else delta["content"]
+        piece = chunk(kind, rid, model, created, text, include_usage=include_usage)
+        if chat:
+            piece["choices"][0]["delta"] = delta
+        out.append(piece)
+    if finish_reason:
+        end = None if chat else ""
+        out.append(
+            chunk(kind, rid, model, created, end, finish_reason, include_usage=include_usage)
+        )
+    return out
+
+
 def usage_chunk(kind: str, rid: str, model: str, created: int, usage_: dict, stats: dict) -> dict:
     """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
     out = _base(kind, rid, model, created, True)
