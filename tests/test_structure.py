@@ -4,6 +4,7 @@ offline setting, and a wheel that carries the Metal kernel bodies."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "dflash_mlx"
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
 MAX_FILE_LINES = 400
 
 # Training code that is being rewritten and moved into dflash_mlx/train/; it joins the
@@ -160,8 +161,9 @@ def _can_build_offline() -> bool:
     """Whether the installed setuptools can build this pyproject without an index."""
     try:
         import setuptools
-        import wheel
     except ImportError:
+        return False
+    if importlib.util.find_spec("wheel") is None:  # --no-build-isolation needs it installed
         return False
     return int(setuptools.__version__.split(".")[0]) >= 77  # PEP 639 license string
 
@@ -188,7 +190,7 @@ def test_wheel_carries_the_metal_and_cpu_kernel_sources(tmp_path):
     ]
     if _can_build_offline():
         cmd.append("--no-build-isolation")
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     if p.returncode and "No matching distribution found for setuptools" in p.stderr:
         pytest.skip("no package index to install the build backend from")
     assert p.returncode == 0, p.stderr[-2000:]

@@ -4,20 +4,26 @@ benchmark, none of them produced by the training-prompt builder (``train/prompts
 from __future__ import annotations
 
 CODE = [
-    "Write a Python function that checks whether a string is a palindrome, ignoring case "
-    "and punctuation.",
+    (
+        "Write a Python function that checks whether a string is a palindrome, ignoring case "
+        "and punctuation."
+    ),
     "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals.",
     'def fizzbuzz(n):\n    """Return a list of the FizzBuzz strings from 1 to n."""\n',
     "Write a Python class `Stack` with push, pop, peek and is_empty methods.",
-    'def count_words(text):\n    """Return a dict mapping each word in text to how often it '
-    'occurs."""\n',
+    (
+        'def count_words(text):\n    """Return a dict mapping each word in text to how often it '
+        'occurs."""\n'
+    ),
     "Write a Python function that returns the n-th Fibonacci number using memoization.",
     "How do I read a CSV file and compute the average of one column in Python?",
     'def flatten(nested):\n    """Flatten an arbitrarily nested list of lists into one list."""\n',
     "Write a Python function that removes duplicates from a list while keeping the order.",
     "Explain the difference between a list and a tuple in Python, with a code example.",
-    "Write a Python function `binary_search(items, target)` that returns the index of "
-    "target or -1.",
+    (
+        "Write a Python function `binary_search(items, target)` that returns the index of "
+        "target or -1."
+    ),
     'def is_prime(n):\n    """Return True if n is a prime number."""\n',
     "Write a JavaScript function that reverses the words in a sentence.",
     "Write a SQL query that returns the ten customers with the highest total order value.",

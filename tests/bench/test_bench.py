@@ -54,7 +54,8 @@ def test_report_has_every_method_position_and_figure(pairs, tmp_path):
     rep["latency_split"] = latency_split(model, tok.encode("def f("), 16, 8, 0.0)
     shares = [v for k, v in rep["latency_split"].items() if k != "cycle_ms"]
     assert abs(sum(shares) - 1.0) < 0.05
-    print_report(rep, Console(file=open(tmp_path / "out.txt", "w"), width=120))
+    with open(tmp_path / "out.txt", "w") as fh:
+        print_report(rep, Console(file=fh, width=120))
     assert "copied" in (tmp_path / "out.txt").read_text()
     write_json(rep, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["config"]["block_size"] == 8

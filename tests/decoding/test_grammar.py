@@ -2,6 +2,7 @@
 target's own greedy loop under the same grammar, and sampling follows the masked law."""
 
 import json
+from typing import ClassVar
 
 import llguidance
 import mlx.core as mx
@@ -141,7 +142,7 @@ class Eight:
 
     eos_token_id, bos_token_id = 7, None
     tokens = [bytes([c]) for c in b"abcdefg"] + [b"</s>"]
-    special_token_ids = [7]
+    special_token_ids: ClassVar[list[int]] = [7]
 
     def __call__(self, s):
         return [b"abcdefg".index(c) for c in s]

@@ -1,6 +1,8 @@
 """The block-size scheduler's decisions (pure logic; the decode loop's use is tested with
 the parity tests)."""
 
+from itertools import pairwise
+
 import pytest
 
 from dflash_mlx.decoding.schedule import (
@@ -91,9 +93,9 @@ def test_plain_decoding_reprobes_with_doubling_backoff():
             probes.append(step)
         sched.record(c.block, 0, None)
     assert probes, "a plain run must be re-probed while speculation might still win"
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in pairwise(probes)]
     assert probes[0] >= PROBE_START
-    assert all(g2 >= g1 for g1, g2 in zip(gaps, gaps[1:]))
+    assert all(g2 >= g1 for g1, g2 in pairwise(gaps))
 
 
 def test_acceptance_counts_only_reached_positions():
@@ -134,7 +136,7 @@ def test_probe_backoff_carries_across_requests_on_the_same_model():
         tuning.finish(sched)
     # with a fresh backoff per request each one would probe at step 8 (six probes)
     assert 1 <= len(probes) <= 3
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    gaps = [b - a for a, b in pairwise(probes)]
     assert all(g >= 2 * PROBE_START for g in gaps)
     # a seeded request keeps the frozen, default schedule
     seeded = tuning.scheduler(greedy=False, selector=True, seeded=True)
