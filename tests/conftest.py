@@ -22,9 +22,9 @@ _CACHE = tempfile.mkdtemp(prefix="dflash-test-cache-")
 os.environ["DFLASH_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
 
-from tiny_models import build_drafter, build_target, eight_token_pair  # noqa: E402
+from tiny_models import build_drafter, build_target, eight_token_pair
 
-from dflash_mlx import cpu  # noqa: E402
+from dflash_mlx import cpu
 
 # Models built by hand take the backend's ops too, as a loaded pair does (Linux: the CPU twins).
 cpu.install()
