@@ -3,14 +3,15 @@
 The Python API, ``dflash run`` / ``chat`` / ``serve`` / ``bench`` and the HTTP server all build
 a ``GenerationConfig`` and call ``validate``; their defaults are its field defaults (and
 ``MAX_TOKENS`` per command). Error messages name the setting the way the user spelled it: the
-flag on the command line (``--temp``), the field name in Python and JSON (``temperature``).
+flag on the command line (``--temp``), the field name in Python and JSON (``temperature``);
+``OPTIONS`` is the table of those flags, which every command declares from.
 No MLX here: the command line imports this module before anything heavy.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
 
 from .errors import DFlashError
@@ -20,20 +21,6 @@ AUTO = "auto"  # block_size chosen per cycle by the scheduler (schedule.py)
 
 # max_tokens when the user gives none, per entry point; "api" is the field default.
 MAX_TOKENS = {"api": 256, "run": 256, "chat": 1024, "serve": 512, "bench": 128}
-
-# The command-line flag of each field that has one (the API and the server use field names).
-FLAGS = {
-    "max_tokens": "--max-tokens",
-    "temperature": "--temp",
-    "top_p": "--top-p",
-    "top_k": "--top-k",
-    "min_p": "--min-p",
-    "presence_penalty": "--presence-penalty",
-    "frequency_penalty": "--frequency-penalty",
-    "repetition_penalty": "--repetition-penalty",
-    "block_size": "--block-size",
-    "seed": "--seed",
-}
 
 
 class SettingError(DFlashError):
@@ -237,3 +224,76 @@ def parse_block_size(text: str | None):
         return int(t)
     except ValueError:
         return text
+
+
+@dataclass(frozen=True)
+class Flag:
+    """The command-line option of one ``GenerationConfig`` field.
+
+    Attributes:
+        field: the field it sets. name: the flag as typed. help: its help text.
+        kind: the type typed on the command line. short: a one-letter alias, if any.
+        negate: a switch that turns the field off (``--no-tree`` sets ``tree=False``).
+    """
+
+    field: str
+    name: str
+    help: str
+    kind: type = float
+    short: str | None = None
+    negate: bool = False
+
+    @property
+    def default(self):
+        """The flag's default: the field's, as typed (a switch that negates is off)."""
+        default = next(f.default for f in fields(GenerationConfig) if f.name == self.field)
+        return not default if self.negate else default
+
+    def value(self, typed):
+        """The field's value for what was typed."""
+        if self.negate:
+            return not typed
+        return parse_block_size(typed) if self.field == "block_size" else typed
+
+
+# The decoding options of ``dflash run`` / ``chat`` / ``serve`` / ``bench``, in help order.
+OPTIONS = (
+    Flag("max_tokens", "--max-tokens", "Tokens to generate.", int, short="-m"),
+    Flag("temperature", "--temp", "Sampling temperature (0 = greedy)."),
+    Flag("top_p", "--top-p", "Nucleus sampling (1 = off)."),
+    Flag("top_k", "--top-k", "Top-k sampling (0 = off).", int),
+    Flag("min_p", "--min-p", "Min-p sampling (0 = off)."),
+    Flag("presence_penalty", "--presence-penalty", "Presence penalty."),
+    Flag("seed", "--seed", "PRNG seed for sampling, 0..2**32-1.", int),
+    Flag(
+        "block_size",
+        "--block-size",
+        "Tokens per verify: auto (each cycle's block chosen from measured costs and live "
+        "acceptance, plain decoding when drafting cannot pay) or a fixed 2..the drafter's block.",
+        str,
+    ),
+    Flag(
+        "use_selector",
+        "--no-selector",
+        "Draft each position's top token (DFlash 1 behaviour).",
+        bool,
+        negate=True,
+    ),
+    Flag(
+        "lookup",
+        "--no-lookup",
+        "Verify only the drafter's drafts, never ones copied from the context.",
+        bool,
+        negate=True,
+    ),
+    Flag(
+        "tree",
+        "--no-tree",
+        "Verify the drafter's path alone, without the siblings of its first draft.",
+        bool,
+        negate=True,
+    ),
+)
+
+# The flag that carries each field's value, for messages (a negating switch carries none).
+FLAGS = {f.field: f.name for f in OPTIONS if not f.negate}

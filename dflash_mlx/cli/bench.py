@@ -5,6 +5,7 @@ The measurements themselves are ``dflash_mlx.bench.runner``'s.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -14,15 +15,35 @@ import typer
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
+from .options import MODEL, ModelOptions, decoding, expand
 from .stats import blocks_text
 from .streams import require_stdout
 
+# The settings the bench honours: it samples at --temp alone and runs DFlash 1 and 2 both
+# (so no --top-p ... --no-selector); its seed is fixed, so runs compare.
+SETTINGS = decoding(
+    "bench",
+    "Tokens per prompt.",
+    fields=("max_tokens", "temperature", "seed", "block_size", "lookup", "tree"),
+    seed={"default": 0, "help": "PRNG seed, 0..2**32-1 (fixed, for comparable runs)."},
+)
 
+
+def _check_args(args: dict) -> None:
+    """The bench's own limits, checked before the decoding settings (so ``-m 0`` is told
+    the bench's minimum)."""
+    require_stdout("bench")
+    if args["max_samples"] < 1:
+        raise DFlashError(f"--max-samples must be at least 1 (got {args['max_samples']})")
+    if args["max_tokens"] < 2:
+        raise DFlashError(f"--max-tokens must be at least 2 (got {args['max_tokens']})")
+    if args["dataset"] is not None and not args["dataset"].strip():
+        raise DFlashError("--dataset is empty; name a built-in set or a JSONL file")
+
+
+@expand(first=_check_args)
 def bench(
-    model: str = c.MODEL,
-    drafter: str | None = c.DRAFTER,
-    draft_vocab: int | None = c.DRAFT_VOCAB,
-    quant: str | None = c.QUANT,
+    src: ModelOptions = MODEL,
     dataset: str | None = typer.Option(
         None,
         "--dataset",
@@ -32,12 +53,7 @@ def bench(
     field: str = typer.Option("prompt", "--field", help="JSONL field holding the prompt."),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="A single prompt."),
     max_samples: int = typer.Option(20, "--max-samples", "-n", help="Prompts to run."),
-    max_tokens: int = c.max_tokens_option("bench", "Tokens per prompt."),
-    block_size: str | None = c.BLOCK_SIZE,
-    temp: float = c.TEMP,
-    seed: int = typer.Option(
-        0, "--seed", help="PRNG seed, 0..2**32-1 (fixed, for comparable runs)."
-    ),
+    cfg: GenerationConfig = SETTINGS,
     chat_template: bool = typer.Option(
         True,
         "--chat-template/--raw",
@@ -45,55 +61,31 @@ def bench(
     ),
     json_path: str | None = typer.Option(None, "--json", help="Write the report as JSON."),
     plot_path: str | None = typer.Option(None, "--plot", help="Write a PNG of the curves."),
-    no_lookup: bool = c.NO_LOOKUP,
-    no_tree: bool = c.NO_TREE,
-    offline: bool = c.OFFLINE,
 ):
     """Benchmark autoregressive vs DFlash 1 vs DFlash 2 (also with copied drafts) vs auto:
     tau, speedup, Recall@k, latency."""
-    require_stdout("bench")
-    if max_samples < 1:
-        raise DFlashError(f"--max-samples must be at least 1 (got {max_samples})")
-    if max_tokens < 2:
-        raise DFlashError(f"--max-tokens must be at least 2 (got {max_tokens})")
-    if dataset is not None and not dataset.strip():
-        raise DFlashError("--dataset is empty; name a built-in set or a JSONL file")
-    cfg = GenerationConfig(
-        max_tokens=max_tokens,
-        temperature=temp,
-        block_size=c.parse_block_size(block_size),
-        lookup=not no_lookup,
-        tree=not no_tree,
-        seed=seed,
-    )
-    cfg.validate(flags=True)
     from ..bench.runner import load_prompts
 
     prompts = load_prompts(dataset, max_samples, prompt, field)
     json_path = json_path if json_path is None else check_output(json_path, "--json")
     plot_path = plot_path if plot_path is None else check_output(plot_path, "--plot", PLOT_SUFFIXES)
-    if plot_path:
-        try:
-            import matplotlib
-        except ImportError:
-            raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'") from None
-    m, tok = c.load_pair(model, drafter, quant, offline, False, False, cfg, draft_vocab)
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'")
+    m, tok = c.load_pair(src, False, False, cfg)
     block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
-    if max_tokens < block:  # Recall@k needs a continuation of at least one block
+    if cfg.max_tokens < block:  # Recall@k needs a continuation of at least one block
         raise DFlashError(
-            f"--max-tokens {max_tokens} is shorter than the block ({block} tokens), so no "
+            f"--max-tokens {cfg.max_tokens} is shorter than the block ({block} tokens), so no "
             f"per-position Recall can be measured; pass -m {block} or more"
         )
     rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
     from rich.console import Console
 
     print_report(rep, Console(highlight=False))
-    if json_path:
-        write_json(rep, json_path)
-        print(f"wrote {json_path}", file=sys.stderr)
-    if plot_path:
-        write_plot(rep, plot_path)
-        print(f"wrote {plot_path}", file=sys.stderr)
+    for path, write in ((json_path, write_json), (plot_path, write_plot)):
+        if path:
+            write(rep, path)
+            print(f"wrote {path}", file=sys.stderr)
 
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")

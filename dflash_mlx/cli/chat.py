@@ -20,6 +20,7 @@ from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
 from . import streams
+from .options import MODEL, ModelOptions, decoding, expand
 from .stats import sparkline
 from .terminal import StopFlag, rerender_markdown
 
@@ -79,8 +80,8 @@ class ChatSession:
         self.total_prefilled = 0
         self.tty = self.stdin.isatty()
         if self.tty:
-            try:
-                import readline
+            try:  # importing readline gives input() line editing and history
+                import readline  # noqa: F401
             except ImportError:  # pragma: no cover
                 pass
 
@@ -341,24 +342,15 @@ class ChatSession:
         self.out.flush()
 
 
+# the decoding options, with this command's defaults
+SETTINGS = decoding("chat", "Tokens per answer.")
+
+
+@expand()
 def chat(
-    model: str = c.MODEL,
-    drafter: str | None = c.DRAFTER,
-    draft_vocab: int | None = c.DRAFT_VOCAB,
-    quant: str | None = c.QUANT,
-    max_tokens: int = c.max_tokens_option("chat", "Tokens per answer."),
-    temp: float = c.TEMP,
-    top_p: float = c.TOP_P,
-    top_k: int = c.TOP_K,
-    min_p: float = c.MIN_P,
-    presence_penalty: float = c.PRESENCE,
-    seed: int | None = c.SEED,
-    block_size: str | None = c.BLOCK_SIZE,
-    no_selector: bool = c.NO_SELECTOR,
-    no_lookup: bool = c.NO_LOOKUP,
-    no_tree: bool = c.NO_TREE,
+    src: ModelOptions = MODEL,
+    cfg: GenerationConfig = SETTINGS,
     system: str | None = c.SYSTEM,
-    offline: bool = c.OFFLINE,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No per-turn stats line."),
     no_markdown: bool = typer.Option(
@@ -366,12 +358,10 @@ def chat(
     ),
 ):
     """Chat in the terminal; caches persist across turns. /help lists the commands."""
-    flags = (max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size)
-    cfg = c.settings(*flags, no_selector, no_lookup, no_tree)
     streams.require_stdout("chat")
     if streams.stdin_closed():
         raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")
-    m, tok = c.load_pair(model, drafter, quant, offline, False, verbose, cfg, draft_vocab)
+    m, tok = c.load_pair(src, False, verbose, cfg)
     from ..decoding.prompt import notice_default_format
 
     notice_default_format(tok)  # no chat template: say once which format stands in

@@ -7,14 +7,17 @@ import sys
 import typer
 
 from ..errors import DFlashError
+from ..settings import GenerationConfig
 from . import common as c
+from .options import MODEL, ModelOptions, decoding, expand
+
+# the decoding options, with this command's defaults
+SETTINGS = decoding("serve", "Default max tokens.")
 
 
+@expand()
 def serve(
-    model: str = c.MODEL,
-    drafter: str | None = c.DRAFTER,
-    draft_vocab: int | None = c.DRAFT_VOCAB,
-    quant: str | None = c.QUANT,
+    src: ModelOptions = MODEL,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: a free one)."),
     api_key: str | None = typer.Option(
@@ -27,17 +30,7 @@ def serve(
     max_batch: int = typer.Option(
         8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
     ),
-    max_tokens: int = c.max_tokens_option("serve", "Default max tokens."),
-    temp: float = c.TEMP,
-    top_p: float = c.TOP_P,
-    top_k: int = c.TOP_K,
-    min_p: float = c.MIN_P,
-    presence_penalty: float = c.PRESENCE,
-    seed: int | None = c.SEED,
-    block_size: str | None = c.BLOCK_SIZE,
-    no_selector: bool = c.NO_SELECTOR,
-    no_lookup: bool = c.NO_LOOKUP,
-    offline: bool = c.OFFLINE,
+    cfg: GenerationConfig = SETTINGS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No download notices."),
 ):
@@ -45,8 +38,42 @@ def serve(
 
     The decoding options are the defaults of requests that do not set them.
     """
-    flags = (max_tokens, temp, top_p, top_k, min_p, presence_penalty, seed, block_size)
-    cfg = c.settings(*flags, no_selector, no_lookup)
+    check_server_options(port, api_key, max_queue, max_batch)
+    from .. import server
+
+    sock = server.listen(host, port)  # a busy port or a bad host fails before the load
+    warning = server.bind_warning(host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    try:
+        m, tok = c.load_pair(src, quiet, verbose, cfg)
+    except BaseException:
+        sock.close()
+        raise
+    server.run_server(
+        m,
+        tok,
+        m.name,
+        host=host,
+        port=port,
+        api_key=api_key,
+        defaults=cfg,
+        max_queue=max_queue,
+        sock=sock,
+        max_batch=max_batch,
+    )
+
+
+def check_server_options(port: int, api_key: str | None, max_queue: int, max_batch: int):
+    """Refuse, before anything is bound or loaded, options the server cannot run with.
+
+    Args:
+        port, api_key, max_queue, max_batch: ``--port``, ``--api-key``, ``--max-queue``,
+            ``--max-batch``.
+
+    Raises:
+        DFlashError: one line naming the option and the fix.
+    """
     if not 0 <= port < 65536:
         raise DFlashError(f"--port must be in 0..65535 (got {port}); 0 picks a free port")
     if api_key is not None and not (api_key.isascii() and api_key.isprintable()):
@@ -63,26 +90,3 @@ def serve(
         raise DFlashError(f"--max-queue must be at least 1 (got {max_queue})")
     if max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1 (got {max_batch})")
-    from .. import server
-
-    sock = server.listen(host, port)  # a busy port or a bad host fails before the load
-    warning = server.bind_warning(host, api_key)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    try:
-        m, tok = c.load_pair(model, drafter, quant, offline, quiet, verbose, cfg, draft_vocab)
-    except BaseException:
-        sock.close()
-        raise
-    server.run_server(
-        m,
-        tok,
-        m.name,
-        host=host,
-        port=port,
-        api_key=api_key,
-        defaults=cfg,
-        max_queue=max_queue,
-        sock=sock,
-        max_batch=max_batch,
-    )
