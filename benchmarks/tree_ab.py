@@ -37,12 +37,13 @@ def main(argv=None):
         for name, method, tree in order:
             _dflash(model, ids, args.m, args.block_size, 0.0, 0, True, method, res, tree=tree)
             res.tokens[name], res.seconds[name] = res.tokens[method], res.seconds[method]
-            res.cycles[name], res.committed[name] = res.cycles[method], res.committed[method]
+            res.stats[name] = res.stats[method]
         for name, row in total.items():
             row[0] += res.tokens[name]
             row[1] += res.seconds[name]
-            row[2] += res.cycles.get(name, 0)
-            row[3] += res.committed.get(name, 0)
+            if name in res.stats:
+                row[2] += res.stats[name].cycles
+                row[3] += res.stats[name].committed
     ar = total["autoregressive"][0] / total["autoregressive"][1]
     out = {}
     for name, (n, s, cycles, committed) in total.items():

@@ -17,22 +17,20 @@ import mlx.core as mx
 
 from .decoding.batch import BatchDecoder, Row
 from .decoding.loop import generation_stream
-from .decoding.prompt import end_of_turn_ids
+from .decoding.schedule import EMA, PROBE_MAX, PROBE_START
 from .decoding.state import DFlashModel, PromptCache
+from .decoding.stats import RequestStats
 from .generation import (
     GenerationResponse,
     Prompt,
-    _Stats,
-    _take,
     _TextStream,
+    eos_ids,
     fit_prompt,
+    respond,
     sampling_params,
     stream_generate,
 )
 from .settings import AUTO, GenerationConfig
-
-PROBE_START, PROBE_MAX = 8, 256  # cycles before re-trying the other block, doubling
-EMA = 0.3
 
 
 class BlockChooser:
@@ -40,7 +38,9 @@ class BlockChooser:
     one whose recent cycles committed the most tokens per second. It starts plain and tries
     the block after 8 cycles; the losing one is re-tried after 8, 16, 32 ... cycles (a probe
     of the slow block is expensive: a batch's block verify costs rows x block tokens), back
-    to 8 when it wins. Only past cycles are used: every choice is lossless.
+    to 8 when it wins. Only past cycles are used: every choice is lossless. The rates are
+    smoothed, and the probes spaced, with the per-request scheduler's constants
+    (``schedule.EMA``, ``PROBE_START``, ``PROBE_MAX``): one set of ``auto`` constants.
 
     Args:
         block: the checkpoint's block size.
@@ -81,7 +81,7 @@ class _Request:
 
     row: Row
     text: _TextStream
-    stats: _Stats
+    stats: RequestStats
     max_tokens: int
 
 
@@ -106,7 +106,7 @@ class BatchGenerator:
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
         self.requests: dict[int, _Request] = {}
         self.solo: dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time
-        self.eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
+        self.eos = eos_ids(tokenizer)
         self._uids = itertools.count()
 
     def insert(
@@ -152,7 +152,7 @@ class BatchGenerator:
         params = sampling_params(cfg, processors)
         key = mx.random.key(seed)
         row = Row(uid, ids, params, cfg.max_tokens, block, cfg.use_selector, key, cfg.lookup)
-        stats = _Stats(len(ids), block or self.model.block_size)
+        stats = RequestStats(len(ids), block or self.model.block_size)
         req = _Request(
             row, _TextStream(self.tokenizer.detokenizer, cfg.stop), stats, cfg.max_tokens
         )
@@ -212,14 +212,10 @@ class BatchGenerator:
         req = self.requests.get(row.uid)
         if req is None:
             return []
-        st = req.stats
-        st.add(cyc)
-        tokens, finish = _take(cyc.tokens, self.eos, st.generated, req.max_tokens)
-        st.generated += len(tokens)
-        piece, finish = req.text.add(tokens, finish)
-        if finish:
+        r = respond(req.stats, req.text, cyc, self.eos, req.max_tokens)
+        if r.finish_reason:
             self.remove(row.uid)
-        return [(row.uid, st.response(piece, tokens, cyc.accepted, finish))]
+        return [(row.uid, r)]
 
     def _solo_step(self) -> list[tuple[int, GenerationResponse]]:
         if not self.solo:

@@ -6,10 +6,8 @@ detokenized text for stop strings, and keep the statistics each response carries
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Union
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
@@ -27,11 +25,12 @@ from .decoding.prompt import (
     with_default_stops,
 )
 from .decoding.state import DFlashModel, PromptCache
+from .decoding.stats import RequestStats
 from .decoding.warmup import warm_up
 from .errors import DFlashError
 from .settings import AUTO, GenerationConfig
 
-Prompt = Union[str, Sequence[int], Sequence[dict[str, str]]]
+Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 
 @dataclass
@@ -219,62 +218,30 @@ class _TextStream:
         return piece, finish
 
 
-class _Stats:
-    """Counters of one completion: prompt timing, tau, per-position acceptance, timings."""
-
-    def __init__(self, prompt_tokens: int, block_size: int):
-        self.prompt_tokens, self.block_size = prompt_tokens, block_size
-        self.generated = self.cycles = self.committed = self.processed = self.copied = 0
-        self.siblings = 0
-        self.reached = [0] * block_size
-        self.accepted_at = [0] * block_size
-        self.blocks: dict[int, int] = {}
-        self.notes: list[str] = []
-        self.timings: dict[str, float] = {}
-        self.tic, self.prompt_time = time.perf_counter(), 0.0
-
-    def add(self, cyc: Cycle) -> None:
-        """Count a cycle (the first is the prefill, which drafts nothing)."""
-        if cyc.drafted == 0 and self.cycles == 0 and self.generated == 0:
-            self.prompt_time, self.processed = time.perf_counter() - self.tic, cyc.prompt_tokens
-            self.tic = time.perf_counter()
-        else:
-            self.cycles += 1
-            self.committed += len(cyc.tokens)
-            self.copied += cyc.lookup > 0
-            self.siblings += cyc.sibling > 0
-            self.blocks[cyc.drafted + 1] = self.blocks.get(cyc.drafted + 1, 0) + 1
-            for k in range(cyc.reached):
-                self.reached[k] += 1
-                self.accepted_at[k] += k < cyc.accepted
-        for name, t in cyc.timings.items():
-            self.timings[name] = self.timings.get(name, 0.0) + t
-
-    def response(self, text, tokens, accepted, finish) -> GenerationResponse:
-        """The GenerationResponse carrying a piece of text and the stats so far."""
-        elapsed = max(time.perf_counter() - self.tic, 1e-9)
-        pairs = zip(self.accepted_at, self.reached)
-        return GenerationResponse(
-            text=text,
-            tokens=tokens,
-            accepted=accepted,
-            finish_reason=finish,
-            prompt_tokens=self.prompt_tokens,
-            prompt_processed=self.processed,
-            prompt_tps=self.processed / max(self.prompt_time, 1e-9),
-            generation_tokens=self.generated,
-            generation_tps=self.generated / elapsed,
-            tau=self.committed / self.cycles if self.cycles else 0.0,
-            cycles=self.cycles,
-            peak_memory=mx.get_peak_memory() / 1e9,
-            acceptance=[a / r if r else 0.0 for a, r in pairs][: self.block_size - 1],
-            blocks=dict(sorted(self.blocks.items())),
-            plain_share=self.blocks.get(1, 0) / self.cycles if self.cycles else 0.0,
-            copied=self.copied,
-            siblings=self.siblings,
-            schedule=list(self.notes),
-            timings=dict(self.timings),
-        )
+def _response(st: RequestStats, text, tokens, accepted, finish) -> GenerationResponse:
+    """The GenerationResponse carrying a piece of text and the stats so far."""
+    cyc = st.cycles
+    return GenerationResponse(
+        text=text,
+        tokens=tokens,
+        accepted=accepted,
+        finish_reason=finish,
+        prompt_tokens=st.prompt_tokens,
+        prompt_processed=st.processed,
+        prompt_tps=st.prompt_tps,
+        generation_tokens=st.generated,
+        generation_tps=st.generation_tps,
+        tau=cyc.tau,
+        cycles=cyc.cycles,
+        peak_memory=mx.get_peak_memory() / 1e9,
+        acceptance=cyc.acceptance,
+        blocks=cyc.histogram(),
+        plain_share=cyc.plain_share,
+        copied=cyc.copied,
+        siblings=cyc.siblings,
+        schedule=list(st.notes),
+        timings=dict(st.timings),
+    )
 
 
 def _take(tokens: list[int], eos: set, generated: int, max_tokens: int):
@@ -287,6 +254,26 @@ def _take(tokens: list[int], eos: set, generated: int, max_tokens: int):
         if generated + len(out) >= max_tokens:
             return out, "length"
     return out, None
+
+
+def eos_ids(tokenizer) -> set[int]:
+    """The ids that end a completion: the tokenizer's EOS ids and its end-of-turn tokens."""
+    return set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
+
+
+def respond(stats: RequestStats, text: _TextStream, cyc: Cycle, eos: set, max_tokens: int):
+    """Count a cycle and turn what it committed into the next GenerationResponse: its
+    tokens up to an EOS or the budget, and the text that may be shown now.
+
+    Args:
+        stats, text: the request's statistics and text stream. cyc: the cycle.
+        eos: ids that end the completion. max_tokens: the request's budget.
+    """
+    stats.add(cyc)
+    tokens, finish = _take(cyc.tokens, eos, stats.generated, max_tokens)
+    stats.generated += len(tokens)
+    piece, finish = text.add(tokens, finish)
+    return _response(stats, piece, tokens, cyc.accepted, finish)
 
 
 def _scheduler(model, cfg: GenerationConfig, params):
@@ -325,7 +312,7 @@ def stream_generate(
             ``(tokens, logits) -> logits`` processors, e.g. a ``grammar.GrammarProcessor``.
         settings: ``GenerationConfig`` fields that override config: max_tokens,
             temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty,
-            repetition_penalty, logit_bias, block_size, use_selector, lookup, seed, stop.
+            repetition_penalty, logit_bias, block_size, use_selector, lookup, tree, seed, stop.
 
     Yields:
         GenerationResponse per committed piece; the last has finish_reason set.
@@ -341,12 +328,31 @@ def stream_generate(
     sched = _scheduler(model, cfg, params) if cfg.block_size == AUTO else None
     block_size = model.block_size if cfg.block_size in (None, AUTO) else cfg.block_size
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
-    stats = _Stats(len(ids), block_size)
-    eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
+    stats = RequestStats(len(ids), block_size)
+    eos = eos_ids(tokenizer)
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
+    opts = {"profile": profile, "prefill_step_size": prefill_step_size, "scheduler": sched}
+    cycles = _decode(model, ids, cache, params, cfg, block_size, **opts)
+    try:
+        for cyc in cycles:
+            if sched is not None:
+                stats.notes = sched.notes
+            r = respond(stats, text, cyc, eos, cfg.max_tokens)
+            yield r
+            if r.finish_reason:
+                return
+    finally:
+        cycles.close()  # the decode loop tidies the caches up before the prior is updated
+        if sched is not None:
+            model.tuning.finish(sched)
+
+
+def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, **opts):
+    """The decode loop of one request, seeded from its settings; peak memory counts from
+    here. opts: ``decode``'s profile, prefill_step_size and scheduler."""
     key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()
-    cycles = decode(
+    return decode(
         model,
         ids,
         cache,
@@ -355,27 +361,10 @@ def stream_generate(
         block_size=block_size,
         use_selector=cfg.use_selector,
         key=key,
-        prefill_step_size=prefill_step_size,
-        profile=profile,
-        scheduler=sched,
         lookup=cfg.lookup,
         tree=cfg.tree,
+        **opts,
     )
-    try:
-        for cyc in cycles:
-            stats.add(cyc)
-            if sched is not None:
-                stats.notes = sched.notes
-            tokens, finish = _take(cyc.tokens, eos, stats.generated, cfg.max_tokens)
-            stats.generated += len(tokens)
-            piece, finish = text.add(tokens, finish)
-            yield stats.response(piece, tokens, cyc.accepted, finish)
-            if finish:
-                return
-    finally:
-        cycles.close()  # the decode loop tidies the caches up before the prior is updated
-        if sched is not None:
-            model.tuning.finish(sched)
 
 
 def generate(model: DFlashModel, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:

@@ -184,3 +184,42 @@ def test_stats_count_the_cycles_that_took_a_sibling(pairs):
     assert s["sibling_cycles"] == dflash_stats(last, 0, 8)["sibling_cycles"] == last.siblings
     assert f"{last.siblings} took a sibling" in "\n".join(stats_lines(s))
     assert last.acceptance[0] > 0.9  # the first position is accepted, through the sibling
+
+
+def _cycles():
+    from dflash_mlx.decoding.loop import Cycle
+
+    return [
+        Cycle([1, 2, 3], accepted=2, drafted=3),  # reached 3 positions, accepted 2
+        Cycle([5]),  # a plain step
+        Cycle([7, 8], accepted=1, drafted=3, lookup=2),  # copied drafts, rejected at 2
+        Cycle([9, 10], accepted=1, drafted=3, siblings=1, sibling=1),  # a sibling taken
+    ]
+
+
+def test_cycle_stats_are_computed_once_from_the_cycles():
+    """tau, acceptance by position, blocks, plain/copied shares: the numbers every reader
+    (responses, batches, the bench) takes from ``decoding.stats``."""
+    from dflash_mlx.decoding.stats import CycleStats, RequestStats
+
+    st = CycleStats(4)
+    for c in _cycles():
+        st.add(c)
+    assert (st.cycles, st.committed, st.tau) == (4, 8, 2.0)
+    assert st.reached == [3, 2, 1] and st.accepted == [3, 1, 0]
+    assert st.acceptance == [1.0, 0.5, 0.0]
+    assert st.histogram() == {1: 1, 4: 3} and st.plain_share == 0.25
+    assert (st.copied, st.copied_share, st.siblings) == (1, 0.25, 1)
+    a, b = CycleStats(4), CycleStats(4)
+    for i, c in enumerate(_cycles()):
+        (a if i % 2 else b).add(c)
+    whole = a.merge(b)
+    assert (whole.reached, whole.accepted, whole.histogram()) == ([3, 2, 1], [3, 1, 0], st.blocks)
+    assert CycleStats(4).tau == 0.0 and CycleStats(4).acceptance == [0.0] * 3
+    from dflash_mlx.decoding.loop import Cycle
+
+    req = RequestStats(10, 4)
+    req.add(Cycle([4], prompt_tokens=6, timings={"prefill": 0.5}))  # the prefill: not a cycle
+    for c in _cycles():
+        req.add(c)
+    assert req.processed == 6 and req.cycles.cycles == 4 and req.timings == {"prefill": 0.5}

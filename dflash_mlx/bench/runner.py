@@ -11,16 +11,16 @@ from __future__ import annotations
 import gzip
 import json
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..cpu.blas import measure as measure_blas
+from .. import ops
 from ..decoding.acceptance import SamplingParams
 from ..decoding.loop import decode
+from ..decoding.stats import CycleStats
 from ..errors import DFlashError
 from ..generation import encode_prompt
 from ..model.drafter import block_mask, embed_block
@@ -118,17 +118,12 @@ class PromptResult:
 
     tokens: dict[str, int] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # decode time after prefill
-    cycles: dict[str, int] = field(default_factory=dict)
-    committed: dict[str, int] = field(default_factory=dict)
-    copied: dict[str, int] = field(default_factory=dict)  # cycles verifying copied drafts
-    reached: dict[str, np.ndarray] = field(default_factory=dict)
-    accepted: dict[str, np.ndarray] = field(default_factory=dict)
+    stats: dict[str, CycleStats] = field(default_factory=dict)  # each DFlash run's cycles
     recall: dict[str, np.ndarray] = field(default_factory=dict)  # hits per position
     anchors: int = 0
     oracle_run: float = 0.0  # summed leading top-K hits
     top1_run: float = 0.0
     continuation: list[int] = field(default_factory=list)
-    blocks: dict[str, dict[int, int]] = field(default_factory=lambda: defaultdict(dict))
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
@@ -153,8 +148,7 @@ def _dflash(
     model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False, tree=True
 ):
     key = mx.random.key(seed if seed is not None else 0)
-    reached, accepted = np.zeros(block - 1), np.zeros(block - 1)
-    n, cycles, committed, t_first = 0, 0, 0, None
+    stats, n, t_first = CycleStats(block), 0, None
     sel = selector and model.drafter.has_selector
     sched = model.tuning.scheduler(temp == 0, sel, lookup=lookup) if name == "auto" else None
     for c in decode(
@@ -174,17 +168,10 @@ def _dflash(
         if t_first is None:
             t_first = time.perf_counter()
             continue
-        cycles += 1
-        committed += len(c.tokens)
-        res.copied[name] = res.copied.get(name, 0) + (c.lookup > 0)
-        res.blocks[name][c.drafted + 1] = res.blocks[name].get(c.drafted + 1, 0) + 1
-        k = c.reached
-        reached[:k] += 1
-        accepted[: c.accepted] += 1
+        stats.add(c)
     res.tokens[name] = min(n, max_tokens)
     res.seconds[name] = time.perf_counter() - t_first
-    res.cycles[name], res.committed[name] = cycles, committed
-    res.reached[name], res.accepted[name] = reached, accepted
+    res.stats[name] = stats
     if sched is not None:
         model.tuning.finish(sched)
 
@@ -359,7 +346,7 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             "target": getattr(model, "target_path", ""),
             "drafter": getattr(model, "drafter_path", ""),
         },
-        "blas": measure_blas()["name"],
+        "blas": ops.backend_name(),
         "methods": {},
         "positions": {},
     }
@@ -368,20 +355,14 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         secs = sum(r.seconds[m] for r in results)
         row = {"tokens": toks, "tok_per_s": (toks - len(results)) / max(secs, 1e-9)}
         if m != "autoregressive":
-            row["tau"] = sum(r.committed[m] for r in results) / max(
-                sum(r.cycles[m] for r in results), 1
-            )
-            reached = sum(r.reached[m] for r in results)
-            acc = sum(r.accepted[m] for r in results)
-            rep["positions"][f"acceptance_{m}"] = (acc / np.maximum(reached, 1)).tolist()
-            blocks: dict[int, int] = {}
+            st = CycleStats(block)
             for r in results:
-                for b, n in r.blocks[m].items():
-                    blocks[b] = blocks.get(b, 0) + n
-            row["blocks"] = {str(b): n for b, n in sorted(blocks.items())}
-            row["plain_share"] = blocks.get(1, 0) / max(sum(blocks.values()), 1)
-            copied = sum(r.copied.get(m, 0) for r in results)
-            row["copied_share"] = copied / max(sum(blocks.values()), 1)
+                st.merge(r.stats[m])
+            row["tau"] = st.tau
+            rep["positions"][f"acceptance_{m}"] = st.acceptance
+            row["blocks"] = {str(b): n for b, n in st.histogram().items()}
+            row["plain_share"] = st.plain_share
+            row["copied_share"] = st.copied_share
         rep["methods"][m] = row
     base = rep["methods"]["autoregressive"]["tok_per_s"]
     for m, row in rep["methods"].items():
