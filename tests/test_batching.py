@@ -1,6 +1,8 @@
 """batch_generate / BatchGenerator: each completion equals its completion alone (greedy),
 with its own settings, stop strings and statistics; aborted rows leave the others intact."""
 
+from itertools import pairwise
+
 import pytest
 
 import dflash_mlx
@@ -81,8 +83,8 @@ def test_block_chooser_keeps_the_faster_block_and_reprobes_less_often(fast):
     slow = 8 if fast == 1 else 1
     probes = [i for i, b in enumerate(picks) if b == slow and i > 7]
     assert len(probes) >= 2 and picks[8:].count(fast) > 100
-    gaps = [q - p for p, q in zip(probes, probes[1:])]
-    assert all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:]))  # probes ever rarer
+    gaps = [q - p for p, q in pairwise(probes)]
+    assert all(g2 > g1 for g1, g2 in pairwise(gaps))  # probes ever rarer
 
 
 @pytest.fixture(scope="module")

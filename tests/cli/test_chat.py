@@ -54,7 +54,7 @@ def stats(child):
     child.expect(STATS)
     m = [int(x) for x in child.match.groups()]
     child.expect_exact(PROMPT)
-    return dict(prefilled=m[0], prompt=m[1], generated=m[2], cached=m[3])
+    return {"prefilled": m[0], "prompt": m[1], "generated": m[2], "cached": m[3]}
 
 
 def turn(child, text):
@@ -139,12 +139,7 @@ def test_session_logic_without_a_terminal(pair):
     from dflash_mlx.settings import GenerationConfig
 
     model, tok = load(str(pair / "target"), drafter=str(pair / "drafter"))
-    lines = (
-        "\n".join(
-            ["/bogus", "/system you are terse", "multi \\", "line", "/stats", "/exit", "never read"]
-        )
-        + "\n"
-    )
+    lines = "/bogus\n/system you are terse\nmulti \\\nline\n/stats\n/exit\nnever read\n"
     out = io.StringIO()
     gen = GenerationConfig(max_tokens=6, block_size=8)
     s = ChatSession(model, tok, "tiny", gen, stdin=io.StringIO(lines), stdout=out)

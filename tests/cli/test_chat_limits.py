@@ -59,7 +59,7 @@ def test_oldest_turns_are_dropped_when_the_next_would_not_fit(small):
 
 
 def test_a_message_longer_than_the_context_is_refused_and_the_session_goes_on(small, capsys):
-    s, out = _session(small)
+    s, _out = _session(small)
     s.answer("hello there")
     history = list(s.history)
     s.answer("print(i) " * 60)  # fine by characters, too many tokens
@@ -73,7 +73,7 @@ def test_a_message_longer_than_the_context_is_refused_and_the_session_goes_on(sm
 
 
 def test_a_line_that_is_not_utf8_is_refused_and_the_session_goes_on(small, capsys):
-    s, out = _session(small, stdin="bad \udcff line\nhello\n/exit\n")
+    s, _out = _session(small, stdin="bad \udcff line\nhello\n/exit\n")
     s.loop()
     err = capsys.readouterr().err
     assert "error: that message is not valid UTF-8 (byte 0xff at character 4); type it" in err

@@ -72,6 +72,7 @@ def test_stdin_not_utf8_in_a_real_process(small):
         capture_output=True,
         env=cli_env(),
         cwd=REPO_ROOT,
+        check=False,
     )
     err = p.stderr.decode()
     assert p.returncode == 2 and p.stdout == b"" and "Traceback" not in err

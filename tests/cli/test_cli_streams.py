@@ -21,7 +21,12 @@ def dflash(pair, args: str, redirect: str):
     model = f"--model {pair / 'target'} --drafter {pair / 'drafter'}"
     cmd = f"exec {shlex.quote(sys.executable)} -m dflash_mlx.cli {args} {model} {redirect}"
     p = subprocess.run(
-        ["bash", "-c", cmd], capture_output=True, env=cli_env(), cwd=REPO_ROOT, timeout=120
+        ["bash", "-c", cmd],
+        capture_output=True,
+        env=cli_env(),
+        cwd=REPO_ROOT,
+        timeout=120,
+        check=False,
     )
     return p.returncode, p.stdout.decode(), p.stderr.decode()
 
@@ -39,7 +44,7 @@ def test_run_without_a_prompt_and_stdin_closed_says_so(pair):
 
 def test_run_with_a_prompt_and_stdin_closed_loads_and_answers(pair):
     # the checkpoint opened next used to land on fd 0, and MLX failed to read it
-    rc, out, err = dflash(pair, "run -m 2 -q hi", "<&-")
+    rc, _out, err = dflash(pair, "run -m 2 -q hi", "<&-")
     assert rc == 0 and "Traceback" not in err and "error" not in err, err
 
 
