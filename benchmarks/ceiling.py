@@ -15,18 +15,19 @@ import sys
 import time
 from pathlib import Path
 
-import dflash_mlx  # noqa: F401  (first: it loads the system BLAS before MLX)
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+
+import dflash_mlx  # noqa: F401  (first: it loads the system BLAS before MLX)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from oracle import OracleDrafter  # noqa: E402
 
-from dflash_mlx.decoding.acceptance import SamplingParams  # noqa: E402
-from dflash_mlx.cpu.blas import measure as measure_blas  # noqa: E402
-from dflash_mlx.decoding.loop import decode  # noqa: E402
 from dflash_mlx import load  # noqa: E402
+from dflash_mlx.cpu.blas import measure as measure_blas  # noqa: E402
+from dflash_mlx.decoding.acceptance import SamplingParams  # noqa: E402
+from dflash_mlx.decoding.loop import DecodeOptions, decode  # noqa: E402
 
 
 def main(argv=None):
@@ -46,7 +47,11 @@ def main(argv=None):
         model.drafter = OracleDrafter(real, ids + ref + [0] * 20, wrong_at=wrong)
         t, out, cycles = time.perf_counter(), [], 0
         for c in decode(
-            model, ids, model.make_cache(), SamplingParams(), max_tokens=n, block_size=block
+            model,
+            ids,
+            model.make_cache(),
+            SamplingParams(),
+            DecodeOptions(max_tokens=n, block_size=block),
         ):
             out += c.tokens
             cycles += bool(c.drafted)

@@ -19,9 +19,9 @@ import dflash_mlx  # noqa: F401  (system BLAS first)
 def main(argv=None) -> None:
     import mlx.core as mx
 
+    from dflash_mlx.loading.loader import load_target
     from dflash_mlx.model.checkpoint import load_drafter
     from dflash_mlx.model.draft_vocab import calibrated_vocab, ranked_vocab
-    from dflash_mlx.loading.loader import load_target
     from dflash_mlx.model.target import TargetAdapter
     from dflash_mlx.train.common import default_target
     from dflash_mlx.train.data import ShardSet, eval_anchors

@@ -14,8 +14,9 @@ import json
 import statistics
 import time
 
-import dflash_mlx  # noqa: F401  (loads the system BLAS before mlx)
 import mlx.core as mx
+
+import dflash_mlx  # noqa: F401  (loads the system BLAS before mlx)
 
 
 def timed(fn, reps: int) -> float:
@@ -65,7 +66,7 @@ def stages(model, cache, block: int, reps: int) -> dict:
 def main(argv=None) -> None:
     from dflash_mlx import load
     from dflash_mlx.decoding.acceptance import SamplingParams
-    from dflash_mlx.decoding.loop import prefill
+    from dflash_mlx.decoding.steps import prefill
     from dflash_mlx.loading.loader import set_draft_vocab
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

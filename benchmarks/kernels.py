@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from dflash_mlx.model import conv, metal_kernel, selector  # noqa: E402  (first: the system BLAS)
 import mlx.core as mx  # noqa: E402
+
+from dflash_mlx.model import conv, metal_kernel, selector  # noqa: E402  (first: the system BLAS)
 from dflash_mlx.model.conv import two_tap_conv_ops as conv_reference  # noqa: E402
 from dflash_mlx.model.selector import select_path_ops as select_reference  # noqa: E402
 

@@ -16,9 +16,10 @@ import argparse
 import json
 from collections import defaultdict
 
-import dflash_mlx  # noqa: F401  (loads the system BLAS before mlx)
 import mlx.core as mx
 import numpy as np
+
+import dflash_mlx  # noqa: F401  (loads the system BLAS before mlx)
 
 
 def drafter_top1(model, ids, cont, block):
@@ -59,8 +60,8 @@ def main(argv=None) -> None:
     from mlx_lm.generate import generate_step
 
     from dflash_mlx import load
-    from dflash_mlx.bench.runner import encode_prompt
     from dflash_mlx.bench.prompts import CHAT, CODE
+    from dflash_mlx.bench.runner import encode_prompt
     from dflash_mlx.decoding.lookup import Lookup
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

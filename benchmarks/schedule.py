@@ -23,7 +23,8 @@ def cost_curve(model, reps: int = 3) -> dict:
     import mlx.core as mx
 
     from dflash_mlx.decoding.acceptance import SamplingParams
-    from dflash_mlx.decoding.loop import cycle, generation_stream, plain_steps, prefill
+    from dflash_mlx.decoding.policy import Choice
+    from dflash_mlx.decoding.steps import cycle, generation_stream, plain_steps, prefill
 
     params, cache = SamplingParams(), model.make_cache()
     ids = [i % model.adapter.vocab_size for i in range(1, 129)]
@@ -35,7 +36,7 @@ def cost_curve(model, reps: int = 3) -> dict:
             times = []
             for _ in range(reps + 1):
                 t = time.perf_counter()
-                step = cycle(model, cache, params, hist, b, True, (key, key))
+                step = cycle(model, cache, params, hist, Choice(b), (key, key))
                 mx.eval(cache.state)
                 times.append(time.perf_counter() - t)
                 hist += step.tokens

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 
 from .decoding.batch import BatchDecoder, Row
-from .decoding.loop import generation_stream
 from .decoding.schedule import EMA, PROBE_MAX, PROBE_START
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
+from .decoding.steps import generation_stream
 from .generation import (
     GenerationResponse,
     Prompt,

@@ -13,7 +13,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
 from .decoding.acceptance import SamplingParams
-from .decoding.loop import Cycle, decode
+from .decoding.loop import DecodeOptions, decode
 from .decoding.prompt import (
     chat_ids,
     check_fits,
@@ -26,6 +26,7 @@ from .decoding.prompt import (
 )
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
+from .decoding.steps import Cycle
 from .decoding.warmup import warm_up
 from .errors import DFlashError
 from .settings import AUTO, GenerationConfig
@@ -331,7 +332,7 @@ def stream_generate(
     stats = RequestStats(len(ids), block_size)
     eos = eos_ids(tokenizer)
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
-    opts = {"profile": profile, "prefill_step_size": prefill_step_size, "scheduler": sched}
+    opts = {"profile": profile, "prefill_step_size": prefill_step_size, "policy": sched}
     cycles = _decode(model, ids, cache, params, cfg, block_size, **opts)
     try:
         for cyc in cycles:
@@ -349,14 +350,10 @@ def stream_generate(
 
 def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, **opts):
     """The decode loop of one request, seeded from its settings; peak memory counts from
-    here. opts: ``decode``'s profile, prefill_step_size and scheduler."""
+    here. opts: ``DecodeOptions``' profile, prefill_step_size and policy."""
     key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()
-    return decode(
-        model,
-        ids,
-        cache,
-        params,
+    run = DecodeOptions(
         max_tokens=cfg.max_tokens,
         block_size=block_size,
         use_selector=cfg.use_selector,
@@ -365,6 +362,7 @@ def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, *
         tree=cfg.tree,
         **opts,
     )
+    return decode(model, ids, cache, params, run)
 
 
 def generate(model: DFlashModel, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:

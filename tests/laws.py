@@ -6,7 +6,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx.decoding.acceptance import SamplingParams, target_probs
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 
 
 def tv(a, b):
@@ -45,11 +45,13 @@ def draw(model, prompt, params, n, trials, selector, seed, scheduler=None):
             prompt,
             model.make_cache(),
             params,
-            max_tokens=n,
-            block_size=4,
-            use_selector=selector,
-            key=sub,
-            scheduler=None if scheduler is None else scheduler(),
+            DecodeOptions(
+                max_tokens=n,
+                block_size=4,
+                use_selector=selector,
+                key=sub,
+                policy=None if scheduler is None else scheduler(),
+            ),
         ):
             out += c.tokens
             accepted += c.accepted

@@ -4,7 +4,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from dflash_mlx.decoding.acceptance import SamplingParams
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 
 PROMPTS = ["def parse_args(", "import os\nfor i in"]
 
@@ -22,10 +22,7 @@ def run(model, ids, n, block, selector=True, lookup=False):
         ids,
         model.make_cache(),
         SamplingParams(),
-        max_tokens=n,
-        block_size=block,
-        use_selector=selector,
-        lookup=lookup,
+        DecodeOptions(max_tokens=n, block_size=block, use_selector=selector, lookup=lookup),
     ):
         out += c.tokens
         if c.drafted and not c.sibling:  # (accepted, the path's drafts: a tree's are fewer)

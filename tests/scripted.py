@@ -3,7 +3,7 @@ and speculative steps in the parity and sampling-law tests."""
 
 from itertools import cycle
 
-from dflash_mlx.decoding.schedule import Choice
+from dflash_mlx.decoding.policy import Choice
 from dflash_mlx.decoding.tree import siblings_for
 
 
@@ -33,7 +33,7 @@ class Scripted:
     def copy_pays(self, match):
         return self.copy and match > 0  # with copy, a match ends a plain run
 
-    def record(self, b, accepted, seconds, match=0, siblings=0, taken=0):
+    def record(self, b, step, seconds):
         self.used.append(b)
 
     def observe(self, b, seconds):

@@ -8,7 +8,7 @@ from mlx_lm.generate import generate_step
 
 from dflash_mlx import load, stream_generate
 from dflash_mlx.decoding.acceptance import SamplingParams
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 from dflash_mlx.generation import encode_prompt
 
 PROMPTS = ["Write a Python function that returns the squares of a list.", "What is a rainbow?"]
@@ -39,9 +39,7 @@ def test_demo_pair_is_lossless_and_accepts_drafts(demo, prompt):
             ids,
             model.make_cache(),
             SamplingParams(),
-            max_tokens=32,
-            block_size=8,
-            use_selector=selector,
+            DecodeOptions(max_tokens=32, block_size=8, use_selector=selector),
         ):
             out += c.tokens
             cycles += bool(c.drafted)

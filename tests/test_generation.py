@@ -187,7 +187,7 @@ def test_stats_count_the_cycles_that_took_a_sibling(pairs):
 
 
 def _cycles():
-    from dflash_mlx.decoding.loop import Cycle
+    from dflash_mlx.decoding.steps import Cycle
 
     return [
         Cycle([1, 2, 3], accepted=2, drafted=3),  # reached 3 positions, accepted 2
@@ -216,7 +216,7 @@ def test_cycle_stats_are_computed_once_from_the_cycles():
     whole = a.merge(b)
     assert (whole.reached, whole.accepted, whole.histogram()) == ([3, 2, 1], [3, 1, 0], st.blocks)
     assert CycleStats(4).tau == 0.0 and CycleStats(4).acceptance == [0.0] * 3
-    from dflash_mlx.decoding.loop import Cycle
+    from dflash_mlx.decoding.steps import Cycle
 
     req = RequestStats(10, 4)
     req.add(Cycle([4], prompt_tokens=6, timings={"prefill": 0.5}))  # the prefill: not a cycle

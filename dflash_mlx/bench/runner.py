@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import ops
 from ..decoding.acceptance import SamplingParams
-from ..decoding.loop import decode
+from ..decoding.loop import DecodeOptions, decode
 from ..decoding.stats import CycleStats
 from ..errors import DFlashError
 from ..generation import encode_prompt
@@ -156,13 +156,15 @@ def _dflash(
         ids,
         model.make_cache(),
         SamplingParams(temperature=temp),
-        max_tokens=max_tokens,
-        block_size=block,
-        use_selector=selector,
-        key=key,
-        scheduler=sched,
-        lookup=lookup,
-        tree=tree,
+        DecodeOptions(
+            max_tokens=max_tokens,
+            block_size=block,
+            use_selector=selector,
+            key=key,
+            policy=sched,
+            lookup=lookup,
+            tree=tree,
+        ),
     ):
         n += len(c.tokens)
         if t_first is None:
@@ -308,13 +310,15 @@ def latency_split(
         ids,
         model.make_cache(),
         SamplingParams(temperature=temperature),
-        max_tokens=max_tokens,
-        block_size=block,
-        use_selector=selector,
-        key=key,
-        profile=True,
-        lookup=False,  # the drafter's own cycle
-        tree=tree,
+        DecodeOptions(
+            max_tokens=max_tokens,
+            block_size=block,
+            use_selector=selector,
+            key=key,
+            profile=True,
+            lookup=False,
+            tree=tree,
+        ),
     ):
         if t0 is None:
             t0 = time.perf_counter()

@@ -22,9 +22,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from ..model.drafter import embed_block
 from .acceptance import SamplingParams
 from .lookup import FIXED_MIN_MATCH, Lookup
-from .loop import Cycle, prefill, prefill_chunk
 from .propose import accept, copied_drafts, propose
 from .state import DFlashModel, PromptCache
+from .steps import Cycle, prefill, prefill_chunk
 
 COMPACT_EVERY = 8  # cycles between drops of the padding all rows share
 

@@ -96,7 +96,7 @@ def _vocab_and_longest(tokenizer):
         pass
     try:
         vocab = dict(tokenizer.get_vocab())
-    except Exception:
+    except Exception:  # noqa: BLE001  any tokenizer wrapper's failure: only the check is lost
         vocab = {}
     found = (vocab, max(map(len, vocab), default=0))
     try:

@@ -22,10 +22,10 @@ class of match length, since a 4-token match is accepted far more often than a 1
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 from . import lookup
 from .estimates import Acceptance, Catches, caught, expected_tokens
+from .policy import Choice
 from .tree import MAX_SIBLINGS, SIBLING_PRIOR
 
 EMA = 0.25  # weight of a new cost observation
@@ -90,18 +90,6 @@ class CostTable:
             return self.seconds[known[0]] * b / known[0]
         c0, c1 = self.seconds[k0], self.seconds[k1]
         return max(c0 + (c1 - c0) * (b - k0) / (k1 - k0), 1e-9)
-
-
-@dataclass
-class Choice:
-    """One decision: the block size and why."""
-
-    block: int
-    speedup: float  # expected tokens/s over plain decoding
-    probe: bool = False
-    reason: str = ""
-    lookup: bool = False  # verify the context-lookup draft instead of drafting
-    siblings: int = 0  # of the block's drafts, siblings of the first one (``tree.py``)
 
 
 class Scheduler:
@@ -233,28 +221,19 @@ class Scheduler:
         left = self.probe_after - self.since_spec
         return min(PLAIN_RUN_MAX, left) if left > 0 else PLAIN_RUN_MAX
 
-    def record(
-        self,
-        b: int,
-        accepted: int,
-        seconds: float | None,
-        match: int = 0,
-        siblings: int = 0,
-        taken: int = 0,
-    ) -> None:
+    def record(self, b: int, step, seconds: float | None) -> None:
         """Fold in a finished cycle of block b.
 
         Args:
-            accepted: drafts accepted. seconds: the cycle's wall time, or None if unknown.
-            match: the lookup match length the drafts were copied from (0: drafted).
-            siblings: of the b - 1 drafts, siblings of the first one; taken: the rank of
-                the sibling committed (0: none).
+            b: its block. step: the ``steps.Cycle`` it committed (accepted drafts, the
+                lookup match its drafts were copied after, its siblings and the one taken).
+            seconds: the cycle's wall time, or None if unknown.
         """
-        if match:
+        if step.lookup:
             self.lookup_history[b] += 1
             if seconds is not None and seconds > 0 and not self.frozen:
                 self.lookup_costs.observe(b, seconds)
-            self.lookup_acc[lookup.match_class(match)].update(b - 1, accepted)
+            self.lookup_acc[lookup.match_class(step.lookup)].update(b - 1, step.accepted)
             return
         self.history[b] += 1
         if seconds is not None:
@@ -262,9 +241,9 @@ class Scheduler:
         if b == 1:
             self.since_spec += 1
             return
-        self.acc.update(b - 1 - siblings, 0 if taken else accepted)
-        if siblings and (taken or accepted == 0):
-            self.catches.update(siblings, taken)
+        self.acc.update(b - 1 - step.siblings, 0 if step.sibling else step.accepted)
+        if step.siblings and (step.sibling or step.accepted == 0):
+            self.catches.update(step.siblings, step.sibling)
         self.since_spec = 0
 
     def observe(self, b: int, seconds: float) -> None:

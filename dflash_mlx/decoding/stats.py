@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .loop import Cycle
+    from .steps import Cycle
 
 
 class CycleStats:

@@ -8,8 +8,9 @@ import time
 
 import mlx.core as mx
 
-from . import loop as decode
+from . import steps
 from .acceptance import SamplingParams
+from .policy import Choice
 from .schedule import CostTable, Tuning
 from .state import DFlashModel
 
@@ -42,11 +43,11 @@ def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) ->
     ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
     ratios: dict[tuple[int, bool], list[float]] = {}
     plains: list[float] = []
-    with mx.stream(decode.generation_stream()):
-        first, key = decode.prefill(model, ids, cache, params, mx.random.key(0))
+    with mx.stream(steps.generation_stream()):
+        first, key = steps.prefill(model, ids, cache, params, mx.random.key(0))
         history = ids + first.tokens
         keys = (key, key)
-        history += decode.cycle(model, cache, params, history, B, True, keys).tokens  # warms up
+        history += steps.cycle(model, cache, params, history, Choice(B), keys).tokens  # warms up
         for _ in range(max(1, rounds)):
             times: dict[tuple[int, bool], float] = {}
             plain = []
@@ -54,7 +55,7 @@ def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) ->
                 for b in warm_up_blocks(B):
                     copied = history[-b:-1] if lookup else None
                     t = time.perf_counter()
-                    step = decode.cycle(model, cache, params, history, b, True, keys, copied=copied)
+                    step = steps.cycle(model, cache, params, history, Choice(b), keys, copied)
                     mx.eval(cache.state)
                     times[b, lookup] = time.perf_counter() - t
                     history += step.tokens
@@ -79,7 +80,7 @@ def _plain_step(model, cache, params, history: list[int], key, n: int = PLAIN_RU
     while the one before was read), so timing steps 2..5 of 5 put a plain step ~20% under
     what plain decoding costs."""
     t = time.perf_counter()
-    for step in decode.plain_steps(model, cache, params, history, n, key):
+    for step in steps.plain_steps(model, cache, params, history, n, key):
         history += step.tokens
     return (time.perf_counter() - t) / n
 

@@ -33,7 +33,7 @@ def two_tap_conv_ops(x: mx.array, base: mx.array, dyn: mx.array, block_size: int
     Returns:
         [B, L, H] in x's dtype, accumulated in float32.
     """
-    B, L, H = x.shape
+    _, L, H = x.shape  # [B, L, H]
     taps, G = dyn.shape[-2], dyn.shape[-1]
     gs = H // G
     xf = x.astype(mx.float32)

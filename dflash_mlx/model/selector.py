@@ -50,7 +50,7 @@ def lattice_scores(
     Returns:
         S [B, L, K, K] indexed (row, predecessor, successor).
     """
-    Bsz, L, K = cand.shape
+    Bsz, _, K = cand.shape  # [B, L, K]
     first = mx.broadcast_to(anchor.reshape(Bsz, 1, 1), (Bsz, 1, K))
     pred = mx.concatenate([first, cand[:, :-1]], axis=1)  # [B, L, K]
     a_rows = A[pred].astype(mx.float32) * g.astype(mx.float32)[:, :, None, :]  # [B, L, K, R]

@@ -70,7 +70,7 @@ def test_loading_registers_a_bfloat16_drafter_and_decoding_reads_it(pairs):
     registered, and a decode's drafter products read the words."""
     from dflash_mlx.cpu import draft_step
     from dflash_mlx.decoding.acceptance import SamplingParams
-    from dflash_mlx.decoding.loop import prefill
+    from dflash_mlx.decoding.steps import prefill
 
     model, _ = pairs("qwen3", "d2")
     assert half_weights.register_drafter(model) > 0  # already registered: counted again

@@ -80,13 +80,13 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from dflash_mlx import load, ops
 from dflash_mlx.decoding.acceptance import SamplingParams
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 
 m, _ = load(sys.argv[1], sys.argv[2], warmup=False, quiet=True)
 ids = [5, 17, 3, 99, 42]
 ref = [t for t, _ in generate_step(mx.array(ids), m.target, max_tokens=24)]
 out = []
-for c in decode(m, ids, m.make_cache(), SamplingParams(), max_tokens=24, block_size=4):
+for c in decode(m, ids, m.make_cache(), SamplingParams(), DecodeOptions(24, block_size=4)):
     out += c.tokens
 assert out[:24] == ref, (out, ref)
 cpu = sorted(n for n in sys.modules if n.startswith("dflash_mlx.cpu."))

@@ -111,7 +111,7 @@ def test_rows_with_their_own_blocks_and_penalties_match_their_solo_decode(pairs)
     equals the single-row loop's output with the same settings."""
     from mlx_lm.sample_utils import make_logits_processors
 
-    from dflash_mlx.decoding.loop import decode
+    from dflash_mlx.decoding.loop import DecodeOptions, decode
 
     model, tok = pairs("qwen3", "d1")
     ids = [tok.encode(p) for p in PROMPTS]
@@ -122,7 +122,11 @@ def test_rows_with_their_own_blocks_and_penalties_match_their_solo_decode(pairs)
     for i, p in enumerate(ids):
         solo = []
         for c in decode(
-            model, p, model.make_cache(), params[i], max_tokens=48, block_size=blocks[i] or 16
+            model,
+            p,
+            model.make_cache(),
+            params[i],
+            DecodeOptions(max_tokens=48, block_size=blocks[i] or 16),
         ):
             solo += c.tokens
         assert got[i] == solo[:48]

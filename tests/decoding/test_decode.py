@@ -7,7 +7,7 @@ from oracle import OracleDrafter
 from references import PROMPTS, reference, run
 
 from dflash_mlx.decoding.acceptance import SamplingParams
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
@@ -54,7 +54,11 @@ def test_max_tokens_is_exact_and_block_shrinks_at_the_end(pairs):
     try:
         out = []
         for c in decode(
-            model, ids, model.make_cache(), SamplingParams(), max_tokens=13, block_size=8
+            model,
+            ids,
+            model.make_cache(),
+            SamplingParams(),
+            DecodeOptions(max_tokens=13, block_size=8),
         ):
             out += c.tokens
     finally:
@@ -83,7 +87,9 @@ def test_greedy_with_penalties_matches_mlx_lm_processors_per_position(pairs, kin
     try:
         params = SamplingParams(processors=make_logits_processors(**kw))
         out = []
-        for c in decode(model, ids, model.make_cache(), params, max_tokens=48, block_size=8):
+        for c in decode(
+            model, ids, model.make_cache(), params, DecodeOptions(max_tokens=48, block_size=8)
+        ):
             out += c.tokens
     finally:
         model.drafter = real
@@ -112,9 +118,7 @@ def test_greedy_matches_mlx_lm_under_any_schedule_of_plain_and_speculative_steps
             ids,
             model.make_cache(),
             SamplingParams(),
-            max_tokens=64,
-            block_size=8,
-            scheduler=sched,
+            DecodeOptions(max_tokens=64, block_size=8, policy=sched),
         ):
             out += c.tokens
     finally:
@@ -140,20 +144,21 @@ def test_warm_up_keeps_the_median_of_its_rounds_per_block(pairs, monkeypatch):
     noisy machine) does not decide what the scheduler thinks a block costs."""
     import time
 
-    from dflash_mlx.decoding import loop as decode
+    from dflash_mlx.decoding import steps
     from dflash_mlx.decoding.warmup import warm_up, warm_up_blocks
 
     model, _ = pairs("qwen3", "d2")
-    real, calls = decode.cycle, {}
+    real, calls = steps.cycle, {}
 
-    def cycle(model, cache, params, history, b, *a, copied=None, **k):
+    def cycle(model, cache, params, history, choice, keys, copied=None, **k):
+        b = choice.block
         if copied is None:  # drafted blocks (copied ones are timed the same way, apart)
             calls[b] = calls.get(b, 0) + 1
             if b == 2 and calls[b] == 3:
                 time.sleep(0.5)  # one outlier among block 2's three timings, the last one
-        return real(model, cache, params, history, b, *a, copied=copied, **k)
+        return real(model, cache, params, history, choice, keys, copied, **k)
 
-    monkeypatch.setattr(decode, "cycle", cycle)
+    monkeypatch.setattr(steps, "cycle", cycle)
     tuning = warm_up(model, rounds=3)
     B = model.block_size
     assert calls == {b: 3 + (b == B) for b in warm_up_blocks(B)}  # B once more, untimed

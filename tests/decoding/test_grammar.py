@@ -19,7 +19,7 @@ from dflash_mlx.decoding.grammar import (
     lark_grammar,
     make_processor,
 )
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 
 SCHEMA = {
     "type": "object",
@@ -49,9 +49,7 @@ def speculative(model, tok, ids, n, grammar, block, selector=True):
         ids,
         model.make_cache(),
         params,
-        max_tokens=n,
-        block_size=block,
-        use_selector=selector,
+        DecodeOptions(max_tokens=n, block_size=block, use_selector=selector),
     ):
         out += c.tokens
         accepted += c.accepted
@@ -192,7 +190,11 @@ def test_sampling_under_a_grammar_follows_the_masked_target_law(small_vocab_pair
         params = SamplingParams(temp, top_k=top_k, processors=[eight_processor()])
         out = []
         for c in decode(
-            model, prompt, model.make_cache(), params, max_tokens=n, block_size=4, key=sub
+            model,
+            prompt,
+            model.make_cache(),
+            params,
+            DecodeOptions(max_tokens=n, block_size=4, key=sub),
         ):
             out += c.tokens
             accepted += c.accepted

@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import generate, stream_generate
-from dflash_mlx.decoding.loop import prefill_chunk
 from dflash_mlx.decoding.state import Interrupted
+from dflash_mlx.decoding.steps import prefill_chunk
 from dflash_mlx.settings import GenerationConfig
 
 PROMPT = [5 + (i * 7) % 300 for i in range(600)]

@@ -11,8 +11,9 @@ from tiny_models import eight_token_pair
 
 from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.lookup import Lookup, match_class, priors
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 from dflash_mlx.decoding.schedule import CostTable, Scheduler, Tuning
+from dflash_mlx.decoding.steps import Cycle
 
 
 def naive(seq, limit, max_n=4):
@@ -64,11 +65,7 @@ def run(model, ids, n, block, lookup, params=None, key=None, scheduler=None):
         ids,
         model.make_cache(),
         params or SamplingParams(),
-        max_tokens=n,
-        block_size=block,
-        key=key,
-        scheduler=scheduler,
-        lookup=lookup,
+        DecodeOptions(max_tokens=n, block_size=block, key=key, policy=scheduler, lookup=lookup),
     ):
         out += c.tokens
         copied += c.lookup > 0
@@ -157,7 +154,7 @@ def test_scheduler_copies_only_when_the_match_class_pays():
     assert strong.lookup and strong.block == 8  # prior ~0.85 per position
     assert not sched.choose(match=1).lookup  # a 1-token match is accepted 16% at first
     for _ in range(40):  # copied 4-token matches keep failing at once: the class learns it
-        sched.record(8, 0, 1.3, match=4)
+        sched.record(8, Cycle([], accepted=0, lookup=4), 1.3)
     assert sched.choose(match=4).speedup < strong.speedup / 2
     fresh = Scheduler(drafted, [0.2] * 7, lookup_costs=copied)
     assert sched.choose(match=2).speedup == fresh.choose(match=2).speedup  # classes apart
@@ -171,7 +168,7 @@ def test_lookup_acceptance_carries_to_the_next_request_and_not_without_lookup():
     tuning = Tuning(costs, costs)
     sched = tuning.scheduler(greedy=True, selector=True, lookup=True)
     for _ in range(30):
-        sched.record(8, 0, 1.1, match=4)
+        sched.record(8, Cycle([], accepted=0, lookup=4), 1.1)
     tuning.finish(sched)
     before = Tuning(costs, costs).scheduler(True, True, lookup=True).choose(match=4).speedup
     assert tuning.scheduler(True, True, lookup=True).choose(match=4).speedup < before / 2

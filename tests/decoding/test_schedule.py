@@ -13,6 +13,7 @@ from dflash_mlx.decoding.schedule import (
     Scheduler,
     expected_tokens,
 )
+from dflash_mlx.decoding.steps import Cycle
 
 
 def costs(per_block):
@@ -45,7 +46,7 @@ def test_reference_blas_costs_mean_plain_decoding_and_no_probes():
     for _ in range(200):
         c = sched.choose()
         picks.append(c.block)
-        sched.record(c.block, 0, None)
+        sched.record(c.block, Cycle([], accepted=0), None)
     assert set(picks) == {1}
     assert "no block beats plain" in sched.last_reason
 
@@ -57,7 +58,7 @@ def test_refused_probes_keep_plain_runs_long():
     for _ in range(3 * PLAIN_RUN_MAX):
         c = sched.choose()
         assert c.block == 1 and not c.probe
-        sched.record(1, 0, None)
+        sched.record(1, Cycle([], accepted=0), None)
         assert sched.plain_run() == PLAIN_RUN_MAX or sched.since_spec < PROBE_START
 
 
@@ -77,7 +78,7 @@ def test_live_acceptance_overrides_an_optimistic_prior():
     assert sched.choose().block == 8
     for _ in range(60):  # every draft rejected
         c = sched.choose()
-        sched.record(c.block, 0, None)
+        sched.record(c.block, Cycle([], accepted=0), None)
         if c.block == 1:
             break
     assert sched.choose().block == 1
@@ -91,7 +92,7 @@ def test_plain_decoding_reprobes_with_doubling_backoff():
         c = sched.choose()
         if c.probe:
             probes.append(step)
-        sched.record(c.block, 0, None)
+        sched.record(c.block, Cycle([], accepted=0), None)
     assert probes, "a plain run must be re-probed while speculation might still win"
     gaps = [b - a for a, b in pairwise(probes)]
     assert probes[0] >= PROBE_START
@@ -115,7 +116,7 @@ def test_budget_caps_the_block():
 def test_summary_reports_histogram_and_plain_share():
     sched = Scheduler(costs([1.0] * 8), [0.5] * 7)
     for b in (1, 1, 4, 8):
-        sched.record(b, 1, 0.01)
+        sched.record(b, Cycle([], accepted=1), 0.01)
     s = sched.summary()
     assert s["blocks"] == {1: 2, 4: 1, 8: 1}
     assert s["plain_share"] == 0.5
@@ -132,7 +133,7 @@ def test_probe_backoff_carries_across_requests_on_the_same_model():
         for step in range(20):
             c = sched.choose()
             probes += [request * 20 + step] if c.probe else []
-            sched.record(c.block, 0, None)
+            sched.record(c.block, Cycle([], accepted=0), None)
         tuning.finish(sched)
     # with a fresh backoff per request each one would probe at step 8 (six probes)
     assert 1 <= len(probes) <= 3
@@ -176,5 +177,5 @@ def test_speculating_it_tries_deeper_blocks_until_their_positions_are_seen():
     first = sched.choose()
     assert first.block > point
     for _ in range(200):  # every cycle: the first draft accepted, the second never
-        sched.record(8, 1, None)
+        sched.record(8, Cycle([], accepted=1), None)
     assert sched.choose().block <= 3

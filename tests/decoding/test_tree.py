@@ -9,8 +9,9 @@ from oracle import OracleDrafter
 
 from dflash_mlx.decoding import tree
 from dflash_mlx.decoding.acceptance import SamplingParams
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 from dflash_mlx.decoding.schedule import CostTable, Scheduler
+from dflash_mlx.decoding.steps import Cycle
 
 PROMPT = "def parse_args("
 
@@ -101,11 +102,9 @@ def run(model, ids, n, block, selector=True, tree_on=True, drafter=None):
             ids,
             model.make_cache(),
             SamplingParams(),
-            max_tokens=n,
-            block_size=block,
-            use_selector=selector,
-            lookup=False,
-            tree=tree_on,
+            DecodeOptions(
+                max_tokens=n, block_size=block, use_selector=selector, lookup=False, tree=tree_on
+            ),
         ):
             out += c.tokens
             taken += c.sibling > 0
@@ -146,7 +145,7 @@ def test_no_tree_with_logits_processors_or_on_a_hybrid(pairs):
             False,
         ),
     ):
-        cycles = list(decode(model, ids, model.make_cache(), params, **kw))
+        cycles = list(decode(model, ids, model.make_cache(), params, DecodeOptions(**kw)))
         assert any(c.siblings for c in cycles) == trees  # the last, short blocks have none
     hybrid, _ = pairs("qwen3_5", "d2")
     assert not hybrid.adapter.tree_ok
@@ -184,7 +183,9 @@ def test_sampled_trees_keep_the_target_law(tmp_path_factory, selector, temp, top
             key, sub = mx.random.split(key)
             out = []
             kw = {"block_size": 4, "use_selector": selector, "key": sub, "lookup": False}
-            for c in decode(model, prompt, model.make_cache(), params, max_tokens=n, **kw):
+            for c in decode(
+                model, prompt, model.make_cache(), params, DecodeOptions(max_tokens=n, **kw)
+            ):
                 out += c.tokens
                 taken += c.sibling > 0
             samples.append(tuple(out[:n]))
@@ -211,7 +212,9 @@ def test_scheduler_verifies_siblings_only_when_they_pay_and_the_loop_can():
 def test_scheduler_learns_sibling_catches_by_rank():
     sched = Scheduler(CostTable(8), [0.3] * 7, catch_prior=[0.1, 0.1, 0.1])
     for _ in range(40):
-        sched.record(8, 1, 0.1, siblings=3, taken=2)  # the second sibling catches
+        sched.record(
+            8, Cycle([], accepted=1, siblings=3, sibling=2), 0.1
+        )  # the second sibling catches
     r = sched.catches.rates()
     assert r[1] > 0.7 and r[0] < 0.05 and r[2] == pytest.approx(0.1)
     assert sched.acc.rates()[0] < 0.1  # the path's own first draft missed each time

@@ -8,7 +8,7 @@ from oracle import OracleDrafter
 from references import reference
 
 from dflash_mlx.decoding.acceptance import SamplingParams
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 from dflash_mlx.errors import UnsupportedModelError
 from dflash_mlx.model.target import TargetAdapter
 
@@ -41,7 +41,9 @@ def test_hybrid_state_after_every_cycle_equals_decoding_only_committed_tokens(pa
     model.drafter = OracleDrafter(real, ids + ref, wrong_at=wrong)
     partial = 0
     try:
-        for c in decode(model, ids, cache, SamplingParams(), max_tokens=48, block_size=8):
+        for c in decode(
+            model, ids, cache, SamplingParams(), DecodeOptions(max_tokens=48, block_size=8)
+        ):
             new = cache.tokens[fed:]
             model.target(mx.array(new)[None], cache=shadow)
             fed = len(cache.tokens)

@@ -12,7 +12,7 @@ from tiny_models import build_drafter, build_target
 
 from dflash_mlx import load
 from dflash_mlx.decoding.acceptance import SamplingParams
-from dflash_mlx.decoding.loop import decode
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 
 
 def parity(model, ids, n=64, block=8, wrong=(4,)):
@@ -22,7 +22,11 @@ def parity(model, ids, n=64, block=8, wrong=(4,)):
     try:
         out, acc = [], 0
         for c in decode(
-            model, ids, model.make_cache(), SamplingParams(), max_tokens=n, block_size=block
+            model,
+            ids,
+            model.make_cache(),
+            SamplingParams(),
+            DecodeOptions(max_tokens=n, block_size=block),
         ):
             out += c.tokens
             acc += c.accepted
