@@ -129,6 +129,13 @@ def test_functions_fit_on_a_screen():
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
 
 
+def test_the_decode_loop_fits_on_a_screen():
+    """docs/algorithm.md §1 in code: the loop, its block policy and its steps elsewhere."""
+    tree = ast.parse((PACKAGE / "decoding" / "loop.py").read_text())
+    (lines,) = [n for name, _, n in _functions(tree) if name == "decode"]
+    assert lines <= 40, f"decoding/loop.py decode is {lines} lines (at most 40)"
+
+
 def test_files_stay_small():
     big = [
         f"{f.relative_to(ROOT)} ({n} lines)"

@@ -291,6 +291,25 @@ class Tuning:
         # cannot win do not each pay for fresh probes.
         self.backoff: dict[tuple, tuple[int, int]] = {}
 
+    @classmethod
+    def from_seconds(cls, max_block: int, tables: dict[str, dict[int, float]]) -> Tuning:
+        """A Tuning from stored costs (``tables()``'s form).
+
+        Args:
+            max_block: the checkpoint's block. tables: {"seconds", "lookup_seconds"}:
+                seconds by block width, drafted and copied.
+        """
+        measured = [CostTable(max_block) for _ in range(2)]
+        for table, name in zip(measured, ("seconds", "lookup_seconds"), strict=True):
+            table.seconds = dict(tables[name])
+        return cls(*measured)
+
+    def tables(self) -> dict[str, dict[int, float]]:
+        """The costs measured at load, seconds by block width: {"seconds" (drafted),
+        "lookup_seconds" (copied)}."""
+        lookup = self.measured_lookup.seconds if self.measured_lookup is not None else {}
+        return {"seconds": dict(self.measured.seconds), "lookup_seconds": dict(lookup)}
+
     def _copy(self, measured: CostTable | None = None) -> CostTable:
         measured = self.measured if measured is None else measured
         table = CostTable(self.max_block)

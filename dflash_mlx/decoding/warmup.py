@@ -73,6 +73,23 @@ def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) ->
     return model.tuning
 
 
+def tune(model: DFlashModel, stored: dict | None = None) -> bool:
+    """Set ``model.tuning`` from stored step costs, or measure them (:func:`warm_up`) when
+    there are none. The costs steer only the block schedule, never the tokens.
+
+    Args:
+        model: the loaded pair. stored: costs as ``Tuning.tables`` gives them, or None.
+
+    Returns:
+        whether they were measured now (and are worth storing).
+    """
+    if stored is not None:
+        model.tuning = Tuning.from_seconds(model.block_size, stored)
+        return False
+    warm_up(model)
+    return True
+
+
 def _plain_step(model, cache, params, history: list[int], key, n: int = PLAIN_RUN) -> float:
     """Seconds per plain step: a run of ``n`` pipelined steps from its start to its last
     token, over n (history extended). Not the gaps between a run's tokens: the first gap

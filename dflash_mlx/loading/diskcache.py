@@ -200,45 +200,46 @@ def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Path | N
     return cache_dir() / "costs" / f"{key}-{machine}.json"
 
 
-def warm_up(pair) -> None:
-    """Set ``pair.tuning`` from the stored step costs of this pair on this machine, or
-    measure them (``warmup.warm_up``) and store them; stored costs older than a week are
-    measured afresh. The costs steer only the block schedule, never the tokens."""
-    from ..decoding.schedule import CostTable, Tuning
-    from ..decoding.warmup import warm_up as measure
-
+def _costs_path(pair) -> Path | None:
     head = getattr(pair, "draft_head", None)
-    path = costs_file(pair.target_path, pair.drafter_path, "" if head is None else str(head.size))
+    return costs_file(pair.target_path, pair.drafter_path, "" if head is None else str(head.size))
+
+
+def read_costs(pair) -> dict[str, dict[int, float]] | None:
+    """The stored step costs of this pair on this machine, in seconds by block width, as
+    {"seconds": drafted cycles (1: a plain step), "lookup_seconds": copied cycles}; None
+    when there are none, they are a week old or from another layout, or unreadable.
+
+    Args:
+        pair: the loaded ``DFlashModel`` (its paths, block size and draft vocabulary).
+    """
+    path = _costs_path(pair)
     stored = read_json(path) if path is not None else None
-    fresh = (
-        stored is not None
-        and stored.get("version") == COSTS_VERSION
-        and stored.get("max_block") == pair.block_size
-        and 0 <= time.time() - stored.get("measured", 0) < COSTS_MAX_AGE
-    )
-    if fresh:
-        try:
-            tables = []
-            for name in ("seconds", "lookup_seconds"):
-                table = CostTable(pair.block_size)
-                table.seconds = {int(b): float(s) for b, s in stored[name].items()}
-                tables.append(table)
-            if all(t.seconds and all(s > 0 for s in t.seconds.values()) for t in tables):
-                pair.tuning = Tuning(*tables)
-                return
-        except (AttributeError, KeyError, TypeError, ValueError):
-            pass
-    tuning = measure(pair)
-    if path is not None:
-        seconds = {str(b): s for b, s in tuning.measured.seconds.items()}
-        lookup = {str(b): s for b, s in tuning.measured_lookup.seconds.items()}
-        write_json(
-            path,
-            {
-                "version": COSTS_VERSION,
-                "max_block": pair.block_size,
-                "measured": time.time(),
-                "seconds": seconds,
-                "lookup_seconds": lookup,
-            },
+    try:
+        fresh = (
+            stored.get("version") == COSTS_VERSION
+            and stored.get("max_block") == pair.block_size
+            and 0 <= time.time() - stored.get("measured", 0) < COSTS_MAX_AGE
         )
+        tables = {
+            name: {int(b): float(s) for b, s in stored[name].items()}
+            for name in ("seconds", "lookup_seconds")
+        }
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return None
+    ok = all(t and all(0 < s < float("inf") for s in t.values()) for t in tables.values())
+    return tables if fresh and ok else None
+
+
+def write_costs(pair, tables: dict[str, dict[int, float]]) -> None:
+    """Store step costs as :func:`read_costs` returns them (skipped when caches are off).
+
+    Args:
+        pair: the loaded ``DFlashModel``. tables: {"seconds": ..., "lookup_seconds": ...}.
+    """
+    path = _costs_path(pair)
+    if path is None:
+        return
+    data = {name: {str(b): s for b, s in t.items()} for name, t in tables.items()}
+    meta = {"version": COSTS_VERSION, "max_block": pair.block_size, "measured": time.time()}
+    write_json(path, {**meta, **data})

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config
-from . import hub, registry
+from . import diskcache, hub, registry
 
 if TYPE_CHECKING:
     from ..decoding.state import DFlashModel
@@ -342,10 +342,10 @@ def load(
     Raises:
         DFlashError: one line naming the problem and the fix.
     """
+    from ..decoding import warmup as warm
     from ..decoding.state import DFlashModel
     from ..model.checkpoint import load_drafter
     from ..model.target import TargetAdapter
-    from .diskcache import warm_up
 
     res = resolve(model, drafter, quant)
     offline = hub.offline_mode(offline)
@@ -360,8 +360,8 @@ def load(
     adapter.tap(draft.args.target_layer_ids)
     pair = DFlashModel(target, draft, adapter, str(tpath), str(dpath), res.display_name)
     set_draft_vocab(pair, tokenizer, draft_vocab)
-    if warmup:
-        warm_up(pair)
+    if warmup and warm.tune(pair, diskcache.read_costs(pair)):  # measured: kept for next time
+        diskcache.write_costs(pair, pair.tuning.tables())
     return pair, tokenizer
 
 
