@@ -182,7 +182,7 @@ def test_wheel_carries_the_metal_and_cpu_kernel_sources(tmp_path):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for name in ("dflash_mlx", "metal", "cpu"):
+    for name in ("dflash_mlx", "metal"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
     cmd = [
         sys.executable,
