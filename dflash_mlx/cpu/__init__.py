@@ -11,7 +11,8 @@ is false there and nothing below is loaded.
 - ``half_weights``: exact 16-bit copies of float32 weights for the few-row kernel;
 - ``select_host``: the path selector in one C call; ``draft_step``: the compiled drafter
   step; ``target``: the target's compiled layers; ``fastmath``: exp-free softmax;
-- ``builder``: the one way their sources are compiled and cached (``csrc/``).
+- ``builder``: the one way their sources are compiled and cached (``csrc/``);
+  ``sharedlib``: a library checked on disk before it is mapped, MLX's compile cache swept.
 
 Switches (``env.switch``): ``DFLASH_CPU=0`` turns the whole backend off (plain MLX, as on a
 Mac); ``DFLASH_SYSTEM_BLAS``, ``DFLASH_SMALL_GEMM``, ``DFLASH_EXACT_OPS``,
@@ -36,9 +37,20 @@ def enabled() -> bool:
 
 def preload() -> str | None:
     """Load the system OpenBLAS and the few-row kernel in front of it, before anything
-    imports MLX (``dflash_mlx/__init__.py``). Returns the BLAS's path, or None."""
+    imports MLX (``dflash_mlx/__init__.py``). Returns the BLAS's path, or None.
+
+    First a missing or unwritable temp folder is replaced (Linux, even with the backend
+    off: MLX's compiler needs one), and the libraries of MLX's compile cache that would
+    crash or fail its load are removed (``sharedlib.sweep_mlx_cache``)."""
+    if sys.platform.startswith("linux"):
+        from ..loading import cachedir
+
+        cachedir.fix_tmpdir()
     if not enabled():
         return None
+    from .sharedlib import sweep_mlx_cache
+
+    sweep_mlx_cache()
     from .blas import load_system_blas
 
     return load_system_blas()

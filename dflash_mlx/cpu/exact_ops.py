@@ -82,7 +82,8 @@ def build(out_dir: Path | None = None) -> Path:
     lib = builder.output_path("exact_ops", name, parts, out_dir)
     cmd = [cxx, *FLAGS, *(f"-I{d}" for d in p["includes"]), str(p["source"]), str(p["nb_source"])]
     cmd += [f"-L{p['mlx_lib']}", "-lmlx", f"-Wl,-rpath,{p['mlx_lib']}", "-o", "{out}"]
-    return builder.compile_once(lib, [cmd], p["source"].name)
+    versions = {"compiler": cxx, "versions": p["versions"]}
+    return builder.compile_once(lib, [cmd], p["source"].name, [f"PyInit_{MODULE}"], versions)
 
 
 def _import(path: Path):
@@ -126,8 +127,7 @@ def load():
         _state["error"] = "only built on Linux (MLX's exp is vectorised elsewhere)"
         return None
     try:
-        path = build()
-        module = _import(path)
+        path, module = builder.open_built(build, _import, "the exact ops")
         why = _self_check(module)
     except (ImportError, OSError, RuntimeError, subprocess.SubprocessError, TypeError) as e:
         _state["error"] = str(e).splitlines()[0] if str(e) else type(e).__name__

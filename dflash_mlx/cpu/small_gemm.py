@@ -34,6 +34,11 @@ MAX_ROWS = 16  # decode widths (block <= 16); more rows (prefill) go to the BLAS
 ONE_THREAD_MACS = 1 << 21  # forwarded products smaller than this run on one OpenBLAS thread
 FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-fopenmp")
 SELECTOR_SOURCES = ("path_select.c",)  # built into the same library (select_host.py)
+# what this module calls: a cached library without them is rebuilt before it is loaded
+EXPORTS = ("cblas_sgemm", "dflash_small_gemm_init", "dflash_small_gemm_counter")
+EXPORTS += ("dflash_small_gemm_half_calls", "dflash_small_gemm_set_split")
+EXPORTS += ("dflash_small_gemm_set_one_thread", "dflash_small_gemm_set_rows")
+EXPORTS += ("dflash_small_gemm_register", "dflash_small_gemm_use_halves")
 
 _state: dict = {"path": None, "error": None, "lib": None, "split": False}
 
@@ -82,7 +87,7 @@ def build(out_dir: Path | None = None) -> Path:
         for files in ((srcs, [src]) if len(srcs) > 1 else (srcs,))
         for flags in (FLAGS, FLAGS[:-1])
     ]
-    return builder.compile_once(lib, commands, src.name)
+    return builder.compile_once(lib, commands, src.name, EXPORTS, {"compiler": cc})
 
 
 def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str | None:
@@ -104,8 +109,7 @@ def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str |
         _state["error"] = f"turned off ({ENV}=0)"
         return None
     try:
-        path = build()
-        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        path, lib = builder.open_built(build, _open, "the few-row kernel")
         rc = lib.dflash_small_gemm_init(blas_path.encode(), int(max_rows))
     except (OSError, RuntimeError, FileNotFoundError, subprocess.SubprocessError) as e:
         _state["error"] = str(e)
@@ -118,6 +122,11 @@ def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str |
     lib.dflash_small_gemm_set_split(int(split))
     _state.update(path=str(path), lib=lib, error=None, split=bool(split))
     return str(path)
+
+
+def _open(path: Path):
+    # global scope: MLX, loaded next, binds its cblas_sgemm to this library's
+    return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
 
 
 def status() -> dict:
