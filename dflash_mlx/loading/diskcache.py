@@ -5,28 +5,50 @@ costs per model and machine.
 Everything lives under :func:`cache_dir`: ``DFLASH_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx``; ``DFLASH_CACHE=0`` turns the
 caches off. Entries are keyed by the source files' path, size and mtime and the package
-version, so a changed file or a new release builds a new entry. A cache that cannot be
-read or written is skipped, never an error: it only costs the time it would have saved.
+version, so a changed file or a new release builds a new entry. Each entry is a folder
+sealed by a manifest (``cachedir``): one whose files are not as written, or whose content
+is not what this module writes, is removed and built again with one note. A cache that
+cannot be read or written is skipped, never an error: it only costs the time it saved.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
+import math
 import os
 import platform
 import shutil
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-from .cachedir import cache_dir, enabled
+from .cachedir import (
+    cache_dir,
+    check,
+    discard,
+    enabled,
+    note,
+    read_json,
+    seal,
+    sealed,
+    sweep_temps,
+    unseal,
+    write_atomic,
+    write_json,
+)
 
 MAX_WEIGHTS = 8 << 30  # weights larger than this are not cached (disk, not time)
 COSTS_MAX_AGE = 7 * 24 * 3600  # seconds before the warm-up is measured afresh
 COSTS_VERSION = 4  # 2: every width timed; 3: median of WARM_ROUNDS rounds; 4: lookup costs
-GGUF_LAYOUT = "f16+tokenizer.json"  # what an entry holds; a new layout makes new entries
+GGUF_LAYOUT = "f16+tokenizer.json+manifest"  # what an entry holds; a new layout: new entries
+GGUF_FILES = ("weights.safetensors", "tokenizer.json", "info.json")
+COSTS_FILE = "costs.json"
+COSTS_VERSIONS = {"costs": str(COSTS_VERSION)}  # in the entry's key too: never a mismatch
+MIN_COST, MAX_COST = 1e-9, 1e4  # seconds a stored cycle may cost: outside is not a timing
+
+
+class Damaged(Exception):
+    """A cache entry that failed its checks (already removed); the message says how."""
 
 
 def identity(*paths, tag: str = "") -> str:
@@ -41,65 +63,61 @@ def identity(*paths, tag: str = "") -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:20]
 
 
-def read_json(path: Path) -> dict | None:
-    """The JSON object in path, or None when it is missing or unreadable."""
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return obj if isinstance(obj, dict) else None
-
-
-def _replace_into(path: Path, write: Callable[[Path], None]) -> bool:
-    """Write through a temporary file renamed into place (readers never see half a file);
-    False when it could not be written."""
-    tmp = path.with_name(f".tmp{os.getpid()}-{path.name}")  # same suffix: MLX adds its own
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write(tmp)
-        os.replace(tmp, path)
-        return True
-    except (OSError, RuntimeError, ValueError):  # read-only, full disk, MLX's write errors
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        return False
-
-
-def write_json(path: Path, obj: dict) -> bool:
-    """Store obj as JSON at path, atomically; False on failure."""
-    return _replace_into(path, lambda t: t.write_text(json.dumps(obj)))
-
-
 # ------------------------------------------------------------------ GGUF weights
 
 
 def gguf_entry(path) -> Path | None:
-    """The cache folder of a GGUF file's dequantized weights, or None with caching off."""
+    """The cache folder of a GGUF file's dequantized weights, or None with caching off.
+    What killed writers left in the GGUF entries is removed first."""
     if not enabled():
         return None
     try:
-        return cache_dir() / "gguf" / identity(path, tag=GGUF_LAYOUT)
+        entry = cache_dir() / "gguf" / identity(path, tag=GGUF_LAYOUT)
     except OSError:
         return None
+    try:
+        for folder in entry.parent.iterdir():
+            sweep_temps(folder)
+    except OSError:
+        pass
+    return entry
+
+
+def _gguf_versions() -> dict[str, str]:
+    import mlx.core as mx
+
+    return {"dflash-mlx": sys.modules["dflash_mlx"].__version__, "mlx": mx.__version__}
+
+
+def _info(entry: Path) -> tuple[dict, dict] | str:
+    info = read_json(entry / "info.json")
+    config = info.get("config") if info is not None else None
+    tok = info.get("tokenizer") if info is not None else None
+    if not isinstance(config, dict) or not isinstance(tok, dict):
+        return "info.json lacks its config or tokenizer"
+    return config, tok
 
 
 def load_weights(entry: Path | None):
     """(weights dict, config dict, tokenizer metadata) cached in entry (with its
-    tokenizer.json beside them), or None."""
-    if entry is None:
-        return None
-    info = read_json(entry / "info.json")
-    if info is None or not (entry / "weights.safetensors").is_file():
+    tokenizer.json beside them), or None when there is no finished entry.
+
+    Raises:
+        Damaged: the entry is not as it was written, or MLX cannot read it; it is removed.
+    """
+    if entry is None or not sealed(entry):
         return None
     import mlx.core as mx
 
-    try:
-        weights = mx.load(str(entry / "weights.safetensors"))
-    except (RuntimeError, ValueError, OSError):
-        return None
-    return weights, info["config"], info["tokenizer"]
+    why = check(entry, GGUF_FILES, _gguf_versions())
+    info = _info(entry) if why is None else why
+    if isinstance(info, tuple):
+        try:
+            return mx.load(str(entry / "weights.safetensors")), *info
+        except (RuntimeError, ValueError, OSError) as e:
+            info = f"weights.safetensors: {(str(e).splitlines() or ['unreadable'])[0]}"
+    discard(entry)
+    raise Damaged(info)
 
 
 def save_weights(
@@ -132,27 +150,28 @@ def save_weights(
             f"note: caching the dequantized weights ({size / 2**20:.0f} MB) in {entry} once; "
             "later starts skip the dequantization"
         )
-    ok = _replace_into(
-        entry / "weights.safetensors", lambda t: mx.save_safetensors(str(t), weights)
-    )
-    ok = ok and _replace_into(entry / "tokenizer.json", lambda t: t.write_text(tok_json))
-    if ok:  # written last: an entry without it is incomplete and ignored
-        write_json(entry / "info.json", {"config": config, "tokenizer": tok_meta})
-    if ok and source is not None:
-        _prune(entry, str(Path(source).resolve()))
+    unseal(entry)  # rewritten below: never read until sealed again
+    src = str(Path(source).resolve()) if source is not None else None
+    ok = src is None or write_atomic(entry / "source.txt", lambda t: t.write_text(src))
+    ok = ok and write_atomic(entry / GGUF_FILES[0], lambda t: mx.save_safetensors(str(t), weights))
+    ok = ok and write_atomic(entry / GGUF_FILES[1], lambda t: t.write_text(tok_json))
+    ok = ok and write_json(entry / GGUF_FILES[2], {"config": config, "tokenizer": tok_meta})
+    if ok:  # sealed last: an entry without a manifest is incomplete and never read
+        seal(entry, GGUF_FILES, _gguf_versions())
+    if src is not None:
+        _prune(entry, src)
 
 
 def _prune(entry: Path, source: str) -> None:
-    """Mark entry as built from source and delete the other entries built from it (the
-    file changed since: they can never be read again)."""
-    _replace_into(entry / "source.txt", lambda t: t.write_text(source))
+    """Delete the other entries built from source (the file changed since: they can never
+    be read again), finished or not: each names its source in ``source.txt``, first."""
     for other in entry.parent.iterdir():
         try:
             stale = other != entry and (other / "source.txt").read_text() == source
         except OSError:
             continue
         if stale:
-            shutil.rmtree(other, ignore_errors=True)
+            discard(other)
 
 
 # ------------------------------------------------------------------ warm-up step costs
@@ -184,7 +203,8 @@ WARM_UP_VERSION = 3  # how ``warmup.warm_up`` times: tables of another version a
 
 
 def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Path | None:
-    """Where the warm-up costs of this pair on this machine are kept, or None.
+    """Where the warm-up costs of this pair on this machine are kept (``costs.json`` in an
+    entry folder of its own), or None.
 
     Args:
         target_path, drafter_path: the pair. vocab: its draft vocabulary's size ("" for
@@ -193,11 +213,14 @@ def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Path | N
     if not enabled():
         return None
     try:
-        key = identity(target_path, drafter_path, tag=f"vocab={vocab} warm-up={WARM_UP_VERSION}")
+        tag = f"vocab={vocab} warm-up={WARM_UP_VERSION} costs={COSTS_VERSION}"
+        key = identity(target_path, drafter_path, tag=tag)
     except OSError:
         return None
     machine = hashlib.sha256(_machine().encode()).hexdigest()[:12]
-    return cache_dir() / "costs" / f"{key}-{machine}.json"
+    entry = cache_dir() / "costs" / f"{key}-{machine}"
+    sweep_temps(entry)
+    return entry / COSTS_FILE
 
 
 def _costs_path(pair) -> Path | None:
@@ -205,30 +228,65 @@ def _costs_path(pair) -> Path | None:
     return costs_file(pair.target_path, pair.drafter_path, "" if head is None else str(head.size))
 
 
+def _number(x) -> float | None:
+    """x as a finite float when it is a JSON number (not a bool, a string or a huge int)."""
+    if type(x) not in (int, float):
+        return None
+    try:
+        x = float(x)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _tables(stored: dict, max_block: int) -> dict[str, dict[int, float]] | None:
+    """The two tables of stored costs, or None when a width or a cost is not one."""
+    out = {}
+    for name in ("seconds", "lookup_seconds"):
+        table = stored.get(name)
+        if not isinstance(table, dict) or not table:
+            return None
+        out[name] = {}
+        for b, s in table.items():
+            width = int(b) if b.isascii() and b.isdigit() and len(b) < 4 else 0
+            s = _number(s)
+            if not 1 <= width <= max_block or s is None or not MIN_COST <= s <= MAX_COST:
+                return None
+            out[name][width] = s
+    return out
+
+
+def _fresh(stored: dict, max_block: int) -> bool:
+    """Measured by this layout for this block size, less than a week ago."""
+    measured = _number(stored.get("measured"))
+    age = time.time() - measured if measured is not None else -1.0
+    same = type(stored.get("version")) is int and stored["version"] == COSTS_VERSION
+    return same and stored.get("max_block") == max_block and 0 <= age < COSTS_MAX_AGE
+
+
 def read_costs(pair) -> dict[str, dict[int, float]] | None:
     """The stored step costs of this pair on this machine, in seconds by block width, as
     {"seconds": drafted cycles (1: a plain step), "lookup_seconds": copied cycles}; None
-    when there are none, they are a week old or from another layout, or unreadable.
+    when there are none, or they are a week old or from another layout (measured again).
+    Costs that are not as written, or not costs, are removed with one note.
 
     Args:
         pair: the loaded ``DFlashModel`` (its paths, block size and draft vocabulary).
     """
     path = _costs_path(pair)
-    stored = read_json(path) if path is not None else None
-    try:
-        fresh = (
-            stored.get("version") == COSTS_VERSION
-            and stored.get("max_block") == pair.block_size
-            and 0 <= time.time() - stored.get("measured", 0) < COSTS_MAX_AGE
-        )
-        tables = {
-            name: {int(b): float(s) for b, s in stored[name].items()}
-            for name in ("seconds", "lookup_seconds")
-        }
-    except (AttributeError, KeyError, TypeError, ValueError):
+    if path is None or not sealed(path.parent):
         return None
-    ok = all(t and all(0 < s < float("inf") for s in t.values()) for t in tables.values())
-    return tables if fresh and ok else None
+    why = check(path.parent, [COSTS_FILE], COSTS_VERSIONS)
+    stored = read_json(path) if why is None else None
+    if why is None and stored is not None and not _fresh(stored, pair.block_size):
+        return None
+    tables = _tables(stored, pair.block_size) if stored is not None else None
+    if tables is None:
+        discard(path.parent)
+        note(
+            f"the stored warm-up costs {path} cannot be used ({why or 'not costs'}); measuring them again"
+        )
+    return tables
 
 
 def write_costs(pair, tables: dict[str, dict[int, float]]) -> None:
@@ -242,4 +300,10 @@ def write_costs(pair, tables: dict[str, dict[int, float]]) -> None:
         return
     data = {name: {str(b): s for b, s in t.items()} for name, t in tables.items()}
     meta = {"version": COSTS_VERSION, "max_block": pair.block_size, "measured": time.time()}
-    write_json(path, {**meta, **data})
+    unseal(path.parent)
+    if write_json(path, {**meta, **data}):
+        seal(path.parent, [COSTS_FILE], COSTS_VERSIONS)
+    try:  # the layout before entries: one file per pair and machine
+        path.parent.with_suffix(".json").unlink(missing_ok=True)
+    except OSError:
+        pass

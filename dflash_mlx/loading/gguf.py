@@ -243,16 +243,11 @@ def load_gguf(path, dtype: str | None = None, log: Callable[[str], None] | None 
             "float32" if mx.default_device().type == mx.cpu or not mx.metal.is_available() else None
         )
     entry = diskcache.gguf_entry(path) if dtype == "float32" else None
-    cached = diskcache.load_weights(entry)
-    if cached is not None:
-        weights, config, meta = cached
-        try:
-            tokenizer = build_tokenizer(meta, entry / "tokenizer.json")
-            return _build(config, weights, {}, dtype), tokenizer, config
-        except Exception:  # noqa: BLE001, S110
-            # a stale or damaged cache entry fails in many ways (the tokenizers library
-            # raises a bare Exception): rebuild it from the file below
-            pass
+    loaded = _from_cache(entry, dtype, log)
+    if isinstance(loaded, tuple):
+        return loaded
+    if loaded == "noted":
+        log = None  # one note is enough: it said the entry is being built again
     raw, meta = _read(path)
     config = model_config(meta)
     weights, bits = convert_weights(raw, dequantize=dtype == "float32")
@@ -264,6 +259,28 @@ def load_gguf(path, dtype: str | None = None, log: Callable[[str], None] | None 
             entry, weights, config, tokenizer_meta(meta), tok_json, source=path, log=log
         )
     return _build(config, weights, bits, dtype), tokenizer, config
+
+
+def _from_cache(entry: Path | None, dtype: str, log):
+    """(model, tokenizer, config) from the start-up cache; None when there is no entry, or
+    "noted" when it could not be used: it is removed, with one note through log."""
+    from . import diskcache
+
+    try:
+        cached = diskcache.load_weights(entry)
+        if cached is None:
+            return None
+        weights, config, meta = cached
+        tokenizer = build_tokenizer(meta, entry / "tokenizer.json")
+        return _build(config, weights, {}, dtype), tokenizer, config
+    except Exception as e:  # noqa: BLE001
+        # a damaged entry fails in many ways (the tokenizers library raises a bare
+        # Exception): it is built again from the file
+        why = (str(e).splitlines() or [type(e).__name__])[0][:200]
+    diskcache.discard(entry)
+    if log is not None:
+        log(f"note: the cached weights in {entry} cannot be used ({why}); rebuilding them")
+    return "noted"
 
 
 def _read(path: Path):

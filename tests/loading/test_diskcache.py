@@ -97,7 +97,7 @@ def test_warm_up_costs_are_measured_once_per_pair_and_machine(cache, tiny_dir, m
     assert len(calls) == 1 and m2.tuning.measured.seconds == m1.tuning.measured.seconds
     prompt = "def parse_args("
     assert generate(m2, tok, prompt, max_tokens=12) == generate(m1, tok, prompt, max_tokens=12)
-    stored = next((cache / "costs").glob("*.json"))
+    stored = next((cache / "costs").glob("*/costs.json"))
     data = json.loads(stored.read_text())
     data["measured"] -= diskcache.COSTS_MAX_AGE + 1  # a week old: measured afresh
     stored.write_text(json.dumps(data))
