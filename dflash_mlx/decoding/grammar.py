@@ -86,13 +86,19 @@ def json_schema_grammar(schema: Any, strict: bool = True) -> str:
 
     Args:
         strict: read the schema as ``closed`` does (objects take only the keys they list).
+
+    Raises:
+        GrammarError: the schema holds NaN or Infinity, or nests too deeply for llguidance.
     """
     import llguidance
 
     if schema is True or schema is None:
         schema = {"type": "object"}
-    schema = closed(schema) if strict else schema
-    return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_STYLE)
+    try:
+        text = json.dumps(closed(schema) if strict else schema, allow_nan=False)
+        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_STYLE)
+    except (ValueError, RecursionError) as e:  # NaN, nested past its reader's 128 levels
+        raise GrammarError(f"the schema cannot be read: {e}") from None
 
 
 def lark_grammar(text: str) -> str:
@@ -116,6 +122,40 @@ def check_grammar(grammar: str, lltok=None) -> None:
         err = str(e) or type(e).__name__
     if err:  # the compiler's message, on one line (a regex error spans several)
         raise GrammarError(" ".join(str(err).split())[:300])
+
+
+MAX_FORCED = 1024  # tokens a grammar may force before the model has any choice
+
+
+def _first_line(matcher) -> str:
+    lines = matcher.get_error().strip().splitlines()
+    return lines[0] if lines else "unknown error"
+
+
+def check_start(matcher) -> None:
+    """Refuse a grammar that cannot be followed from its start, checked on a copy of its
+    matcher: a compile error, no output allowed at all, more than ``MAX_FORCED`` tokens
+    forced before any choice (a required self-reference, a pattern repeating thousands of
+    times), or a lexer failure in the first mask after the forced tokens.
+
+    Raises:
+        GrammarError: what failed, on one line.
+    """
+    if matcher.is_error():
+        raise GrammarError(_first_line(matcher))
+    probe = matcher.deep_copy()
+    forced = probe.compute_ff_tokens()
+    if len(forced) > MAX_FORCED:
+        raise GrammarError(
+            f"the grammar forces more than {MAX_FORCED} tokens before any choice (a required "
+            "self-reference or a pattern repeated thousands of times?)"
+        )
+    probe.consume_tokens(forced)
+    probe.compute_bitmask()
+    if probe.is_error():  # e.g. a lexer out of fuel, or no way on ("NoExtensionBias")
+        raise GrammarError(f"the grammar cannot be followed from its start: {_first_line(probe)}")
+    if probe.is_stopped() and not probe.is_accepting():
+        raise GrammarError("the grammar admits no output")
 
 
 def unpack_mask(bitmask: bytes, vocab: int) -> np.ndarray:
@@ -145,8 +185,7 @@ class GrammarProcessor:
         check_grammar(grammar, lltok)
         self.lltok, self.grammar = lltok, grammar
         self.matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise GrammarError(self.matcher.get_error().strip().splitlines()[0])
+        check_start(self.matcher)
         self.base: int | None = None
         self.consumed: list[int] = []  # answer tokens the matcher has consumed
 

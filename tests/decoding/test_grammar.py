@@ -132,6 +132,31 @@ def test_a_bad_schema_is_a_grammar_error_naming_the_problem(pairs):
         make_processor(tok, 320, json_schema_grammar({"type": "foo"}))
 
 
+def test_schemas_llguidance_cannot_read_are_grammar_errors_not_value_errors():
+    deep = {"type": "string"}
+    for _ in range(70):  # past the 128 levels of its JSON reader
+        deep = {"type": "array", "items": {"type": "array", "items": deep}}
+    for schema in ({"type": "number", "minimum": float("nan")}, deep):
+        with pytest.raises(GrammarError, match="cannot be read"):
+            json_schema_grammar(schema)
+
+
+@pytest.mark.parametrize(
+    "schema,words",
+    [
+        ({"$ref": "#"}, "from its start"),  # no output at all: was an empty answer
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "forces"),
+        ({"type": "string", "pattern": "^a{1000}{1000}$"}, "forces"),  # was a lone quote
+    ],
+)
+def test_a_grammar_that_cannot_be_followed_from_its_start_is_refused(pairs, schema, words):
+    _, tok = pairs("qwen3", "d2")
+    with pytest.raises(GrammarError, match=words):
+        make_processor(tok, 320, json_schema_grammar(schema), eos=[EOS])
+    proc = make_processor(tok, 320, json_schema_grammar(SCHEMA), eos=[EOS])
+    assert not proc.consumed and not proc.done  # the check ran on a copy
+
+
 # ----------------------------------------------------------------------------- sampling law
 
 
