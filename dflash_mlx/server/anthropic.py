@@ -15,7 +15,8 @@ import json
 import uuid
 from typing import Any
 
-from .schema import APIError, parse_request
+from .limits import ANTHROPIC, MAX_ARGUMENT_VALUES, InputError, check_body, check_json
+from .schema import APIError, parse_body
 from .structured import prepare
 from .tools import CallStream
 
@@ -78,9 +79,14 @@ def _block(b: Any, where: str, role: str, texts: list, calls: list, results: lis
     elif kind == "tool_use" and role == "assistant":
         if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
             raise bad(f"{where}: a tool_use block needs a string 'id' and 'name'")
-        if not isinstance(b.get("input", {}), dict):
+        value = b.get("input", {})
+        if not isinstance(value, dict):
             raise bad(f"{where}.input must be an object")
-        fn = {"name": b["name"], "arguments": json.dumps(b.get("input", {}))}
+        try:
+            check_json(value, f"{where}.input", ANTHROPIC, max_values=MAX_ARGUMENT_VALUES)
+        except InputError as e:
+            raise bad(str(e)) from None
+        fn = {"name": b["name"], "arguments": json.dumps(value)}
         calls.append({"id": b["id"], "type": "function", "function": fn})
     elif kind == "tool_result" and role == "user":
         if not isinstance(b.get("tool_use_id"), str):
@@ -192,13 +198,10 @@ def handle(h, path: str) -> None:
         if not h._authorized():
             raise AnthropicError(401, "invalid or missing API key; send 'x-api-key: <key>'")
         raw = h.body()
-        try:
-            body = json.loads(raw.decode("utf-8") if raw else "")
-        except (ValueError, RecursionError) as e:
-            raise bad(f"the request body is not valid JSON ({e})") from None
+        body = _load(raw)
         chat = to_chat(body, count=path == COUNT)
         srv = h.server
-        req = parse_request(json.dumps(chat).encode(), "chat", srv.defaults, None)
+        req = parse_body(chat, "chat", srv.defaults, None, ANTHROPIC)
         if path == COUNT:
             prepare(req, req.body, srv.engine.tokenizer)
             return h._send_json(200, {"input_tokens": len(srv.tokenize(req))})
@@ -210,6 +213,22 @@ def handle(h, path: str) -> None:
         Answer(h, req, job, model, chat.get("stop") or []).run()
     finally:
         job.cancel.set()
+
+
+def _load(raw: bytes) -> Any:
+    """The request body, parsed and within ``limits.MAX_BODY_DEPTH``."""
+    try:
+        body = json.loads(raw.decode("utf-8") if raw else "")
+    except RecursionError:
+        raise bad("the request body is nested too deeply; send a flat JSON object") from None
+    except ValueError as e:
+        raise bad(f"the request body is not valid JSON ({e})") from None
+    try:
+        if isinstance(body, dict):
+            check_body(body, ANTHROPIC)
+    except InputError as e:
+        raise bad(str(e)) from None
+    return body
 
 
 class Answer:

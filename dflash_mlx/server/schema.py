@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from .. import __version__
 from ..settings import MAX_TOKENS, GenerationConfig, SettingError
+from .limits import OPENAI, InputError, Names, check_body
 
 SYSTEM_FINGERPRINT = f"dflash-mlx-{__version__}"
 
@@ -84,7 +85,8 @@ class CompletionRequest:
         prompt: messages (chat), a str or a list of token ids (completion).
         stream, include_usage: SSE options. gen: the decoding settings.
         body: the request object. tools, grammar, template_tools: set by
-            ``structured.prepare`` (chat only).
+            ``structured.prepare`` (chat only). names: how the client's API writes a field
+            in an error (``limits.OPENAI`` / ``limits.ANTHROPIC``).
     """
 
     kind: str
@@ -97,6 +99,7 @@ class CompletionRequest:
     tools: Any = None
     grammar: str | None = None
     template_tools: list | None = None
+    names: Names = OPENAI
 
 
 def _n(body: dict) -> None:
@@ -203,21 +206,38 @@ def parse_request(
         APIError: 400 with a one-line message naming the field.
     """
     try:
-        return _parse(raw, kind, defaults, max_block_size)
-    except RecursionError:  # json's reader and repr() recurse once per level of nesting
+        body = json.loads(raw.decode("utf-8") if raw else "")
+    except RecursionError:  # json's reader recurses once per level of nesting
         raise bad(
             "the request body is nested too deeply; send a flat JSON object",
             code="invalid_json",
         ) from None
-
-
-def _parse(raw: bytes, kind: str, defaults, max_block_size) -> CompletionRequest:
-    try:
-        body = json.loads(raw.decode("utf-8") if raw else "")
     except ValueError as e:  # not UTF-8, not JSON, or an integer of over 4300 digits
         raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
+    try:
+        check_body(body)
+    except InputError as e:
+        raise bad(str(e), e.field, "invalid_json") from None
+    return parse_body(body, kind, defaults, max_block_size)
+
+
+def parse_body(
+    body: dict,
+    kind: str,
+    defaults: GenerationConfig | None = None,
+    max_block_size: int | None = None,
+    names: Names = OPENAI,
+) -> CompletionRequest:
+    """``parse_request`` of a body already read (and checked by ``limits.check_body``).
+
+    Args:
+        names: how errors write fields (Anthropic's requests come here translated).
+
+    Raises:
+        APIError: 400 with a one-line message naming the field.
+    """
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
@@ -233,7 +253,9 @@ def _parse(raw: bytes, kind: str, defaults, max_block_size) -> CompletionRequest
     include_usage = opts.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
-    return CompletionRequest(kind, model, prompt, bool(stream), bool(include_usage), gen, body)
+    req = CompletionRequest(kind, model, prompt, bool(stream), bool(include_usage), gen, body)
+    req.names = names
+    return req
 
 
 # ----------------------------------------------------------------------------- responses

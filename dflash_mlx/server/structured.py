@@ -11,9 +11,12 @@ from typing import Any
 
 from ..decoding.grammar import GrammarError, check_grammar, json_schema_grammar, make_processor
 from ..decoding.prompt import end_of_turn_ids
-from .schema import bad
+from .limits import InputError, check_schema
+from .schema import APIError, bad
 from .tool_request import ToolSpec, call_grammar, history_fields, parse_tools, render
 from .tools import CallStream, parse_calls
+
+SCHEMA = "response_format.json_schema.schema"
 
 
 def response_format_grammar(rf: Any) -> str | None:
@@ -41,11 +44,14 @@ def response_format_grammar(rf: Any) -> str | None:
             "'response_format.json_schema' must be {'name': ..., 'schema': {...}}",
             "response_format",
         )
-    grammar = json_schema_grammar(schema)
     try:
+        check_schema(schema, SCHEMA)
+        grammar = json_schema_grammar(schema)
         check_grammar(grammar)
+    except InputError as e:
+        raise bad(str(e), "response_format") from None
     except GrammarError as e:
-        raise bad(f"'response_format.json_schema.schema' is not usable: {e}", "response_format")
+        raise bad(f"'{SCHEMA}' is not usable: {e}", "response_format") from None
     return grammar
 
 
@@ -57,7 +63,7 @@ def prepare(req, body: dict, tokenizer) -> None:
     Raises:
         APIError: 400 naming the field at fault.
     """
-    spec = parse_tools(body, tokenizer)
+    spec = parse_tools(body, tokenizer, req.names)
     msgs = []
     for i, m in enumerate(req.prompt):
         m = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id", "name")}
@@ -67,15 +73,52 @@ def prepare(req, body: dict, tokenizer) -> None:
     req.grammar = call_grammar(spec) or response_format_grammar(body.get("response_format"))
 
 
+def prepare_completion(req, body: dict) -> None:
+    """Set ``req.grammar`` of a /v1/completions request from its ``response_format`` (the
+    raw continuation is constrained as a chat answer is); ``tools`` have no chat template
+    to go through there and are refused.
+
+    Raises:
+        APIError: 400 naming ``tools`` / ``tool_choice`` / ``response_format``.
+    """
+    for field in ("tools", "tool_choice"):
+        if body.get(field) is not None:
+            raise bad(f"'{field}' needs /v1/chat/completions; /v1/completions takes none", field)
+    req.grammar = response_format_grammar(body.get("response_format"))
+
+
 def processors(req, tokenizer, vocab_size: int) -> list:
-    """The logits processors that enforce ``req.grammar`` (none without one)."""
+    """The logits processors that enforce ``req.grammar`` (none without one).
+
+    Raises:
+        APIError: 400 naming the schema the tokenizer's grammar cannot follow.
+    """
     if not getattr(req, "grammar", None):
         return []
     eos = set(getattr(tokenizer, "eos_token_ids", None) or []) | end_of_turn_ids(tokenizer)
+    eos = sorted(eos) or None
     try:
-        return [make_processor(tokenizer, vocab_size, req.grammar, sorted(eos) or None)]
+        return [make_processor(tokenizer, vocab_size, req.grammar, eos)]
     except GrammarError as e:
-        raise bad(f"cannot compile the grammar for this request: {e}", "response_format")
+        raise _unusable(req, tokenizer, vocab_size, eos, e) from None
+
+
+def _unusable(req, tokenizer, vocab_size: int, eos, err: GrammarError) -> APIError:
+    """The 400 of a grammar that compiled but cannot be followed (``grammar.check_start``),
+    naming the forced tool whose parameters fail alone, or ``response_format``."""
+    spec, names = req.tools, req.names
+    if spec is None or not spec.forced:
+        return bad(f"'{SCHEMA}' cannot be followed: {err}", "response_format")
+    for i, t in enumerate(spec.tools):
+        fn = t["function"]
+        if spec.choice not in ("required", fn["name"]):
+            continue
+        try:
+            make_processor(tokenizer, vocab_size, json_schema_grammar(fn["parameters"]), eos)
+        except GrammarError as e:
+            where = names.tool(i, "parameters")
+            return bad(f"{where} cannot be followed: {e}", "tools")
+    return bad(f"the forced tool call cannot be followed: {err}", "tool_choice")
 
 
 def message(text: str, spec: ToolSpec | None, finish: str | None):

@@ -13,15 +13,26 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding.grammar import JSON_STYLE, GrammarError, check_grammar, closed, json_schema_grammar
+from .limits import (
+    MAX_ARGUMENT_VALUES,
+    OPENAI,
+    InputError,
+    Names,
+    check_json,
+    check_schema,
+    load_json,
+)
 from .schema import bad
 from .tools import HERMES, LLAMA3, template_text, tool_format
 
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 CHOICES = ("auto", "none", "required")
+MAX_TOOLS = 128  # as OpenAI's API; each tool's schema is compiled once per request
 
 FALLBACK_PROMPT = (
     "You can call functions. These are their JSON schemas:\n<tools>\n{tools}\n</tools>\n"
@@ -59,7 +70,7 @@ class ToolSpec:
         return self.active and self.choice != "auto"
 
 
-def _function(t: Any, i: int) -> dict:
+def _function(t: Any, i: int, names: Names) -> dict:
     where = f"tools[{i}]"
     if not isinstance(t, dict) or t.get("type", "function") != "function":
         raise bad(f"{where} must be {{'type': 'function', 'function': {{...}}}}", "tools")
@@ -68,29 +79,32 @@ def _function(t: Any, i: int) -> dict:
         raise bad(f"{where}.function must be an object with a 'name'", "tools")
     name = fn.get("name")
     if not isinstance(name, str) or not NAME.match(name):
+        shown = name if isinstance(name, str) else type(name).__name__
         raise bad(
-            f"{where}.function.name must match [A-Za-z0-9_.-]{{1,64}} (got {name!r})", "tools"
+            f"{names.tool(i, 'name')} must match [A-Za-z0-9_.-]{{1,64}} (got {shown!r})", "tools"
         )
     if fn.get("description") is not None and not isinstance(fn["description"], str):
-        raise bad(f"{where}.function.description must be a string", "tools")
+        raise bad(f"{names.tool(i, 'description')} must be a string", "tools")
     params = fn.get("parameters")
     if params is None:
         params = {"type": "object", "properties": {}}
+    where = names.tool(i, "parameters")
     if not isinstance(params, dict):
-        raise bad(f"{where}.function.parameters must be a JSON schema object", "tools")
+        raise bad(f"{where} must be a JSON schema object", "tools")
     try:
+        check_schema(params, where, names)
         check_grammar(json_schema_grammar(params))
+    except InputError as e:
+        raise bad(str(e), "tools") from None
     except GrammarError as e:
-        raise bad(
-            f"{where}.function.parameters is not a usable JSON schema: {e}", "tools"
-        ) from None
+        raise bad(f"{where} is not a usable JSON schema: {e}", "tools") from None
     out = {"name": name, "parameters": params}
     if fn.get("description"):
         out["description"] = fn["description"]
     return {"type": "function", "function": out}
 
 
-def _choice(raw: Any, names: list[str]) -> str:
+def _choice(raw: Any, names: list[str], spelling: Names) -> str:
     if raw is None:
         return "auto" if names else "none"
     if isinstance(raw, str):
@@ -107,12 +121,17 @@ def _choice(raw: Any, names: list[str]) -> str:
             "tool_choice",
         )
     if name not in names:
-        raise bad(f"'tool_choice' names '{name}', which is not among 'tools'", "tool_choice")
+        where = spelling.choice_name
+        raise bad(f"'{where}' is '{name}', which is not among 'tools'", "tool_choice")
     return name
 
 
-def parse_tools(body: dict, tokenizer) -> ToolSpec:
+def parse_tools(body: dict, tokenizer, spelling: Names = OPENAI) -> ToolSpec:
     """Validate ``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request.
+
+    Args:
+        body: the request. tokenizer: the model's (its template decides the call format).
+        spelling: how errors write fields (``limits.ANTHROPIC`` for the Messages API).
 
     Raises:
         APIError: 400 naming the field.
@@ -120,10 +139,13 @@ def parse_tools(body: dict, tokenizer) -> ToolSpec:
     raw = body.get("tools")
     if raw is not None and not isinstance(raw, list):
         raise bad("'tools' must be a list of function tools", "tools")
-    tools = [_function(t, i) for i, t in enumerate(raw or [])]
+    if len(raw or []) > MAX_TOOLS:
+        raise bad(f"'tools' has {len(raw)} tools; at most {MAX_TOOLS} are supported", "tools")
+    tools = [_function(t, i, spelling) for i, t in enumerate(raw or [])]
     names = [t["function"]["name"] for t in tools]
-    if len(set(names)) < len(names):
-        raise bad("'tools' has two functions of the same name", "tools")
+    twice = [n for n, k in Counter(names).items() if k > 1]
+    if twice:
+        raise bad(f"'tools' has two tools of the same name ({twice[0]!r})", "tools")
     par = body.get("parallel_tool_calls")
     if par is not None and not isinstance(par, bool):
         raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
@@ -133,7 +155,7 @@ def parse_tools(body: dict, tokenizer) -> ToolSpec:
     # fallback prompt one call, since a model untrained for tools repeats its call until the
     # budget runs out when more are allowed.
     parallel = par if par is not None else native
-    return ToolSpec(tools, _choice(body.get("tool_choice"), names), parallel,
+    return ToolSpec(tools, _choice(body.get("tool_choice"), names, spelling), parallel,
                     tool_format(text), native)  # fmt: skip
 
 
@@ -163,11 +185,15 @@ def _history_call(c: Any, i: int, j: int) -> dict:
         raise bad(f"{where} must be {{'id', 'type': 'function', 'function': {{name, arguments}}}}",
                   "messages")  # fmt: skip
     args = fn.get("arguments", "{}")
-    if isinstance(args, str):
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except ValueError:
-            raise bad(f"{where}.function.arguments is not valid JSON", "messages") from None
+    try:
+        if not isinstance(args, str):  # an object already (some clients send one)
+            check_json(args, f"{where}.function.arguments", max_values=MAX_ARGUMENT_VALUES)
+        elif args.strip():
+            args = load_json(args, f"{where}.function.arguments")
+        else:
+            args = {}
+    except InputError as e:
+        raise bad(str(e), "messages") from None
     if not isinstance(args, dict):
         raise bad(f"{where}.function.arguments must be a JSON object", "messages")
     return {

@@ -13,6 +13,8 @@ import json
 import uuid
 from dataclasses import dataclass
 
+from .limits import MAX_ARGUMENT_VALUES, check_json
+
 HERMES, LLAMA3 = "hermes", "llama3"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -63,11 +65,12 @@ def _call(obj) -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
+    try:
+        if isinstance(args, str):  # some models write the arguments as a JSON string
             args = json.loads(args)
-        except ValueError:
-            return None
+        check_json(args, "arguments", max_values=MAX_ARGUMENT_VALUES)
+    except (ValueError, RecursionError):  # InputError is a ValueError
+        return None
     if not isinstance(args, dict):
         return None
     return ToolCall(obj["name"], json.dumps(args))
@@ -76,7 +79,7 @@ def _call(obj) -> ToolCall | None:
 def _json_call(text: str) -> ToolCall | None:
     try:
         return _call(json.loads(text))
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the reader's limit
         return None
 
 
