@@ -3,22 +3,20 @@ as one JSON object or as server-sent events.
 
 ``POST /v1/chat/completions``, ``/v1/completions``, ``GET /v1/models[/{id}]``, ``/health``.
 Each connection has its own thread; generation runs in the worker (``worker.Engine``), and a
-client that disconnects cancels its generation at the next cycle."""
+client that disconnects cancels its generation at the next cycle. The plumbing (bodies,
+errors, the key, disconnects) is ``connection.Connection``."""
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import queue
-import select
-import socket
 import time
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler
 
 from ..decoding.prompt import room, with_default_stops
 from . import anthropic, structured
+from .connection import Connection
 from .schema import (
     APIError,
     bad,
@@ -36,140 +34,30 @@ from .worker import Job
 
 logger = logging.getLogger("dflash_mlx.server")
 
-MAX_BODY = 32 * 1024 * 1024
-RETRY_AFTER = "1"  # seconds; a 503 means the queue is full or the server is stopping
 
-# The stdlib's own errors ({} is its short message): what went wrong and how to fix it.
-HTTP_ERRORS = {
-    400: "malformed HTTP request ({}); send 'METHOD /path HTTP/1.1' and valid headers",
-    405: "method not allowed ({}); use GET or POST",
-    414: "the URL is too long ({}); send data in the request body",
-    431: "the request headers are too large ({}); send fewer, shorter headers",
-    501: "method not supported ({}); use GET or POST",
-    505: "HTTP version not supported ({}); use HTTP/1.1",
-}
-HTTP_CODES = {
-    400: "invalid_request",
-    405: "method_not_allowed",
-    414: "uri_too_long",
-    431: "headers_too_large",
-    501: "method_not_allowed",
-    505: "http_version_not_supported",
-}
-
-
-class Handler(BaseHTTPRequestHandler):
+class Handler(Connection):
     """One HTTP exchange; the shared state lives on ``self.server``."""
 
-    server_version = "dflash-mlx"
-    protocol_version = "HTTP/1.0"
-    timeout = 600  # seconds a stalled client may block its own handler thread
-    body_timeout = 10.0  # seconds between two pieces of a request body before a 408
-    _checked = 0.0  # when the connection was last checked for a disconnect
-
-    # ------------------------------------------------------------------ plumbing
-    def log_message(self, fmt, *args):
-        logger.info("%s %s", self.address_string(), fmt % args)
-
-    def _send_json(self, status: int, obj: dict, headers=()) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in headers:
-            self.send_header(name, value)
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        self.wfile.flush()
-
-    def _error(self, err: APIError) -> None:
-        headers = [("Retry-After", RETRY_AFTER)] if err.status == 503 else []
-        if err.status == 405:
-            headers.append(("Allow", "GET, POST"))
-        self._send_json(err.status, err.body(), headers)
-
-    def send_error(self, code, message=None, explain=None):
-        """The HTTP layer's own errors (a malformed request line, a URL or headers too
-        large, an unknown method) in OpenAI's JSON shape instead of the stdlib's HTML page."""
-        code = int(code)
-        self.log_error("code %d, message %s", code, message)
-        self.close_connection = True
-        if self.request_version in ("", "HTTP/0.9"):  # the line was unreadable: answer 1.0
-            self.request_version = "HTTP/1.0"
-        text = HTTP_ERRORS.get(code, "{}").format(message or self.responses.get(code, ("",))[0])
-        try:
-            self._error(APIError(code, text, code=HTTP_CODES.get(code)))
-            self._drain()
-        except OSError:
-            pass
-
-    def _drain(self) -> None:
-        """Read what the client still sends (briefly): closing a socket with unread input
-        resets the connection, and the client may lose the answer."""
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(0.5)
-            for _ in range(64):
-                if not self.connection.recv(65536):
-                    break
-        except OSError:
-            pass
-
-    def _read_body(self, length: int) -> bytes:
-        """The request body, or a 408 when the client stops sending before Content-Length
-        bytes came (else a short body holds the connection for ``timeout`` seconds)."""
-        if length <= 0:
-            return b""
-        self.connection.settimeout(self.body_timeout)
-        try:
-            data = self.rfile.read(length)
-        except TimeoutError:
-            self.close_connection = True
-            msg = f"the request body stopped before its Content-Length ({length} bytes) for "
-            msg += f"{self.body_timeout:g} s; send the whole body or fix the header"
-            raise APIError(408, msg, code="request_timeout") from None
-        finally:
-            self.connection.settimeout(self.timeout)
-        if len(data) < length:
-            raise bad(f"the body has {len(data)} bytes but Content-Length says {length}")
-        return data
-
-    def _client_gone(self) -> bool:
-        try:
-            r, _, _ = select.select([self.connection], [], [], 0)
-            return bool(r) and self.connection.recv(1, socket.MSG_PEEK) == b""
-        except (OSError, ValueError):
-            return True
-
-    def _authorized(self) -> bool:
-        """The key as 'Authorization: Bearer <key>' or (Anthropic's clients) 'x-api-key'."""
-        key = self.server.api_key
-        if not key:
-            return True
-        got = self.headers.get("Authorization", "")
-        token = got[7:].strip() if got[:7].lower() == "bearer " else ""
-        token = token or self.headers.get("x-api-key", "").strip()
-        # http.server decodes header bytes as latin-1: re-encode them to compare raw bytes
-        got_bytes = token.encode("latin-1", "replace")
-        return hmac.compare_digest(got_bytes, key.encode("utf-8", "surrogateescape"))
-
     def _guard(self, fn) -> None:
+        """Run a route; every error becomes the route's API's error answer (Anthropic's shape
+        on its routes), and a body the answer did not read is dropped after it."""
         try:
             fn()
-        except APIError as e:
-            self._safe_error(e)
+            return
         except (BrokenPipeError, ConnectionResetError):
-            pass
+            return
+        except APIError as e:
+            err = e
+        except RecursionError:  # a value nested past what the checks bound: the input's fault
+            logger.warning("request nested too deeply", exc_info=True)
+            err = bad("the request is nested too deeply; flatten it", code="invalid_json")
         except Exception as e:
             logger.exception("request failed")
-            self._safe_error(APIError(500, f"internal error: {type(e).__name__}: {e}"))
-
-    def _safe_error(self, err: APIError) -> None:
-        try:
-            self._error(err)
-        except OSError:
-            pass
+            err = APIError(500, f"internal error: {type(e).__name__}: {e}")
+        if self._path() in anthropic.ROUTES:
+            err = anthropic.AnthropicError.of(err)
+        self._safe_error(err)
+        self.discard_body()
 
     # ------------------------------------------------------------------ routes
     def do_GET(self):
@@ -262,16 +150,6 @@ class Handler(BaseHTTPRequestHandler):
         finally:
             job.cancel.set()  # no-op when finished; stops the generation otherwise
 
-    def body(self) -> bytes:
-        """The request body (a Content-Length is required)."""
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
-            raise bad("a Content-Length header is required") from None
-        if length > MAX_BODY:
-            raise APIError(413, f"request body over {MAX_BODY} bytes")
-        return self._read_body(length)
-
     def submit(self, req) -> Job:
         """Check a parsed request against the model, tokenize it and queue its job.
 
@@ -284,6 +162,8 @@ class Handler(BaseHTTPRequestHandler):
         tok = srv.engine.tokenizer
         if req.kind == "chat":
             structured.prepare(req, req.body, tok)
+        else:
+            structured.prepare_completion(req, req.body)
         ids = srv.tokenize(req)
         vocab = srv.engine.model.adapter.vocab_size
         if any(not 0 <= t < vocab for t in req.gen.logit_bias or {}):
@@ -300,13 +180,6 @@ class Handler(BaseHTTPRequestHandler):
         return job
 
     # ------------------------------------------------------------------ answering
-    def start_events(self) -> None:
-        """Begin a 200 answer of server-sent events."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-
     def _next(self, job: Job):
         """Next item from the worker; None when the client went away meanwhile."""
         while True:

@@ -43,7 +43,7 @@ class ShardSet:
         self.shards, self.seqs, self.soft = [], [], []
         dirs = [d for r in roots for d in sorted(r.glob("shard_*")) if d.is_dir()]
         for d in dirs:
-            if d.name.endswith(".tmp"):
+            if "." in d.name:
                 continue
             soft = None
             if (d / "topk_ids.npy").exists():

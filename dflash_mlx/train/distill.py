@@ -12,14 +12,14 @@ position; int32), ``feats`` (float16 outputs of ``target_layer_ids`` for each fe
 next tokens after each fed token and their log-probabilities, int32 / float16, for logit
 distillation), and ``starts`` / ``prompt_lens`` per sequence. Every sequence
 has one more token than it has features (its last token was never fed). A shard is written to
-a temporary name and renamed, so an interrupted run resumes at the next missing shard.
+a temporary name and renamed, so an interrupted run resumes at the next missing shard: Ctrl-C
+or SIGTERM frees the unfinished shard's claim, and a killed process's claim is recognised by
+its pid (``claims``).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import shutil
 import time
 from functools import partial
@@ -30,7 +30,10 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
 from dflash_mlx import ops
+from dflash_mlx.errors import DFlashError
 from dflash_mlx.model.target import TargetAdapter
+from dflash_mlx.train.checks import Parser, Stop, entry, out_dir, stop_code, whole
+from dflash_mlx.train.claims import OWNER, claim, heartbeat, holder, release, tmp_dir
 from dflash_mlx.train.prompts import build_prompts
 
 FP16_MAX = 65000.0
@@ -170,37 +173,10 @@ def featurize(adapter: TargetAdapter, seqs, batch: int = 4):
     return out
 
 
-def claim(path: Path, stale_s: float = 1800.0) -> bool:
-    """Claim a shard for this process (several may generate one split at once).
-
-    The claim is the shard's temporary directory, created exclusively; its owner touches it
-    after every batch (``heartbeat``), so one untouched for ``stale_s`` belongs to a dead
-    process and is taken over.
-    """
-    if path.exists():
-        return False
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.mkdir(parents=True)
-        return True
-    except FileExistsError:
-        if time.time() - tmp.stat().st_mtime < stale_s:
-            return False
-        shutil.rmtree(tmp, ignore_errors=True)
-        return claim(path, stale_s)
-
-
-def heartbeat(path: Path) -> None:
-    """Mark a claimed shard as alive (its temporary directory's mtime is the claim's age)."""
-    tmp = path.with_name(path.name + ".tmp")
-    if tmp.exists():
-        os.utime(tmp)
-
-
 def write_shard(path: Path, seqs, prompt_lens) -> None:
     """Write one claimed shard atomically (into its temporary directory, then rename); a
     shard another process finished meanwhile is kept and this copy dropped."""
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = tmp_dir(path)
     if path.exists():
         shutil.rmtree(tmp, ignore_errors=True)
         return
@@ -214,16 +190,54 @@ def write_shard(path: Path, seqs, prompt_lens) -> None:
         np.save(tmp / "topk_logp.npy", np.concatenate([s[4] for s in seqs]).astype(np.float16))
     np.save(tmp / "starts.npy", np.cumsum([0] + lens[:-1]).astype(np.int64))
     np.save(tmp / "prompt_lens.npy", np.array(prompt_lens, np.int32))
+    (tmp / OWNER).unlink(missing_ok=True)
     tmp.rename(path)
 
 
 def encode(tokenizer, prompt):
-    """A prompt's ids under the chat template (a text is one user turn, a list is the
-    messages), or None when it is too long to batch well."""
+    """A prompt's ids in the chat format decoding uses (the template, or the default one
+    when the tokenizer has none; a text is one user turn, a list is the messages), or None
+    when it is too long to batch well."""
+    from dflash_mlx.decoding.prompt import chat_ids
+
     chat = isinstance(prompt, list)
     messages = prompt if chat else [{"role": "user", "content": prompt}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = chat_ids(tokenizer, messages)
     return ids if len(ids) <= (MAX_CHAT if chat else MAX_PROMPT) else None
+
+
+def _meta(out: Path, layer_ids, max_new: int) -> None:
+    """Record the split's layers; refuse a folder whose shards recorded other layers (another
+    target's answers would be mixed in)."""
+    path = out / "meta.json"
+    meta = {"layer_ids": [int(i) for i in layer_ids], "max_new": max_new}
+    try:
+        old = json.loads(path.read_text()).get("layer_ids") if path.exists() else None
+    except (OSError, ValueError, AttributeError):
+        old = None
+    if old is not None and old != meta["layer_ids"] and any(out.glob("shard_*")):
+        raise DFlashError(
+            f"{out} holds answers recorded at target layers {old}, not {meta['layer_ids']} "
+            "(another target?); pass another --out, or the target they came from"
+        )
+    path.write_text(json.dumps(meta))
+
+
+def _shard(adapter, path: Path, ids: list, eos, max_new: int, batch: int, log) -> int:
+    """Generate one claimed shard (``ids``: its prompts) and write it; its tokens."""
+    t0 = time.time()
+    order = np.argsort([len(i) for i in ids])  # similar lengths share a batch
+    seqs = [None] * len(ids)
+    for b0 in range(0, len(ids), batch):
+        pick = order[b0 : b0 + batch]
+        for i, r in zip(pick, generate_batch(adapter, [ids[i] for i in pick], eos, max_new)):
+            seqs[i] = r
+        heartbeat(path)
+        log(f"{path.name}: batch {b0 // batch + 1}, {time.time() - t0:.0f} s")
+    write_shard(path, seqs, [len(i) for i in ids])
+    n = sum(len(s[0]) for s in seqs)
+    log(f"{path.name}: {len(ids)} prompts, {n} tokens, {n / (time.time() - t0):.0f} tok/s")
+    return n
 
 
 def run(
@@ -240,7 +254,8 @@ def run(
     prompts: list | None = None,
     deadline: float | None = None,
 ) -> dict:
-    """Generate every missing shard of a split.
+    """Generate every missing shard of a split; a shard another live process holds is
+    left to it, a dead process's is redone (``claims``).
 
     Args:
         target, tokenizer: the mlx-lm target and its tokenizer. out: data folder.
@@ -250,58 +265,67 @@ def run(
         prompts: the prompt texts (default: ``build_prompts(split)``).
         deadline: ``time.time()`` after which no new shard is started.
         log: line printer (default: print, flushed).
+
+    Returns:
+        {"tokens": new tokens, "seconds": wall time, "held": shards left to live holders}.
+
+    Raises:
+        Stop: on Ctrl-C / SIGTERM, after releasing the unfinished shard's claim.
     """
     log = log or partial(print, flush=True)
     out = Path(out) / split
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"layer_ids": list(layer_ids), "max_new": max_new}
-    (out / "meta.json").write_text(json.dumps(meta))
+    _meta(out, layer_ids, max_new)
     adapter = TargetAdapter(target, layer_ids)
     texts = (build_prompts(split) if prompts is None else prompts)[:limit]
     prompts = [ids for ids in (encode(tokenizer, p) for p in texts) if ids is not None]
     eos = sorted(set(tokenizer.eos_token_ids))
-    total = {"tokens": 0, "seconds": 0.0}
+    total, t0, held = {"tokens": 0, "seconds": 0.0}, time.time(), []
     for s0 in range(0, len(prompts), shard_size):
         path = out / f"shard_{s0 // shard_size:04d}"
         if deadline is not None and time.time() > deadline:
             break
         if not claim(path):
+            if not path.exists() and (who := holder(path)):
+                held.append(f"{path.name} (pid {who.get('pid')} on {who.get('host')})")
             continue
-        t0 = time.time()
-        ids = prompts[s0 : s0 + shard_size]
-        order = np.argsort([len(i) for i in ids])  # similar lengths share a batch
-        seqs = [None] * len(ids)
-        for b0 in range(0, len(ids), batch):
-            pick = order[b0 : b0 + batch]
-            for i, r in zip(pick, generate_batch(adapter, [ids[i] for i in pick], eos, max_new)):
-                seqs[i] = r
-            heartbeat(path)
-            log(f"{path.name}: batch {b0 // batch + 1}, {time.time() - t0:.0f} s")
-        write_shard(path, seqs, [len(i) for i in ids])
-        n = sum(len(s[0]) for s in seqs)
-        dt = time.time() - t0
-        total["tokens"] += n
-        total["seconds"] += dt
-        log(f"{path.name}: {len(ids)} prompts, {n} tokens, {n / dt:.0f} tok/s")
+        try:
+            total["tokens"] += _shard(
+                adapter, path, prompts[s0 : s0 + shard_size], eos, max_new, batch, log
+            )
+        except KeyboardInterrupt as e:
+            release(path)
+            raise Stop(stop_code(e), f"{path} was not finished and is free again") from None
+    total["seconds"], total["held"] = time.time() - t0, held
+    if held:
+        log(f"{out}: left to the processes generating them: {', '.join(held)}")
     return total
 
 
+@entry(hint="rerun the same command to resume", smaller="--batch")
 def main(argv=None) -> None:
-    """Command-line entry point (see the module docstring)."""
+    """Command-line entry point (see the module docstring).
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+    """
     from dflash_mlx.loading.loader import load_target
     from dflash_mlx.train.common import add_target_option, default_layer_ids, default_target
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m dflash_mlx.train.distill", description=__doc__.split("\n")[0])
     add_target_option(p)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--split", choices=["train", "heldout"], default="train")
-    p.add_argument("--max-new", type=int, default=192)
-    p.add_argument("--batch", type=int, default=48)
-    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--max-new", type=whole(1), default=192, help="answer budget (tokens)")
+    p.add_argument("--batch", type=whole(1), default=48, help="prompts per batch")
+    p.add_argument("--limit", type=whole(1), default=None, help="only the first N prompts")
     a = p.parse_args(argv)
+    out_dir(a.out, "--out")
     target, tok = load_target(a.target or default_target())
     ids = default_layer_ids(len(target.layers))
-    run(target, tok, a.out, ids, a.split, a.max_new, a.batch, limit=a.limit)
+    total = run(target, tok, a.out, ids, a.split, a.max_new, a.batch, limit=a.limit)
+    left = f"{len(total['held'])} left to other processes" if total["held"] else "all done"
+    print(f"{a.out / a.split}: {total['tokens']} new tokens; shards {left}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The training-prompt pool (its growth at the end, the rounds' slices, replayed two-turn
 chats) and the shard claims several distillation processes share."""
 
+import json
 import os
 import time
 
@@ -24,6 +25,7 @@ class FakeTokenizer:
     """ChatML-shaped decode over a tiny vocabulary; the template counts characters."""
 
     eos_token_ids = (EOS,)
+    chat_template = "(counted)"  # it has one: distill.encode applies it
 
     def decode(self, ids):
         return "".join(VOCAB[i] for i in ids)
@@ -78,9 +80,11 @@ def test_a_replayed_chat_is_encoded_as_its_messages_with_a_longer_limit():
 
 
 def test_a_claim_kept_alive_by_heartbeats_is_never_taken_over(tmp_path):
+    """A claim from another machine (whose pid cannot be checked here) lives by its age."""
     shard = tmp_path / "shard_0000"
     assert distill.claim(shard)
     tmp = shard.with_name("shard_0000.tmp")
+    (tmp / "owner.json").write_text(json.dumps({"pid": 1, "host": "another-machine"}))
     old = time.time() - 4000
     os.utime(tmp, (old, old))
     distill.heartbeat(shard)  # the owner is still generating
