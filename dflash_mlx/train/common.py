@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from dflash_mlx.errors import DFlashError
 from dflash_mlx.model.config import DrafterArgs
 from dflash_mlx.model.drafter import DFlashDrafter
 from dflash_mlx.model.selector import top_candidates
@@ -79,12 +80,24 @@ def save_checkpoint(ckpt: Path, model, optimizer, state: dict) -> None:
 
 
 def load_checkpoint(ckpt: Path, model, optimizer) -> dict:
-    """Restore what :func:`save_checkpoint` wrote; returns the counters."""
-    model.load_weights(str(ckpt / "weights.safetensors"))
-    opt = mx.load(str(ckpt / "optimizer.safetensors"))
+    """Restore what :func:`save_checkpoint` wrote; returns the counters.
+
+    Raises:
+        DFlashError: the saved run does not fit this drafter (other options) or is damaged.
+    """
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        model.load_weights(str(ckpt / "weights.safetensors"))
+        opt = mx.load(str(ckpt / "optimizer.safetensors"))
+    except (OSError, ValueError, RuntimeError) as e:
+        why = " ".join(str(e).split())[:200]
+        raise DFlashError(
+            f"cannot resume from {ckpt} ({why}); resume with the options the run was started "
+            "with, or pass another --out to start a fresh one"
+        ) from None
     optimizer.state = tree_unflatten(list(opt.items()))
     mx.eval(model.parameters(), optimizer.state)
-    return json.loads((ckpt / "state.json").read_text())
+    return state
 
 
 def init_drafter(config: dict, seed: int = 0) -> DFlashDrafter:

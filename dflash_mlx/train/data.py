@@ -219,6 +219,70 @@ def _soft_rows(top_k, at: np.ndarray, ok: np.ndarray, k: int):
     return k_ids[at][..., :k], np.where(ok[..., None], k_lp[at][..., :k], -np.inf)
 
 
+def shortlist(data: ShardSet, vocab: int, cap: int, floor: int = 256) -> np.ndarray:
+    """Token ids the training head scores: every answer label (at least ``floor`` tokens,
+    the most frequent first), or the ``cap`` most frequent. Softmax over all 49k entries
+    costs most of a CPU step (MLX's CPU exp is scalar); held-out evaluation always uses the
+    full vocabulary."""
+    counts = data.label_counts(vocab)
+    order = np.argsort(-counts, kind="stable")
+    n = min(cap, vocab, max(int((counts > 0).sum()), floor))
+    return np.sort(order[:n]).astype(np.int32)
+
+
+def data_roots(data_dir) -> tuple:
+    """(train split folders, held-out split folder) of a distill folder (``train/``,
+    ``heldout/``) or of an explicit ``(train folders, held-out folder)`` pair."""
+    if isinstance(data_dir, tuple):
+        return [Path(r) for r in data_dir[0]], Path(data_dir[1])
+    return [Path(data_dir) / "train"], Path(data_dir) / "heldout"
+
+
+class Batches:
+    """Reproducible training batches (seeded by step), labels mapped onto the shortlist."""
+
+    def __init__(self, data: ShardSet, drafter, seqs, n_blocks, gamma, vocab_ids, seed, soft_k=0):
+        self.data, self.args, self.seqs, self.n_blocks, self.seed = (
+            data,
+            drafter.args,
+            seqs,
+            n_blocks,
+            seed,
+        )
+        self.soft_k = soft_k if data.has_soft else 0
+        B = self.args.block_size
+        self.pos_w = np.exp(-np.arange(B - 1) / gamma).astype(np.float32)
+        self.index = np.full(self.args.vocab_size, -1, np.int64)
+        self.index[vocab_ids] = np.arange(len(vocab_ids))
+
+    def __call__(self, step: int):
+        a, rng = self.args, np.random.default_rng([self.seed, step])
+        picks = rng.integers(0, len(self.data.seqs), self.seqs)
+        blk = build_batch(
+            self.data,
+            picks,
+            self.n_blocks,
+            a.block_size,
+            a.mask_token_id,
+            rng,
+            a.sliding_window,
+            soft_k=self.soft_k,
+        )
+        idx = self.index[blk["labels"]]
+        blk["labels"] = np.maximum(idx, 0).astype(np.int32)
+        blk["weights"] = (blk["valid"] * (idx >= 0) * self.pos_w).astype(np.float32)
+        if "soft_ids" in blk:  # teacher top-k over the shortlist, renormalised
+            sidx = self.index[blk.pop("soft_ids")]
+            p = np.where(sidx >= 0, np.exp(blk.pop("soft_logp")), 0.0)
+            blk["soft_idx"] = np.maximum(sidx, 0).astype(np.int32)
+            blk["soft_p"] = (p / np.maximum(p.sum(-1, keepdims=True), 1e-9)).astype(np.float32)
+        else:
+            shape = blk["labels"].shape + (1,)
+            blk["soft_idx"] = np.zeros(shape, np.int32)
+            blk["soft_p"] = np.zeros(shape, np.float32)
+        return blk
+
+
 def eval_anchors(data: ShardSet, n_seqs: int, n_blocks: int, seed: int = 1234):
     """Fixed (sequence picks, anchors) for comparable held-out evaluations."""
     rng = np.random.default_rng(seed)

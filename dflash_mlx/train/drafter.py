@@ -15,12 +15,14 @@ missing from the top-K), the gold previous token as predecessor. The conv starts
 identity and the codebooks near zero, so the untrained drafter is plain DFlash.
 
 Published files are written by :func:`dflash_mlx.model.checkpoint.save_drafter` (bf16, the
-released format); ``train_state/`` keeps float32 weights and AdamW state for ``--resume``.
+released format); ``train_state/`` keeps float32 weights and AdamW state for ``--resume``,
+saved every ``ckpt_every_s`` and on Ctrl-C / SIGTERM (exit 130 / 143, one line saying where).
+Options, folders and the mask token are checked before any work (``checks``).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -33,15 +35,38 @@ from mlx.utils import tree_flatten
 
 from dflash_mlx.model.checkpoint import drafter_config, save_drafter
 from dflash_mlx.model.target import TargetAdapter
+from dflash_mlx.train.checks import (
+    YEAR_MINUTES,
+    Parser,
+    Stop,
+    check_features,
+    check_resume,
+    entry,
+    mask_token_id,
+    need_shards,
+    number,
+    out_dir,
+    shielded,
+    stop_code,
+    whole,
+)
 from dflash_mlx.train.common import (
     Every,
+    add_target_option,
     init_drafter,
     load_checkpoint,
     lr_at,
     save_checkpoint,
     warm_start,
 )
-from dflash_mlx.train.data import ShardSet, build_batch, eval_anchors, feature_scale
+from dflash_mlx.train.data import (
+    Batches,
+    ShardSet,
+    data_roots,
+    eval_anchors,
+    feature_scale,
+    shortlist,
+)
 from dflash_mlx.train.evaluate import evaluate, to_device
 from dflash_mlx.train.objective import make_step
 
@@ -59,35 +84,16 @@ DEMO_SHAPE = {
 }
 
 
-def shortlist(data: ShardSet, vocab: int, cap: int, floor: int = 256) -> np.ndarray:
-    """Token ids the training head scores: every answer label (at least ``floor`` tokens,
-    the most frequent first), or the ``cap`` most frequent. Softmax over all 49k entries
-    costs most of a CPU step (MLX's CPU exp is scalar); held-out evaluation always uses the
-    full vocabulary."""
-    counts = data.label_counts(vocab)
-    order = np.argsort(-counts, kind="stable")
-    n = min(cap, vocab, max(int((counts > 0).sum()), floor))
-    return np.sort(order[:n]).astype(np.int32)
-
-
-def data_roots(data_dir) -> tuple:
-    """(train split folders, held-out split folder) of a distill folder (``train/``,
-    ``heldout/``) or of an explicit ``(train folders, held-out folder)`` pair."""
-    if isinstance(data_dir, tuple):
-        return [Path(r) for r in data_dir[0]], Path(data_dir[1])
-    return [Path(data_dir) / "train"], Path(data_dir) / "heldout"
-
-
 def setup(target, data_dir, out: Path, shape: dict, lr: float, resume: bool, seed: int):
     """Adapter, drafter config, drafter, optimizer and counters (restored with ``resume``)."""
-    meta = json.loads((data_roots(data_dir)[0][0] / "meta.json").read_text())
-    adapter = TargetAdapter(target, meta["layer_ids"])
+    layer_ids = check_features(*data_roots(data_dir), target)
+    adapter = TargetAdapter(target, layer_ids)
     args = target.args
     config = drafter_config(
         hidden_size=args.hidden_size,
         vocab_size=args.vocab_size,
         num_target_layers=args.num_hidden_layers,
-        target_layer_ids=meta["layer_ids"],
+        target_layer_ids=layer_ids,
         mask_token_id=shape.pop("mask_token_id"),
         rope_theta=shape.pop("rope_theta", 1e4),
         rms_norm_eps=args.rms_norm_eps,
@@ -116,51 +122,6 @@ def standardize(data: ShardSet, drafter, opt, state_dir: Path, resume: bool) -> 
         opt.state["fc"]["weight"] = {k: mx.zeros_like(v) for k, v in m.items()}
         mx.eval(drafter.fc.weight, opt.state)
     return scale
-
-
-class Batches:
-    """Reproducible training batches (seeded by step), labels mapped onto the shortlist."""
-
-    def __init__(self, data: ShardSet, drafter, seqs, n_blocks, gamma, vocab_ids, seed, soft_k=0):
-        self.data, self.args, self.seqs, self.n_blocks, self.seed = (
-            data,
-            drafter.args,
-            seqs,
-            n_blocks,
-            seed,
-        )
-        self.soft_k = soft_k if data.has_soft else 0
-        B = self.args.block_size
-        self.pos_w = np.exp(-np.arange(B - 1) / gamma).astype(np.float32)
-        self.index = np.full(self.args.vocab_size, -1, np.int64)
-        self.index[vocab_ids] = np.arange(len(vocab_ids))
-
-    def __call__(self, step: int):
-        a, rng = self.args, np.random.default_rng([self.seed, step])
-        picks = rng.integers(0, len(self.data.seqs), self.seqs)
-        blk = build_batch(
-            self.data,
-            picks,
-            self.n_blocks,
-            a.block_size,
-            a.mask_token_id,
-            rng,
-            a.sliding_window,
-            soft_k=self.soft_k,
-        )
-        idx = self.index[blk["labels"]]
-        blk["labels"] = np.maximum(idx, 0).astype(np.int32)
-        blk["weights"] = (blk["valid"] * (idx >= 0) * self.pos_w).astype(np.float32)
-        if "soft_ids" in blk:  # teacher top-k over the shortlist, renormalised
-            sidx = self.index[blk.pop("soft_ids")]
-            p = np.where(sidx >= 0, np.exp(blk.pop("soft_logp")), 0.0)
-            blk["soft_idx"] = np.maximum(sidx, 0).astype(np.int32)
-            blk["soft_p"] = (p / np.maximum(p.sum(-1, keepdims=True), 1e-9)).astype(np.float32)
-        else:
-            shape = blk["labels"].shape + (1,)
-            blk["soft_idx"] = np.zeros(shape, np.int32)
-            blk["soft_p"] = np.zeros(shape, np.float32)
-        return blk
 
 
 @dataclass
@@ -284,15 +245,16 @@ class Trainer:
         """Save the resumable state and the drafter in the released format (with the
         feature scale folded into ``fc``, so it reads raw target features)."""
         self.st["elapsed_s"] = time.time() - self.t0
-        if state:
-            save_checkpoint(self.out / "train_state", self.drafter, self.opt, self.st)
-            np.save(self.out / "train_state" / "feature_scale.npy", self.scale)
-        w = self.drafter.fc.weight
-        self.drafter.fc.weight = w / mx.array(self.scale)[None, :]  # [H, D] / [1, D]
-        try:
-            save_drafter(dest or self.out, self.drafter, self.config, draft_vocab=self.vocab_ids)
-        finally:
-            self.drafter.fc.weight = w
+        with shielded():  # a Ctrl-C meanwhile waits until the files are whole
+            if state:
+                save_checkpoint(self.out / "train_state", self.drafter, self.opt, self.st)
+                np.save(self.out / "train_state" / "feature_scale.npy", self.scale)
+            w = self.drafter.fc.weight
+            self.drafter.fc.weight = w / mx.array(self.scale)[None, :]  # [H, D] / [1, D]
+            try:
+                save_drafter(dest or self.out, self.drafter, self.config, self.vocab_ids)
+            finally:
+                self.drafter.fc.weight = w
 
 
 def train(
@@ -321,29 +283,18 @@ def train(
         {"step", "final" (the last evaluation), "best" (the best one, its drafter in
         ``out/best``), "first" (the one at step 0, before any update, when this run
         started there), "wall_s", "params", "vocab"}.
+
+    Raises:
+        Stop: on Ctrl-C / SIGTERM, once every step taken is saved in ``out/train_state``.
     """
     run = Trainer(target, data_dir, out, cfg or TrainConfig(), shape, resume, log, init, vocab)
-    st, losses, t_start, s_start = run.st, [], time.time(), run.st["step"]
-    if st["step"] == 0:
-        run.evaluate()  # the starting point (a warm start's baseline)
-    ckpt_due, eval_due = Every(run.cfg.ckpt_every_s), Every(run.cfg.eval_every_s)
-    while (frac := run.progress()) < 1.0:
-        losses.append(run.step(frac))
-        if st["step"] % 20 == 0:
-            m, rate = (
-                np.mean(losses[-20:], axis=0),
-                (st["step"] - s_start) / (time.time() - t_start),
-            )
-            log(
-                f"step {st['step']} loss {m[0]:.3f} ce {m[1]:.3f} sel {m[2]:.3f} kd {m[3]:.3f} "
-                f"{rate * 60:.1f} steps/min, {(time.time() - run.t0) / 60:.1f} min"
-            )
-        if eval_due():
-            run.evaluate()
-        if ckpt_due():
+    st, t_start, s_start = run.st, time.time(), run.st["step"]
+    try:
+        final = _loop(run)
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: keep every step taken
+        with contextlib.suppress(KeyboardInterrupt):  # a second one waits for the save
             run.publish()
-    final = run.evaluate()
-    run.publish()
+        raise Stop(stop_code(e), f"saved step {st['step']} in {run.out / 'train_state'}") from None
     params = sum(v.size for _, v in tree_flatten(run.drafter.parameters()))
     first = next((h for h in st["history"] if h["step"] == 0), None)
     summary = {"step": st["step"], "final": final, "first": first, "wall_s": st["elapsed_s"]}
@@ -355,44 +306,88 @@ def train(
     return summary
 
 
+def _loop(run: Trainer) -> dict:
+    """Step until the budget is spent, logging, evaluating and checkpointing; then the final
+    evaluation and save. Returns the final evaluation."""
+    st, losses, t_start, s_start = run.st, [], time.time(), run.st["step"]
+    if st["step"] == 0:
+        run.evaluate()  # the starting point (a warm start's baseline)
+    ckpt_due, eval_due = Every(run.cfg.ckpt_every_s), Every(run.cfg.eval_every_s)
+    while (frac := run.progress()) < 1.0:
+        losses.append(run.step(frac))
+        if st["step"] % 20 == 0:
+            m, rate = (
+                np.mean(losses[-20:], axis=0),
+                (st["step"] - s_start) / (time.time() - t_start),
+            )
+            run.log(
+                f"step {st['step']} loss {m[0]:.3f} ce {m[1]:.3f} sel {m[2]:.3f} kd {m[3]:.3f} "
+                f"{rate * 60:.1f} steps/min, {(time.time() - run.t0) / 60:.1f} min"
+            )
+        if eval_due():
+            run.evaluate()
+        if ckpt_due():
+            run.publish()
+    final = run.evaluate()
+    run.publish()
+    return final
+
+
 def blocks_per_s(run: Trainer, s_start: int, t_start: float) -> float:
     """Training throughput of this invocation: blocks (anchors) per second."""
     steps = run.st["step"] - s_start
     return round(steps * run.cfg.seqs * run.cfg.n_blocks / max(time.time() - t_start, 1e-9), 2)
 
 
+@entry(hint="rerun with --resume to continue", smaller="--seqs or --blocks")
 def main(argv=None) -> None:
-    """Command-line entry point (see the module docstring)."""
-    from dflash_mlx.loading.loader import load_target
-    from dflash_mlx.train.common import add_target_option, default_target
+    """Command-line entry point (see the module docstring).
 
-    d = TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_target_option(p)
-    p.add_argument("--data", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--minutes", type=float, default=d.minutes)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--seqs", type=int, default=d.seqs)
-    p.add_argument("--blocks", type=int, default=d.n_blocks, help="anchors per answer")
-    p.add_argument("--layers", type=int, default=DEMO_SHAPE["num_hidden_layers"])
-    p.add_argument("--rank", type=int, default=DEMO_SHAPE["selector_rank"])
-    p.add_argument("--vocab-cap", type=int, default=d.vocab_cap)
-    p.add_argument("--eval-every", type=float, default=d.eval_every_s, help="seconds")
-    p.add_argument("--mask-token", default="<empty_output>", help="token used as the mask")
-    a = p.parse_args(argv)
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+    """
+    from dflash_mlx.loading.loader import load_target
+    from dflash_mlx.train.common import default_target
+
+    a = _parser().parse_args(argv)
+    distill = f"python -m dflash_mlx.train.distill --out {a.data}"
+    need_shards(a.data / "train", f"distil answers first: {distill} --split train")
+    need_shards(a.data / "heldout", f"distil held-out answers first: {distill} --split heldout")
+    check_resume(a.out, a.resume)
+    out_dir(a.out, "--out")
     target, tok = load_target(a.target or default_target())
     shape = {
         "num_hidden_layers": a.layers,
         "selector_rank": a.rank,
-        "mask_token_id": tok.convert_tokens_to_ids(a.mask_token),
+        "mask_token_id": mask_token_id(tok, a.mask_token, target.args.vocab_size),
         "rope_theta": target.args.rope_theta,
     }
     cfg = TrainConfig(a.minutes, a.steps, a.seqs, a.blocks, a.lr)
     cfg.vocab_cap, cfg.eval_every_s = a.vocab_cap, a.eval_every
     train(target, a.data, a.out, cfg, shape, a.resume)
+
+
+def _parser() -> Parser:
+    """The command line's options, each checked as it is parsed."""
+    d, top_k = TrainConfig(), DEMO_SHAPE["selector_top_k"]
+    p = Parser(prog="python -m dflash_mlx.train.drafter", description=__doc__.split("\n")[0])
+    add_target_option(p)
+    p.add_argument("--data", type=Path, required=True, help="a distill --out folder")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--minutes", type=number(0, YEAR_MINUTES), default=d.minutes, help="budget")
+    p.add_argument("--steps", type=whole(1), default=d.steps, help="step budget")
+    p.add_argument("--resume", action="store_true", help="continue the run saved in --out")
+    p.add_argument("--lr", type=number(0), default=d.lr)
+    p.add_argument("--seqs", type=whole(1), default=d.seqs, help="answers per batch")
+    p.add_argument("--blocks", type=whole(1), default=d.n_blocks, help="anchors per answer")
+    p.add_argument("--layers", type=whole(1), default=DEMO_SHAPE["num_hidden_layers"])
+    p.add_argument("--rank", type=whole(1), default=DEMO_SHAPE["selector_rank"])
+    p.add_argument("--vocab-cap", type=whole(top_k), default=d.vocab_cap, help="head tokens")
+    p.add_argument(
+        "--eval-every", type=number(0, open_low=False), default=d.eval_every_s, help="seconds"
+    )
+    p.add_argument("--mask-token", default="<empty_output>", help="token used as the mask")
+    return p
 
 
 if __name__ == "__main__":
