@@ -26,6 +26,20 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.train.checks import (
+    YEAR_MINUTES,
+    Parser,
+    Stop,
+    entry,
+    finished_shards,
+    need_shards,
+    number,
+    out_dir,
+    stop_code,
+    whole,
+)
+
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "train_data"
 LEDGER = DATA / "ledger.json"
@@ -36,6 +50,7 @@ HELDOUT_MAX_NEW = 192  # the fixed held-out set keeps round 0's budget, so tau s
 VOCAB_CAP = 8192  # draft vocabulary of a drafter that has none yet (docs/algorithm.md §2.6)
 DEMO = REPO / "dflash_mlx" / "demo" / "drafter"
 HELDOUT_PROMPTS = 96  # held-out answers per evaluation (train.drafter.TrainConfig.eval_seqs)
+WORK = REPO / ".work" / "rounds"
 
 
 def round_prompts(r: int, tokenizer=None) -> list:
@@ -107,15 +122,30 @@ def distill(work: Path, r: int, minutes: float, workers: int = 2) -> None:
         "--deadline",
         str(deadline),
     ]
-    t0 = time.time()
-    procs = [subprocess.Popen(["nice", "-n", "19"] + cmd, env=env) for _ in range(workers)]
-    for p in procs:
-        p.wait()
-    log_path = round_dir(work, r) / "distill.json"
-    runs = json.loads(log_path.read_text()) if log_path.exists() else []
-    runs.append({"wall_s": round(time.time() - t0, 1), "workers": workers})
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_path.write_text(json.dumps(runs))
+    t0, procs = time.time(), []
+    try:
+        for _ in range(workers):
+            procs.append(subprocess.Popen(["nice", "-n", "19"] + cmd, env=env))
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt as e:
+        kept = f"finished shards are kept in {round_dir(work, r)}"
+        raise Stop(stop_code(e), kept) from None
+    finally:  # interrupted: the workers release their shards and stop too
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            p.wait()
+        log_path = round_dir(work, r) / "distill.json"
+        runs = json.loads(log_path.read_text()) if log_path.exists() else []
+        runs.append({"wall_s": round(time.time() - t0, 1), "workers": workers})
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_text(json.dumps(runs))
+    if any(codes):
+        raise DFlashError(
+            f"distillation workers exited with {codes}; see their messages above, fix the "
+            "cause and rerun (finished shards are kept)"
+        )
 
 
 def distill_seconds(work: Path, r: int) -> tuple:
@@ -127,8 +157,29 @@ def distill_seconds(work: Path, r: int) -> tuple:
 
 def shard_dirs(split_dir: Path) -> list:
     """The finished shards of a split folder."""
-    split_dir = Path(split_dir)
-    return sorted(d for d in split_dir.glob("shard_*") if d.is_dir() and "." not in d.name)
+    return finished_shards(split_dir)
+
+
+def distil_first(work: Path, r: int) -> str:
+    """How to make round r's answers, for a message."""
+    fix = f"distil them first: python -m dflash_mlx.train.rounds distill --round {r}"
+    return fix + (f" --work {work}" if Path(work) != WORK else "")
+
+
+def need_data(work: Path, r: int) -> list:
+    """The train split folders of rounds 1..r that hold answers; refuses none at all, or
+    no held-out answers (``rounds distill`` makes both, and ``run`` too).
+
+    Args:
+        work: the working folder. r: the round.
+    """
+    roots = [round_dir(work, i) / "train" for i in range(1, r + 1)]
+    roots = [d for d in roots if shard_dirs(d)]
+    fix = distil_first(work, r)
+    if not roots:
+        raise DFlashError(f"{work}: no answers of rounds 1..{r} (rNN/train/shard_*); {fix}")
+    need_shards(Path(work) / "heldout" / "heldout", fix)
+    return roots
 
 
 def export(split_dir: Path, dest: Path) -> int:
@@ -158,8 +209,9 @@ def rebuild(src: Path, split_dir: Path, log=print) -> None:
     the working folder is gone, by a teacher-forced prefill (``distill.featurize``)."""
     from dflash_mlx.loading.loader import load_target
     from dflash_mlx.model.target import TargetAdapter
+    from dflash_mlx.train.claims import claim
     from dflash_mlx.train.common import default_layer_ids, default_target
-    from dflash_mlx.train.distill import claim, featurize, write_shard
+    from dflash_mlx.train.distill import featurize, write_shard
 
     if shard_dirs(split_dir) or not Path(src).exists():
         return
@@ -194,9 +246,8 @@ def train_round(work: Path, r: int, minutes: float, log=print) -> dict:
     from dflash_mlx.train.data import ShardSet
     from dflash_mlx.train.drafter import TrainConfig, train
 
+    roots = need_data(work, r)
     target, tok = load_target(default_target())
-    roots = [round_dir(work, i) / "train" for i in range(1, r + 1)]
-    roots = [d for d in roots if shard_dirs(d)]
     shipped = load_drafter(DEMO)
     vocab = shipped.draft_vocab
     if vocab is None:  # the first round with one: calibrated on this data's answers
@@ -264,25 +315,33 @@ def run_round(
     return row
 
 
+@entry(hint="rerun the same command to continue")
 def main(argv=None) -> None:
-    """Command-line entry point (see the module docstring)."""
-    import argparse
+    """Command-line entry point (see the module docstring).
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+    """
+    p = Parser(prog="python -m dflash_mlx.train.rounds", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=["run", "distill", "train", "export", "_worker"])
-    p.add_argument("--round", type=int, required=True)
-    p.add_argument("--minutes", type=float, default=120.0)
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--work", type=Path, default=REPO / ".work" / "rounds")
-    p.add_argument("--deadline", type=float, default=None)
-    p.add_argument("--distill-share", type=float, default=0.45, help="of --minutes (run)")
+    p.add_argument("--round", type=whole(1), required=True)
+    p.add_argument("--minutes", type=number(0, YEAR_MINUTES), default=120.0)
+    p.add_argument("--workers", type=whole(1), default=2)
+    p.add_argument("--work", type=Path, default=WORK)
+    p.add_argument("--deadline", type=number(0), default=None, help="(_worker) a time.time()")
+    p.add_argument(
+        "--distill-share", type=number(0, 1, open_low=False), default=0.45, help="of --minutes"
+    )
     a = p.parse_args(argv)
+    out_dir(a.work, "--work")
     if a.command == "_worker":
         distill_worker(a.work, a.round, a.deadline)
     elif a.command == "distill":
         distill(a.work, a.round, a.minutes, a.workers)
     elif a.command == "export":
-        print(export(round_dir(a.work, a.round) / "train", DATA / f"r{a.round:02d}.npz"))
+        split = round_dir(a.work, a.round) / "train"
+        need_shards(split, distil_first(a.work, a.round))
+        print(export(split, DATA / f"r{a.round:02d}.npz"))
         export(Path(a.work) / "heldout" / "heldout", DATA / "heldout.npz")
     elif a.command == "train":
         print(json.dumps(train_round(a.work, a.round, a.minutes)))
