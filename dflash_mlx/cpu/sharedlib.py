@@ -201,8 +201,12 @@ def sweep_mlx_cache(log: Callable[[str], None] | None = None) -> int:
     if record_path is not None and seen:
         cachedir.write_json(record_path, record)
     if removed:
-        what = "a damaged library" if removed == 1 else f"{removed} damaged libraries"
+        what, it = (
+            ("a damaged library", "it")
+            if removed == 1
+            else (f"{removed} damaged libraries", "them")
+        )
         cachedir.note(
-            f"removed {what} from MLX's compile cache {where} ({why}); MLX compiles it again", log
+            f"removed {what} from MLX's compile cache {where} ({why}); MLX compiles {it} again", log
         )
     return removed
