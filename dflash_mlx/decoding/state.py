@@ -56,6 +56,11 @@ class DFlashModel:
             return idx.astype(mx.uint32)
         return self.draft_head.to_target(idx)
 
+    @property
+    def draft_size(self) -> int:
+        """How many ids the drafter can propose: the draft vocabulary's, else the target's."""
+        return self.adapter.vocab_size if self.draft_head is None else self.draft_head.size
+
     def make_cache(self) -> PromptCache:
         """An empty cache for one conversation."""
         return PromptCache(self.adapter.make_cache(), self.drafter.make_cache())

@@ -197,7 +197,8 @@ def cycle(
     clock = _Clock(profile)
     block, anchor = choice.block, history[-1]
     a_arr = mx.array([anchor], dtype=mx.uint32)
-    n_sib = max(0, min(choice.siblings, block - 2))  # a path of at least one draft
+    # a path of at least one draft; a draft vocabulary of V' ids has V' - 1 siblings at most
+    n_sib = max(0, min(choice.siblings, block - 2, model.draft_size - 1))
     sibs = None
     if copied is not None:
         n_sib = 0

@@ -34,19 +34,23 @@ def siblings_for(rows: int) -> int:
 def siblings(logits0: mx.array, first: mx.array, s: int, to_target) -> mx.array:
     """The drafter's best ``s`` first tokens other than the path's (lazy, no host sync).
 
+    A draft vocabulary of V' ids has at most V' - 1 of them (``DFlashModel.draft_size``):
+    fewer are returned then.
+
     Args:
         logits0: the drafter's logits at the first draft position [V'].
         first: the path's first draft [] (target id). s: siblings wanted.
         to_target: maps indices into ``logits0`` to target ids.
 
     Returns:
-        [s] uint32 target ids, best first.
+        [min(s, V' - 1)] uint32 target ids, best first.
     """
-    _, cand = top_candidates(logits0[None, None], s + 1)
-    cand = to_target(cand[0, 0])  # [s + 1]
+    k = min(s + 1, logits0.shape[-1])
+    _, cand = top_candidates(logits0[None, None], k)
+    cand = to_target(cand[0, 0])  # [k]
     # the path's own token (if among them) sorts last; the rest keep their rank
-    order = mx.argsort((cand == first).astype(mx.int32) * (s + 1) + mx.arange(s + 1))
-    return cand[order[:s]].astype(mx.uint32)
+    order = mx.argsort((cand == first).astype(mx.int32) * k + mx.arange(k))
+    return cand[order[: min(s, k - 1)]].astype(mx.uint32)
 
 
 def positions(offset: int, chain: int, rows: int) -> list[int]:

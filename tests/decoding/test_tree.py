@@ -64,6 +64,48 @@ def test_siblings_are_the_best_first_tokens_other_than_the_path_s():
     assert tree.siblings(logits, mx.array(0), 2, ident).tolist() == [1, 3]
 
 
+def test_a_tiny_draft_vocabulary_has_fewer_siblings_than_asked():
+    def ident(i):
+        return i.astype(mx.uint32)
+
+    two = mx.array([1.0, 3.0])  # a draft vocabulary of 2 ids has 1 sibling at most
+    assert tree.siblings(two, mx.array(1), 3, ident).tolist() == [0]
+    assert tree.siblings(two, mx.array(0), 1, ident).tolist() == [1]
+    assert tree.siblings(mx.array([2.0]), mx.array(0), 3, ident).tolist() == []
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_trees_with_a_tiny_draft_vocabulary_decode_the_target_s_output(pairs, size):
+    """A 2-id draft vocabulary with trees on used to fail in ``tree.siblings`` (top 4 of 2);
+    now a cycle verifies at most V' - 1 siblings, says so, and greedy is still mlx-lm's."""
+    from dflash_mlx import generate
+    from dflash_mlx.model.draft_vocab import DraftHead
+
+    model, tok = pairs("qwen3", "d2")
+    ids = tok.encode(PROMPT)
+    ref = [t for t, _ in generate_step(mx.array(ids), model.target, max_tokens=40)]
+    model.draft_head = DraftHead(model.adapter, np.arange(5, 5 + size, dtype=np.int32))
+    try:
+        assert model.draft_size == size
+        for block in (4, 8):
+            out = list(
+                decode(
+                    model,
+                    ids,
+                    model.make_cache(),
+                    SamplingParams(),
+                    DecodeOptions(max_tokens=40, block_size=block, lookup=False),
+                )
+            )
+            assert [t for c in out for t in c.tokens][:40] == ref[:40]
+            assert max(c.siblings for c in out) == min(size - 1, tree.siblings_for(block))
+        kw = {"max_tokens": 24, "block_size": 8, "raw": True}
+        assert generate(model, tok, PROMPT, temperature=1.0, seed=1, **kw)  # sampled trees
+        assert generate(model, tok, PROMPT, **kw) == generate(model, tok, PROMPT, tree=False, **kw)
+    finally:
+        model.draft_head = None
+
+
 def test_tree_rows_equal_their_paths_run_alone(pairs):
     model, tok = pairs("qwen3", "d2")
     ad, ids = model.adapter, tok.encode(PROMPT)
