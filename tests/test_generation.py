@@ -223,3 +223,30 @@ def test_cycle_stats_are_computed_once_from_the_cycles():
     for c in _cycles():
         req.add(c)
     assert req.processed == 6 and req.cycles.cycles == 4 and req.timings == {"prefill": 0.5}
+
+
+def test_stats_say_no_cycle_ran_when_the_prefill_gave_the_only_token(pairs):
+    """``dflash run -m 1`` printed "tau 0.00 ... over 0 cycles" (and chat's /stats the same):
+    the one token came from the prefill, no cycle ran. Plain steps only: no draft verified."""
+    from dataclasses import replace
+
+    from dflash_mlx.cli.stats import answer_stats, stats_dict, stats_lines
+
+    def lines(r, block="auto"):
+        return "\n".join(stats_lines(stats_dict(r, "m", block, True))) + "\n"
+
+    model, tok = pairs("qwen3", "d2")
+    last = list(stream_generate(model, tok, "def parse_args(", max_tokens=1, raw=True))[-1]
+    assert last.cycles == 0 and last.generation_tokens == 1
+    for shown in (lines(last), lines(last, 4), answer_stats(last)):
+        assert "no drafting cycle ran; the prefill gave the only token" in shown
+        assert "0 cycles" not in shown and "tau 0.00" not in shown
+        assert "by block position" not in shown and "tok/s, tau" not in shown
+    assert "[/dim] 1 token\n" in lines(last)  # no rate for a token the prefill made
+    ended = replace(last, generation_tokens=0, tokens=[], finish_reason="stop")
+    assert "the prefill's token ended the answer" in answer_stats(ended)
+    plain = replace(last, cycles=3, tau=1.0, blocks={1: 3}, generation_tokens=4)
+    shown = lines(plain) + answer_stats(plain)
+    assert "1.00 tokens/cycle over 3 cycles" in shown and "tau 1.00 over 3 cycles" in shown
+    assert "acceptance[/dim] none: every cycle was a plain step" in shown
+    assert "acceptance none: no draft verified" in shown and "% by block position" not in shown

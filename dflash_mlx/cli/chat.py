@@ -21,7 +21,7 @@ from ..settings import GenerationConfig
 from . import common as c
 from . import streams
 from .options import MODEL, ModelOptions, decoding, expand
-from .stats import sparkline
+from .stats import answer_stats
 from .terminal import StopFlag, rerender_markdown
 
 HELP = """commands:
@@ -159,17 +159,10 @@ class ChatSession:
         r = self.last
         if r is None:
             return "no answers yet"
-        acc = " ".join(f"{round(100 * a)}" for a in r.acceptance)
         return (
-            f"last answer: prefilled {r.prompt_processed} of {r.prompt_tokens} prompt tokens "
-            f"({r.prompt_tokens - r.prompt_processed} from cache), {r.prompt_tps:.1f} tok/s\n"
-            f"             generated {r.generation_tokens} tokens, {r.generation_tps:.1f} tok/s, "
-            f"tau {r.tau:.2f} over {r.cycles} cycles ({r.copied} copied from the context, "
-            f"{r.siblings} took a sibling)\n"
-            f"             acceptance {sparkline(r.acceptance)}  {acc} % by block position\n"
-            f"session:     {self.turns} answers, {self.total_generated} tokens generated, "
-            f"{self.total_prefilled} prefilled, {len(self.cache.tokens)} tokens in cache, "
-            f"peak memory {r.peak_memory:.2f} GB"
+            answer_stats(r) + f"\nsession:     {self.turns} answers, {self.total_generated} "
+            f"tokens generated, {self.total_prefilled} prefilled, {len(self.cache.tokens)} "
+            f"tokens in cache, peak memory {r.peak_memory:.2f} GB"
         )
 
     def command(self, line: str) -> bool:

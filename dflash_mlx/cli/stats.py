@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 _BARS = "▁▂▃▄▅▆▇█"
+# what tau is when no cycle followed the prefill: (no token was generated, one was)
+NO_CYCLE = (
+    "none: no drafting cycle ran; the prefill's token ended the answer",
+    "none: no drafting cycle ran; the prefill gave the only token",
+)
 
 
 def sparkline(values: list[float]) -> str:
@@ -48,6 +53,25 @@ def stats_dict(r, name: str, block_size, selector: bool) -> dict:
     }
 
 
+def _drafting_lines(s: dict) -> list[str]:
+    """The tau and acceptance lines, true when no cycle ran (``-m 1``: the prefill's token
+    is the whole answer) or none verified a draft (plain steps only)."""
+    if not s["cycles"]:
+        return [f"[dim]tau       [/dim] {NO_CYCLE[bool(s['generation_tokens'])]}"]
+    tau = (
+        f"[dim]tau       [/dim] {s['tau']:.2f} tokens/cycle over {s['cycles']} "
+        f"cycle{'s' if s['cycles'] != 1 else ''} "
+        f"(block {s['block_size']}, selector {'on' if s['selector'] else 'off'}"
+        + (f", {s['copied_cycles']} copied from the context" if s["copied_cycles"] else "")
+        + (f", {s['sibling_cycles']} took a sibling)" if s.get("sibling_cycles") else ")")
+    )
+    if not any(int(b) > 1 for b in s["blocks"]) and s["blocks"]:
+        return [tau, "[dim]acceptance[/dim] none: every cycle was a plain step, no draft verified"]
+    acc = s["acceptance"]
+    pct = " ".join(f"{round(100 * a):d}" for a in acc)
+    return [tau, f"[dim]acceptance[/dim] {sparkline(acc)}  {pct} % by block position"]
+
+
 def stats_lines(s: dict, timings: dict | None = None, verbose: dict | None = None):
     """The human stats block (rich markup).
 
@@ -55,20 +79,16 @@ def stats_lines(s: dict, timings: dict | None = None, verbose: dict | None = Non
         s: ``stats_dict``. timings: the cycle's time split to show. verbose: extra lines'
             data: "schedule" (why decoding went plain) and "blas" (the BLAS in use).
     """
-    acc = s["acceptance"]
-    pct = " ".join(f"{round(100 * a):d}" for a in acc)
     cached = s["prompt_tokens"] - s["prompt_processed"]
+    n = s["generation_tokens"]
+    rate = f", {s['generation_tps']:.1f} tok/s" if s["cycles"] else ""
     lines = [
         f"[dim]prompt    [/dim] {s['prompt_tokens']} tokens, {s['prompt_tps']:.1f} tok/s"
         + (f" ({cached} from cache)" if cached else ""),
-        f"[dim]generated [/dim] {s['generation_tokens']} tokens, {s['generation_tps']:.1f} tok/s",
-        f"[dim]tau       [/dim] {s['tau']:.2f} tokens/cycle over {s['cycles']} cycles "
-        f"(block {s['block_size']}, selector {'on' if s['selector'] else 'off'}"
-        + (f", {s['copied_cycles']} copied from the context" if s["copied_cycles"] else "")
-        + (f", {s['sibling_cycles']} took a sibling)" if s.get("sibling_cycles") else ")"),
-        f"[dim]acceptance[/dim] {sparkline(acc)}  {pct} % by block position",
+        f"[dim]generated [/dim] {n} token{'' if n == 1 else 's'}{rate}",
+        *_drafting_lines(s),
     ]
-    if s["block_size"] == "auto":
+    if s["block_size"] == "auto" and s["blocks"]:
         blocks = {int(b): n for b, n in s["blocks"].items()}
         lines.append(
             f"[dim]blocks    [/dim] {blocks_text(blocks)} (plain {100 * s['plain_share']:.0f}%)"
@@ -83,6 +103,30 @@ def stats_lines(s: dict, timings: dict | None = None, verbose: dict | None = Non
         split = ", ".join(f"{k} {100 * v / total:.0f}%" for k, v in timings.items())
         lines.append(f"[dim]time split[/dim] {split}")
     return lines
+
+
+def answer_stats(r) -> str:
+    """``dflash chat``'s /stats lines about its last answer (a GenerationResponse)."""
+    cached = r.prompt_tokens - r.prompt_processed
+    head = (
+        f"last answer: prefilled {r.prompt_processed} of {r.prompt_tokens} prompt tokens "
+        f"({cached} from cache), {r.prompt_tps:.1f} tok/s\n"
+        f"             generated {r.generation_tokens} tokens"
+    )
+    if not r.cycles:
+        return f"{head}; tau {NO_CYCLE[bool(r.generation_tokens)]}"
+    acc = " ".join(f"{round(100 * a)}" for a in r.acceptance)
+    drafted = any(b > 1 for b in r.blocks)
+    return (
+        f"{head}, {r.generation_tps:.1f} tok/s, tau {r.tau:.2f} over {r.cycles} cycles "
+        f"({r.copied} copied from the context, {r.siblings} took a sibling)\n"
+        "             acceptance "
+        + (
+            f"{sparkline(r.acceptance)}  {acc} % by block position"
+            if drafted
+            else "none: no draft verified"
+        )
+    )
 
 
 def stderr_console():

@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
                 finish_reason="length" if i == len(PIECES) - 1 else None,
                 prompt_tokens=5, prompt_processed=5, prompt_tps=1.0,
                 generation_tokens=i + 1, generation_tps=1.0, tau=1.0, cycles=1,
-                peak_memory=0.0, acceptance=[], copied=0, siblings=0,
+                peak_memory=0.0, acceptance=[], blocks={}, copied=0, siblings=0,
             )
 
     generation.stream_generate = slow_stream
