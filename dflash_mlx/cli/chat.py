@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import typer
 
+from ..decoding.prompt import check_system_prompt
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
@@ -177,6 +178,13 @@ class ChatSession:
             self.reset()
             self.con.print("[dim]conversation cleared[/dim]")
         elif cmd == "/system":
+            try:
+                check_system_prompt(
+                    self.tok, arg.strip(), self.context, "that system prompt", "type it again"
+                )
+            except DFlashError as e:  # the system prompt and the conversation stay as they were
+                self._error(str(e))
+                return True
             self.system = arg.strip() or None
             self.reset()
             self.con.print(
@@ -202,7 +210,12 @@ class ChatSession:
             self._error(str(e))
             return
         self.history.append({"role": "user", "content": text})
-        fitted = self._fit()
+        try:
+            fitted = self._fit()
+        except DFlashError as e:  # a prompt the checks refuse drops the message, not the session
+            self.history.pop()
+            self._error(str(e))
+            return
         if fitted is None:
             return
         full, ids = fitted
@@ -260,10 +273,7 @@ class ChatSession:
             full, ids = self.prompt_ids()
         if len(ids) >= ctx:  # even alone it does not fit: keep the conversation as it was
             self.history = saved[:-1]
-            self._error(
-                f"this message makes a prompt of {len(ids)} tokens; this model's context is "
-                f"{ctx} tokens; shorten the message"
-            )
+            self._error(self._too_long(len(ids), ctx, saved[-1]))
             return None
         if dropped:
             turns = "turn" if dropped == 1 else "turns"
@@ -271,6 +281,23 @@ class ChatSession:
                 f"[dim]dropped the {dropped} oldest {turns} to fit the {ctx}-token context[/dim]"
             )
         return full, ids
+
+    def _too_long(self, n: int, ctx: int, message: dict) -> str:
+        """Why a message that is the whole conversation (n tokens) does not fit: the system
+        prompt's fault when the message alone would."""
+        from ..decoding.prompt import conversation_tokens
+
+        alone = conversation_tokens(self.tok, [message])
+        if self.system and alone is not None and alone < ctx:
+            return (
+                f"this message and the system prompt make a prompt of {n} tokens (the "
+                f"message alone: {alone}); this model's context is {ctx} tokens; shorten "
+                "the system prompt (/system) or the message"
+            )
+        return (
+            f"this message makes a prompt of {n} tokens; this model's context is {ctx} "
+            "tokens; shorten the message"
+        )
 
     def _stream(self, ids: list[int]):
         """Stream one answer: (last response or None, text pieces, ids, stopped)."""
@@ -361,4 +388,6 @@ def chat(
     session = ChatSession(
         m, tok, m.name, cfg, system=system, show_stats=not quiet, markdown=not no_markdown
     )
+    if system:
+        check_system_prompt(tok, system, session.context, "the --system text")
     session.loop()

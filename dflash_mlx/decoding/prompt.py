@@ -149,6 +149,36 @@ def check_prompt(tokenizer, prompt, system: str | None, context: int | None) -> 
     check_chars(tokenizer, sum(len(t) for _, t in texts), context)
 
 
+def check_system_prompt(tokenizer, text: str, context: int | None, what: str, fix: str = ""):
+    """Refuse a system prompt that is not valid UTF-8, or that alone (with an empty first
+    message) leaves no room in the context: every message after it would fail.
+
+    Args:
+        tokenizer: the model's tokenizer. text: the system prompt. context: the context
+            length or None. what: its name in messages. fix: how to correct bad text.
+
+    Raises:
+        DFlashError: one line naming the problem and the fix.
+    """
+    check_text(text, what, fix)
+    if context is None:
+        return
+    try:
+        check_chars(tokenizer, len(text), context)
+    except ContextLengthError:
+        raise DFlashError(
+            f"{what} is {len(text)} characters, far more than this model's {context}-token "
+            "context; shorten it"
+        ) from None
+    msgs = [{"role": "system", "content": text}, {"role": "user", "content": ""}]
+    n = conversation_tokens(tokenizer, msgs)
+    if n is not None and n >= context:
+        raise DFlashError(
+            f"{what} alone makes a prompt of {n} tokens; this model's context is {context} "
+            "tokens; shorten it"
+        )
+
+
 def check_fits(n_tokens: int, context: int | None) -> None:
     """Refuse a prompt that leaves no room in the context for a single generated token.
 
@@ -257,6 +287,29 @@ def chat_ids(tokenizer, messages: Sequence[dict[str, str]], tools=None) -> list[
         f"{PLAIN_ROLES.get(m['role'], m['role'].title())}: {m['content']}\n\n" for m in messages
     )
     return list(tokenizer.encode(text + "Assistant:"))
+
+
+def template_errors() -> tuple:
+    """What applying a chat template raises on messages it refuses (a template's own
+    ``raise_exception``, a tokenizer without a template)."""
+    try:
+        from jinja2 import TemplateError
+    except ImportError:  # no jinja2: transformers cannot render templates at all
+        return (ValueError,)
+    return (ValueError, TemplateError)
+
+
+def conversation_tokens(tokenizer, messages: Sequence[dict[str, str]]) -> int | None:
+    """The prompt length of a conversation ready for the answer (None: the template
+    refuses these messages).
+
+    Args:
+        tokenizer: the model's tokenizer. messages: {role, content} dicts.
+    """
+    try:
+        return len(chat_ids(tokenizer, messages))
+    except template_errors():
+        return None
 
 
 def with_default_stops(stop, tokenizer) -> list[str] | None:
