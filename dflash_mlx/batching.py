@@ -11,10 +11,11 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import inputs
 from .decoding.batch import BatchDecoder, Row
 from .decoding.schedule import EMA, PROBE_MAX, PROBE_START
 from .decoding.state import DFlashModel, PromptCache
@@ -97,11 +98,10 @@ class BatchGenerator:
 
     def __init__(self, model: DFlashModel, tokenizer, max_batch: int = 8, prefill_step_size=2048):
         self.model, self.tokenizer = model, tokenizer
-        self.max_batch = max(1, int(max_batch))
+        self.max_batch = inputs.check_count(max_batch, "max_batch")
+        step = inputs.check_count(prefill_step_size, "prefill_step_size")
         self.hybrid = model.adapter.is_hybrid
-        self.decoder = (
-            None if self.hybrid else BatchDecoder(model, model.block_size, prefill_step_size)
-        )
+        self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
         self.chooser = BlockChooser(model.block_size)
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
         self.requests: dict[int, _Request] = {}
@@ -130,23 +130,24 @@ class BatchGenerator:
                 batch, then left holding this prompt).
 
         Raises:
-            DFlashError: as ``stream_generate`` (bad settings, a prompt that does not fit).
+            DFlashError: as ``stream_generate`` (bad settings, a prompt of another type or
+                that does not fit), at once.
         """
+        prompt, system, _ = inputs.check_request(prompt, system, cache)
+        cfg = inputs.settings_config(config, settings).validate(self.model.block_size)
+        with self.model.lock:  # the tokenizer is shared with other threads
+            ids, cfg = fit_prompt(self.model, self.tokenizer, prompt, cfg, raw=raw, system=system)
         uid = next(self._uids)
-        cfg = replace(config or GenerationConfig(), **settings).validate(self.model.block_size)
-        if self.hybrid:
+        if self.hybrid:  # the prompt is encoded and checked: its ids, with its settings
             self.solo[uid] = stream_generate(
                 self.model,
                 self.tokenizer,
-                prompt,
+                ids,
                 config=cfg,
-                raw=raw,
-                system=system,
                 prompt_cache=cache,
                 logits_processors=list(processors),
             )
             return uid
-        ids, cfg = fit_prompt(self.model, self.tokenizer, prompt, cfg, raw=raw, system=system)
         block = None if cfg.block_size == AUTO else (cfg.block_size or self.model.block_size)
         seed = cfg.seed if cfg.seed is not None else (time.time_ns() + uid) % 2**31
         params = sampling_params(cfg, processors)
@@ -163,11 +164,12 @@ class BatchGenerator:
         """Abort a request (waiting, joining or decoding); its row leaves the batch."""
         self.waiting = [w for w in self.waiting if w[0].uid != uid]
         self.requests.pop(uid, None)
-        gen = self.solo.pop(uid, None)
-        if gen is not None:
-            gen.close()
-        if self.decoder is not None:
-            self.decoder.remove(uid)
+        with self.model.lock:
+            gen = self.solo.pop(uid, None)
+            if gen is not None:
+                gen.close()
+            if self.decoder is not None:
+                self.decoder.remove(uid)
 
     @property
     def occupancy(self) -> int:
@@ -183,9 +185,12 @@ class BatchGenerator:
     def step(self) -> list[tuple[int, GenerationResponse]]:
         """Admit waiting requests while there is room, run one prefill chunk of a joining
         request and one cycle of the batch; return (uid, response) for every piece produced.
-        A response with ``finish_reason`` set is its request's last."""
-        if self.hybrid:
-            return self._solo_step()
+        A response with ``finish_reason`` set is its request's last. Threads sharing the
+        model take turns: a step holds its lock."""
+        with self.model.turn():
+            return self._solo_step() if self.hybrid else self._step()
+
+    def _step(self) -> list[tuple[int, GenerationResponse]]:
         dec = self.decoder
         while self.waiting and self.occupancy < self.max_batch:
             row, cache, req = self.waiting.pop(0)
@@ -258,21 +263,24 @@ def batch_generate(
     each completion is what ``generate`` returns for its prompt alone (greedy: token for token).
 
     Args:
-        model, tokenizer: from ``load``. prompts: each as for ``stream_generate``.
-        config: settings for every prompt; configs: per prompt (None entries use config).
+        model, tokenizer: from ``load``. prompts: a list (or tuple), each prompt as for
+            ``stream_generate``. config: settings for every prompt; configs: one per prompt
+            (None entries use config), or one GenerationConfig for all.
         max_batch: rows decoding at once. raw, system: as for ``stream_generate``.
         verbose: print the aggregate speed at the end.
         settings: ``GenerationConfig`` fields that override config for every prompt.
 
     Raises:
-        DFlashError: a bad setting or prompt (nothing is generated then).
+        DFlashError: a bad setting or prompt, configs not one per prompt, a max_batch that
+            is not an int >= 1 (nothing is generated then).
     """
+    prompts = inputs.check_prompts(prompts)
+    configs = inputs.check_configs(configs, len(prompts), config)
     gen = BatchGenerator(model, tokenizer, max_batch)
-    configs = list(configs) if configs is not None else [None] * len(prompts)
     tic = time.perf_counter()
     uids = [
-        gen.insert(p, c or config, raw=raw, system=system, **settings)
-        for p, c in zip(prompts, configs)
+        gen.insert(p, c, raw=raw, system=system, **settings)
+        for p, c in zip(prompts, configs, strict=True)
     ]
     texts: dict[int, list[str]] = {u: [] for u in uids}
     last: dict[int, GenerationResponse] = {}

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
 
+from . import inputs
 from .decoding.acceptance import SamplingParams
 from .decoding.loop import DecodeOptions, decode
 from .decoding.prompt import (
@@ -22,6 +23,7 @@ from .decoding.prompt import (
     end_of_turn_ids,
     has_chat_template,
     room,
+    template_errors,  # noqa: F401  (the server and chat read it here)
     with_default_stops,
 )
 from .decoding.state import DFlashModel, PromptCache
@@ -150,16 +152,6 @@ def fit_prompt(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCon
     if chat or (isinstance(prompt, str) and kw.get("system") and not kw.get("raw")):
         cfg = replace(cfg, stop=with_default_stops(cfg.stop, tokenizer))
     return ids, replace(cfg, max_tokens=room(len(ids), cfg.max_tokens, ctx))
-
-
-def template_errors() -> tuple:
-    """What applying a chat template raises on messages it refuses (a template's own
-    ``raise_exception``, a tokenizer without a template)."""
-    try:
-        from jinja2 import TemplateError
-    except ImportError:  # no jinja2: transformers cannot render templates at all
-        return (ValueError,)
-    return (ValueError, TemplateError)
 
 
 def sampling_params(cfg: GenerationConfig, extra: Sequence = ()) -> SamplingParams:
@@ -319,23 +311,25 @@ def stream_generate(
         GenerationResponse per committed piece; the last has finish_reason set.
 
     Raises:
-        DFlashError: a bad setting, an empty prompt, text that is not valid UTF-8, token
-            ids outside the vocabulary, a prompt longer than the context
-            (``ContextLengthError``); ``max_tokens`` is clamped to the room the context leaves.
+        DFlashError: a bad setting or input type (``inputs.py``), an empty prompt, text
+            that is not valid UTF-8, ids outside the vocabulary, a prompt longer than the
+            context (``ContextLengthError``; ``max_tokens`` is clamped to the room left).
     """
-    cfg = replace(config or GenerationConfig(), **settings).validate(model.block_size)
-    ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
-    params = sampling_params(cfg, logits_processors or ())
-    sched = _scheduler(model, cfg, params) if cfg.block_size == AUTO else None
+    prompt, system, step = inputs.check_request(prompt, system, prompt_cache, prefill_step_size)
+    cfg = inputs.settings_config(config, settings).validate(model.block_size)
+    with model.lock:  # the tokenizer and the pair's tuning are shared with other threads
+        ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
+        params = sampling_params(cfg, logits_processors or ())
+        sched = _scheduler(model, cfg, params) if cfg.block_size == AUTO else None
     block_size = model.block_size if cfg.block_size in (None, AUTO) else cfg.block_size
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
     stats = RequestStats(len(ids), block_size)
     eos = eos_ids(tokenizer)
     cache = prompt_cache if prompt_cache is not None else model.make_cache()
-    opts = {"profile": profile, "prefill_step_size": prefill_step_size, "policy": sched}
+    opts = {"profile": profile, "prefill_step_size": step, "policy": sched}
     cycles = _decode(model, ids, cache, params, cfg, block_size, **opts)
     try:
-        for cyc in cycles:
+        while (cyc := model.step(cycles)) is not None:  # other threads' steps may interleave
             if sched is not None:
                 stats.notes = sched.notes
             r = respond(stats, text, cyc, eos, cfg.max_tokens)
@@ -343,7 +337,14 @@ def stream_generate(
             if r.finish_reason:
                 return
     finally:
-        cycles.close()  # the decode loop tidies the caches up before the prior is updated
+        _finish(model, cycles, sched)
+
+
+def _finish(model, cycles, sched) -> None:
+    """Close a request's decode loop, which tidies the caches up, then fold its ``auto``
+    scheduler into the pair's tuning; under the pair's lock, as each step."""
+    with model.lock:
+        cycles.close()
         if sched is not None:
             model.tuning.finish(sched)
 

@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
 from ..model.drafter import ContextCache, DFlashDrafter, embed_block
 from ..model.target import TargetAdapter
+
+_thread = threading.local()
+
+
+class _ClearStreams:
+    """Kept in the locals of a thread that decodes: when the thread ends, its MLX streams
+    and compile cache go with it, while Python still runs. Left to MLX they go after the
+    interpreter has finalised, which aborts the process (exit 134); MLX asks each thread
+    to call ``mx.clear_streams()`` at its end."""
+
+    def __del__(self):
+        clear = getattr(mx, "clear_streams", None)
+        if clear is not None:
+            clear()
 
 
 @dataclass
@@ -32,6 +47,9 @@ class DFlashModel:
     tuning: object | None = None
     # The LM head over the drafter's draft vocabulary (draft_vocab.DraftHead), or None.
     draft_head: object | None = None
+    # Held by each step of a decode (``step``): threads sharing the pair take turns, since
+    # the adapter's captured layers and the tuning are the pair's, not a request's.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def block_size(self) -> int:
@@ -64,6 +82,26 @@ class DFlashModel:
     def make_cache(self) -> PromptCache:
         """An empty cache for one conversation."""
         return PromptCache(self.adapter.make_cache(), self.drafter.make_cache())
+
+    @contextmanager
+    def turn(self):
+        """Hold the pair for one step of a decode (``lock``): two threads decoding on it
+        interleave step by step instead of corrupting each other. A thread other than the
+        main one also gets its MLX streams cleared when it ends (``_ClearStreams``)."""
+        main = threading.current_thread() is threading.main_thread()
+        if not main and getattr(_thread, "clear", None) is None:
+            _thread.clear = _ClearStreams()
+        with self.lock:
+            yield
+
+    def step(self, steps):
+        """The next item of a decode generator, or None at its end, in a ``turn``.
+
+        Args:
+            steps: a generator such as ``loop.decode``'s.
+        """
+        with self.turn():
+            return next(steps, None)
 
 
 class Interrupted(Exception):
