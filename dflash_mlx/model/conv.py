@@ -84,9 +84,28 @@ def two_tap_conv(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) ->
     Returns:
         [B, L, H] in x's dtype.
     """
-    if metal_kernel.use_metal():
-        return two_tap_conv_kernel(metal_kernel.cached(KERNEL), x, base, dyn, block_size)
+    kernel = metal_kernel.cached(KERNEL, self_check) if metal_kernel.use_metal() else None
+    if kernel is not None:
+        return two_tap_conv_kernel(kernel, x, base, dyn, block_size)
     return two_tap_conv_ops(x, base, dyn, block_size)
+
+
+def self_check(kernel) -> str | None:
+    """Run ``kernel`` and the twin on small random inputs (two blocks, three groups).
+
+    Args:
+        kernel: a built kernel object.
+
+    Returns:
+        why they differ, or None.
+    """
+    key = mx.random.key(7)  # the process's random state is left alone
+    k1, k2, k3 = mx.random.split(key, 3)
+    x = mx.random.normal((1, 8, 48), key=k1)  # [B, L, H]
+    base = mx.random.normal((2, 48), key=k2)  # [taps, H]
+    dyn = 0.5 * mx.random.normal((1, 8, 2, 3), key=k3)  # [B, L, taps, G]
+    got = two_tap_conv_kernel(kernel, x, base, dyn, 4)
+    return metal_kernel.compare([got], [two_tap_conv_ops(x, base, dyn, 4)], atol=1e-4)
 
 
 class TwoTapConv(nn.Module):

@@ -6,10 +6,16 @@ Each kernel lives in one module next to its pure-MLX twin and its dispatch (``co
 The bodies are the files in the repository's top-level ``metal/`` folder, which a wheel
 carries as ``dflash_mlx/metal/``. Setting ``DFLASH_MLX_REFERENCE_KERNELS=1`` forces the
 pure-MLX twins (for debugging).
+
+The first use of a kernel in a process checks it against its twin on small random inputs
+(``cached(spec, check)``): a failed build, a failed launch or a mismatch switches that kernel
+to its twin for the rest of the process, with one ``warning:`` line naming it. Lossless
+decoding never depends on a kernel being right.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +40,11 @@ class KernelSpec:
     outputs: tuple[str, ...]
 
 
-_cache: dict[str, object] = {}
+_cache: dict[str, object] = {}  # name -> kernel object, or None when its check failed
+_problems: dict[str, str] = {}  # name -> why its check failed
 _metal_available: bool | None = None
+factory: Callable | None = None  # builds kernels; None: mx.fast.metal_kernel (tests: a stand-in)
+REPORT_HINT = "Please report it with `dflash doctor` output"
 
 
 def source_dir() -> Path:
@@ -74,15 +83,68 @@ def build(spec: KernelSpec, factory: Callable | None = None):
     )
 
 
-def cached(spec: KernelSpec):
-    """The kernel object of ``spec``, built on first use with ``mx.fast.metal_kernel``.
+def cached(spec: KernelSpec, check: Callable | None = None):
+    """The kernel object of ``spec``, built (and checked) on first use; None when it failed.
 
     Args:
         spec: the kernel's names.
+        check: ``check(kernel) -> None | str``: runs the kernel and its twin on small inputs
+            and returns why they differ, or None. A build or launch error, or a returned
+            reason, stores None (the caller runs the twin) and prints one warning line.
     """
     if spec.name not in _cache:
-        _cache[spec.name] = build(spec)
+        _cache[spec.name] = _build_checked(spec, check)
     return _cache[spec.name]
+
+
+def _build_checked(spec: KernelSpec, check: Callable | None):
+    try:
+        kernel = build(spec, factory)
+        problem = check(kernel) if check is not None else None
+    except Exception as e:  # noqa: BLE001 - a compile or launch error of any kind
+        problem = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+    if problem is None:
+        return kernel
+    _problems[spec.name] = problem
+    print(
+        f"warning: the {spec.name} Metal kernel failed its check ({problem}); using the MLX "
+        f"twin. {REPORT_HINT}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return None
+
+
+def report() -> dict[str, str]:
+    """Each kernel used or checked so far: ``ok``, or ``failed: <why>`` (the twin runs)."""
+    return {
+        n: "ok" if k is not None else f"failed: {_problems.get(n, '?')}" for n, k in _cache.items()
+    }
+
+
+def reset() -> None:
+    """Forget built kernels and failed checks (the next use builds and checks again)."""
+    _cache.clear()
+    _problems.clear()
+
+
+def compare(got, want, atol: float) -> str | None:
+    """Why a kernel's outputs differ from its twin's, or None when they agree.
+
+    Args:
+        got, want: sequences of arrays (kernel, twin), compared in float32.
+        atol: largest absolute difference allowed (0: bit-equal).
+    """
+    import numpy as np
+
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+        if a.shape != b.shape:
+            return f"output {i} has shape {a.shape}, the twin's {b.shape}"
+        err = float(np.nanmax(np.abs(a - b))) if a.size else 0.0
+        if not np.isfinite(a).all() or not err <= atol:
+            return f"output {i} differs from the twin by {err:.3g} (allowed {atol:g})"
+    return None
 
 
 def use_metal() -> bool:

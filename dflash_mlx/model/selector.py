@@ -170,10 +170,36 @@ def select_path(U, cand, anchor, g, A, Bc, temperature=0.0, uniforms=None):
     Returns:
         (path [B, L] int32 candidate indices, q [B, L, K] float32 or None when greedy).
     """
-    if metal_kernel.use_metal():
-        kernel = metal_kernel.cached(KERNEL)
+    kernel = metal_kernel.cached(KERNEL, self_check) if metal_kernel.use_metal() else None
+    if kernel is not None:
         return select_path_kernel(kernel, U, cand, anchor, g, A, Bc, temperature, uniforms)
     return select_path_ops(U, cand, anchor, g, A, Bc, temperature, uniforms)
+
+
+def self_check(kernel) -> str | None:
+    """Run ``kernel`` and the twin greedily and sampled on small random inputs.
+
+    Args:
+        kernel: a built kernel object.
+
+    Returns:
+        why they differ (paths must be equal, q within 1e-5), or None.
+    """
+    ks = mx.random.split(mx.random.key(11), 6)  # the process's random state is left alone
+    B, L, K, R, V = 2, 5, 4, 8, 40
+    U = 2.0 * mx.random.normal((B, L, K), key=ks[0])
+    cand = mx.random.randint(0, V, (B, L, K), key=ks[1]).astype(mx.uint32)
+    anchor = mx.random.randint(0, V, (B,), key=ks[2]).astype(mx.uint32)
+    g = mx.random.normal((B, L, R), key=ks[3])
+    A, Bc = (0.3 * mx.random.normal((V, R), key=k) for k in ks[4:6])
+    inputs = (U, cand, anchor, g, A, Bc)
+    u = mx.random.uniform(shape=(B, L), key=ks[0])
+    path, _ = select_path_kernel(kernel, *inputs)
+    problem = metal_kernel.compare([path], [select_path_ops(*inputs)[0]], atol=0)
+    if problem is None:
+        got, want = select_path_kernel(kernel, *inputs, 0.7, u), select_path_ops(*inputs, 0.7, u)
+        problem = metal_kernel.compare(got, want, atol=1e-5)
+    return problem
 
 
 class PathSelector(nn.Module):
