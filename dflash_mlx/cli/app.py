@@ -1,4 +1,4 @@
-"""The ``dflash`` command line: run, chat, models, serve and bench.
+"""The ``dflash`` command line: run, chat, models, serve, bench and doctor.
 
 Only typer and light modules are imported at start-up: MLX, mlx-lm, huggingface_hub and the
 engine are imported inside the commands, so ``dflash --help`` stays instant. Every bad input
@@ -21,6 +21,7 @@ from .. import __version__
 from ..errors import DFlashError
 from .bench import bench
 from .chat import chat
+from .doctor import doctor
 from .models import models
 from .run import run
 from .serve import serve
@@ -113,7 +114,7 @@ def _main(
     """
 
 
-for _command in (run, chat, models, serve, bench):
+for _command in (run, chat, models, serve, bench, doctor):
     app.command()(_command)
 
 
