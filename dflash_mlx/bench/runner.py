@@ -3,7 +3,9 @@
 For each prompt, in one process: plain autoregressive decoding with mlx-lm, DFlash with the
 selector off (the DFlash 1 path) and on. Per block position it reports Recall@1 / Recall@16
 under teacher forcing on the target's own continuation, the conditional acceptance of both
-DFlash runs, and the oracle tau (docs/algorithm.md §5).
+DFlash runs, and the oracle tau (docs/algorithm.md §5). A greedy run also says, per prompt,
+whether each method's tokens equal plain decoding's and where they first differ
+(``parity.py``; docs/algorithm.md §4.2.1).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ..generation import encode_prompt
 from ..model.drafter import block_mask, embed_block
 from ..model.selector import top_candidates
 from ..settings import AUTO, check_block_size
+from .parity import parity_report
 
 METHODS = ("autoregressive", "dflash1", "dflash2", "dflash2+lookup", "auto")
 
@@ -124,6 +127,7 @@ class PromptResult:
     oracle_run: float = 0.0  # summed leading top-K hits
     top1_run: float = 0.0
     continuation: list[int] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)  # each method's tokens
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
@@ -141,14 +145,14 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
             t_first = time.perf_counter()
     res.tokens["autoregressive"] = len(out)
     res.seconds["autoregressive"] = time.perf_counter() - t_first
-    res.continuation = out
+    res.continuation = res.outputs["autoregressive"] = out
 
 
 def _dflash(
     model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False, tree=True
 ):
     key = mx.random.key(seed if seed is not None else 0)
-    stats, n, t_first = CycleStats(block), 0, None
+    stats, out, t_first = CycleStats(block), [], None
     sel = selector and model.drafter.has_selector
     sched = model.tuning.scheduler(temp == 0, sel, lookup=lookup) if name == "auto" else None
     for c in decode(
@@ -166,12 +170,13 @@ def _dflash(
             tree=tree,
         ),
     ):
-        n += len(c.tokens)
+        out += c.tokens
         if t_first is None:
             t_first = time.perf_counter()
             continue
         stats.add(c)
-    res.tokens[name] = min(n, max_tokens)
+    res.tokens[name] = min(len(out), max_tokens)
+    res.outputs[name] = out[:max_tokens]
     res.seconds[name] = time.perf_counter() - t_first
     res.stats[name] = stats
     if sched is not None:
@@ -271,6 +276,7 @@ def run_bench(
             progress(i + 1, len(prompts))
     rep = summarize(results, block, top_k, model, prompts, max_tokens, temperature)
     rep["config"].update(lookup=lookup, tree=tree)
+    rep["parity"] = parity_report([r.outputs for r in results], temperature, tokenizer.decode)
     return rep
 
 

@@ -156,6 +156,8 @@ def print_report(rep: dict, console) -> None:
     """Print the method table, the per-position table and the latency split."""
     from rich.table import Table
 
+    from ..bench.parity import summary_line
+
     c = rep["config"]
     t = Table(
         title=f"dflash bench — {c['prompts']} prompts, block {c['block_size']}, "
@@ -188,6 +190,9 @@ def print_report(rep: dict, console) -> None:
     )
     if "selector_gain" in rep:
         console.print(f"selector gain in tau: {100 * rep['selector_gain']:+.1f}%")
+    line = summary_line(rep.get("parity"))
+    if line:
+        console.print(line)
     split = rep.get("latency_split")
     if split:
         s = Table(title=f"cycle latency split (dflash2, {split['cycle_ms']:.1f} ms per cycle)")
