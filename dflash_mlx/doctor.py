@@ -19,6 +19,7 @@ from pathlib import Path
 
 PARITY_TOKENS = 16
 PARITY_PROMPT = [5, 17, 42, 8, 99, 3, 77, 12]
+TIE_GAP = 1e-4  # logits this close (relative to the largest) are a floating-point near-tie
 ORDER = ("device", "memory", "versions", "cpu backend", "metal kernels", "parity", "caches")
 
 
@@ -166,17 +167,32 @@ def metal_kernels() -> Check:
 
 
 def parity() -> Check:
-    """16 greedy tokens of DFlash against plain decoding on a tiny random pair."""
+    """16 greedy tokens of DFlash against plain decoding on a tiny random pair: equal on the
+    CPU backend with the few-row kernel; elsewhere they may part only at a near-tie."""
     from . import tiny_pair
 
     with tempfile.TemporaryDirectory(prefix="dflash-doctor-") as root:
         pair = tiny_pair.load_pair(*tiny_pair.write_pair(Path(root)))
         plain, ours = tiny_pair.greedy_parity(pair, PARITY_PROMPT, PARITY_TOKENS)
-    n = len(plain)
-    if ours == plain:
-        return Check("parity", f"DFlash's {n} greedy tokens equal plain decoding's")
-    at = next((i for i, (a, b) in enumerate(zip(plain, ours, strict=False)) if a != b), n)
-    return Check("parity", f"DFlash differs from plain decoding at token {at} of {n}", ok=False)
+        n = len(plain)
+        if ours == plain:
+            return Check("parity", f"DFlash's {n} greedy tokens equal plain decoding's")
+        at = next((i for i, (a, b) in enumerate(zip(plain, ours, strict=False)) if a != b), n)
+        differs = f"DFlash differs from plain decoding at token {at} of {n}"
+        if at >= min(len(plain), len(ours)) or _bit_exact_backend():
+            return Check("parity", differs, ok=False)
+        gap = tiny_pair.tie_gap(pair, PARITY_PROMPT, plain, ours, at)
+    if gap <= TIE_GAP:
+        return Check("parity", f"{differs}, at a floating-point near-tie ({gap:.1e}; allowed)")
+    return Check("parity", f"{differs}, and not at a near-tie ({gap:.1e})", ok=False)
+
+
+def _bit_exact_backend() -> bool:
+    """Whether greedy DFlash must be bit-identical to plain decoding here (algorithm.md
+    §4.2.1): the CPU backend with its few-row kernel."""
+    from . import cpu
+
+    return cpu.enabled() and bool(cpu.status()["small_gemm"].get("active"))
 
 
 def caches() -> Check:

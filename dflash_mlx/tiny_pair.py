@@ -116,3 +116,18 @@ def greedy_parity(pair, prompt: list[int], n: int = 16) -> tuple[list[int], list
     for c in decode(pair, prompt, pair.make_cache(), SamplingParams(), opts):
         out += c.tokens
     return plain, out[:n]
+
+
+def tie_gap(pair, prompt: list[int], plain: list[int], ours: list[int], at: int) -> float:
+    """How far apart the target's logits of the two tokens chosen at ``at`` are, relative to
+    the largest logit there: near 0 is a floating-point near-tie (docs/algorithm.md §4.2.1).
+
+    Args:
+        pair: a ``DFlashModel``. prompt: token ids. plain, ours: the two outputs, equal
+            before ``at`` and both longer than it.
+    """
+    import mlx.core as mx
+
+    logits = pair.target(mx.array(prompt + plain[:at])[None])[0, -1].astype(mx.float32)
+    gap = mx.abs(logits[plain[at]] - logits[ours[at]]) / mx.maximum(mx.abs(logits).max(), 1.0)
+    return float(gap)

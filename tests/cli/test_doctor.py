@@ -54,6 +54,33 @@ def test_a_parity_mismatch_exits_1_naming_the_token(monkeypatch):
     assert r.stdout.strip().endswith("failed: parity")
 
 
+@pytest.mark.parametrize("gap,code", [(1e-6, 0), (0.3, 1)])
+def test_off_the_exact_backend_a_near_tie_is_allowed(monkeypatch, gap, code):
+    """Metal's guarantee (docs/algorithm.md §4.2.1): outputs may part only at a near-tie."""
+    monkeypatch.setattr(
+        "dflash_mlx.tiny_pair.greedy_parity",
+        lambda pair, prompt, n: ([1] * n, [1, 2] + [1] * (n - 2)),
+    )
+    monkeypatch.setattr(doctor, "_bit_exact_backend", lambda: False)
+    monkeypatch.setattr("dflash_mlx.tiny_pair.tie_gap", lambda *a: gap)
+    r = invoke("doctor")
+    assert r.exit_code == code, r.output
+    line = next(x for x in r.stdout.splitlines() if x.startswith("parity"))
+    assert "at token 1 of 16" in line
+    assert ("near-tie" in line and "allowed" in line) if code == 0 else "not at a near-tie" in line
+
+
+def test_tie_gap_is_zero_for_the_same_token_and_positive_otherwise(tmp_path):
+    from dflash_mlx import tiny_pair
+
+    pair = tiny_pair.load_pair(*tiny_pair.write_pair(tmp_path))
+    prompt = doctor.PARITY_PROMPT
+    plain, _ = tiny_pair.greedy_parity(pair, prompt, 4)
+    assert tiny_pair.tie_gap(pair, prompt, plain, plain, 2) == 0
+    other = plain[:2] + [(plain[2] + 1) % tiny_pair.VOCAB]
+    assert tiny_pair.tie_gap(pair, prompt, plain, other, 2) > doctor.TIE_GAP
+
+
 def test_a_failing_metal_kernel_exits_1_naming_it(monkeypatch, capsys):
     def build_fails(**kw):
         raise RuntimeError("cannot compile")
