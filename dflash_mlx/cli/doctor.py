@@ -13,11 +13,8 @@ import typer
 def doctor(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead."),
 ):
-    """Check this install: device, memory, versions, kernels, a greedy parity check, caches.
-
-    Exits 0 when every check passes, 1 otherwise (the failing lines are marked). Paste its
-    output into bug reports. Example: dflash doctor --json
-    """
+    """Check this install (device, memory, versions, kernels, a greedy parity check, caches)
+    and exit 1 when a check fails; paste its output into bug reports."""
     from ..doctor import as_json, render, run_checks
 
     checks = run_checks()
