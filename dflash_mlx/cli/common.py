@@ -32,6 +32,9 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
     vocab = src.draft_vocab
     if vocab is not None and vocab < 0:
         raise DFlashError(f"--draft-vocab must be 0 (off) or a positive size (got {vocab})")
+    kv_bits = getattr(cfg, "kv_bits", None)
+    if verbose:
+        print_plan(src, kv_bits)
     m, tok = load(
         src.model,
         drafter=src.drafter,
@@ -39,12 +42,37 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
         offline=src.offline or None,
         quiet=quiet,
         draft_vocab=vocab,
+        max_memory=src.max_memory,
+        max_context=src.max_context,
+        kv_bits=kv_bits,
     )
     if verbose:
         print(f"target  {m.target_path}\ndrafter {m.drafter_path}", file=sys.stderr, flush=True)
     if cfg is not None:
         cfg.validate(m.block_size, flags=True)
     return m, tok
+
+
+def print_plan(src: ModelOptions, kv_bits: int | None) -> None:
+    """The memory plan (estimated) in one line on stderr, when the pair's files are here.
+
+    Args:
+        src: the command's model options. kv_bits: the KV cache's bits (None: unquantized).
+    """
+    from ..loading import memory
+    from ..loading.loader import resolve
+
+    res = resolve(src.model, src.drafter, src.quant)
+    tpath, dpath = memory.offline_path(res.target), memory.offline_path(res.drafters[0])
+    if tpath is None or dpath is None:
+        print("memory  not estimated: the pair is not downloaded yet", file=sys.stderr)
+        return
+    try:
+        plan = memory.make_plan(tpath, dpath, src.max_context, kv_bits)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
+        return  # a damaged file: loading it names the problem
+    budget, where = memory.device_budget(src.max_memory)
+    print(f"{plan.line()}; budget {budget / 1e9:.2f} GB ({where})", file=sys.stderr, flush=True)
 
 
 def fit_prompt(m, tok, text: str, cfg: GenerationConfig, raw: bool, system, quiet: bool):

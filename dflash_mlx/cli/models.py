@@ -7,6 +7,7 @@ import os
 
 import typer
 
+from ..errors import DFlashError
 from ..loading import hub, registry
 
 
@@ -24,6 +25,24 @@ def _cached(e: registry.Entry):
     return {q: s for q, s in sizes.items() if s is not None}, [
         hub.cached_size(d) for d in e.drafters
     ]
+
+
+def _memory(e: registry.Entry) -> dict[str, tuple[int, int]]:
+    """(estimated peak bytes, at a context) per quantisation whose target and a drafter are
+    on this machine; nothing is downloaded or loaded."""
+    from ..loading import memory
+
+    drafter = next(filter(None, (memory.offline_path(d) for d in e.drafters)), None)
+    out = {}
+    for q, target in e.targets.items() if drafter is not None else ():
+        path = memory.offline_path(target)
+        try:
+            plan = memory.make_plan(path, drafter) if path is not None else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
+            plan = None  # a damaged file: loading it names the problem
+        if plan is not None:
+            out[q] = (plan.peak, plan.context)
+    return out
 
 
 def _short(path: str) -> str:
@@ -47,9 +66,10 @@ def _print_json(rows) -> None:
                     "kind": e.kind,
                     "cached_targets": tc,
                     "cached_drafters": dict(zip(e.drafters, ds, strict=True)),
+                    "memory": {q: {"bytes": b, "context": c} for q, (b, c) in mem.items()},
                     "note": e.note,
                 }
-                for e, tc, ds in rows
+                for e, tc, ds, mem in rows
             ],
             indent=2,
         )
@@ -65,7 +85,8 @@ def _print_table(rows) -> None:
     table.add_column("target · --quant", no_wrap=True)
     table.add_column("drafters, tried in order", no_wrap=True)
     table.add_column("in cache")
-    for e, tc, ds in rows:
+    table.add_column("memory (estimated)")
+    for e, tc, ds, mem in rows:
         alias = f"{e.alias}\n[dim]{e.kind} · block {e.block_size}[/dim]"
         target = _short(e.target())
         if not e.local:
@@ -77,7 +98,8 @@ def _print_table(rows) -> None:
             cached = "[green]" + "\n".join(parts) + "[/green]"
         else:
             cached = "[dim]no[/dim]"
-        table.add_row(alias, target, drafters, cached)
+        need = "\n".join(f"{q} ~{b / 1e9:.1f} GB at {c} tok" for q, (b, c) in mem.items())
+        table.add_row(alias, target, drafters, cached, need or "[dim]?[/dim]")
     con = Console(highlight=False)
     con.print(table)
     con.print(
@@ -89,8 +111,9 @@ def _print_table(rows) -> None:
 def models(
     as_json: bool = typer.Option(False, "--json", help="Print the registry as JSON."),
 ):
-    """List the model registry and what is already in the local Hub cache."""
-    rows = [(e, *_cached(e)) for e in registry.entries()]
+    """List the model registry, what is already in the local Hub cache and, for what is,
+    the memory each pair needs (estimated: weights, drafter, KV cache at the stated context)."""
+    rows = [(e, *_cached(e), _memory(e)) for e in registry.entries()]
     if as_json:
         _print_json(rows)
     else:

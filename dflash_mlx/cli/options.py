@@ -28,7 +28,8 @@ class ModelOptions:
     Attributes:
         model: ``--model``. drafter: ``--drafter`` (None: the registry's).
         draft_vocab: ``--draft-vocab`` (None: the drafter's own). quant: ``--quant``.
-        offline: ``--offline``.
+        offline: ``--offline``. max_memory: ``--max-memory`` in GB (None: the device's).
+        max_context: ``--max-context`` in tokens (None: the model's, at most 32768).
     """
 
     model: str
@@ -36,6 +37,16 @@ class ModelOptions:
     draft_vocab: int | None = None
     quant: str | None = None
     offline: bool = False
+    max_memory: float | None = None
+    max_context: int | None = None
+
+
+def _model_options(values: dict) -> ModelOptions:
+    """The ``ModelOptions`` of the typed values, their limits checked (flags named)."""
+    from ..loading.memory import check_limits
+
+    check_limits(values.get("max_memory"), values.get("max_context"), flags=True)
+    return ModelOptions(**values)
 
 
 class Group:
@@ -142,8 +153,28 @@ MODEL = Group(
             ),
         ),
         ("offline", bool, typer.Option(False, "--offline", help=OFFLINE_HELP)),
+        (
+            "max_memory",
+            float | None,
+            typer.Option(
+                None,
+                "--max-memory",
+                help="Memory budget in GB (default: what the device reports). A pair whose "
+                "estimated peak is beyond it is refused before anything loads.",
+            ),
+        ),
+        (
+            "max_context",
+            int | None,
+            typer.Option(
+                None,
+                "--max-context",
+                help="Context in tokens the caches are sized for, prompt and answer "
+                "(default: the model's, at most 32768).",
+            ),
+        ),
     ],
-    lambda values: ModelOptions(**values),
+    _model_options,
 )
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config
-from . import diskcache, hub, registry
+from . import diskcache, hub, memory, registry
 
 if TYPE_CHECKING:
     from ..decoding.state import DFlashModel
@@ -295,12 +295,20 @@ def load_target(model: str, offline: bool | None = None, quiet: bool = False):
     return _load_target(path, name, None, _notices(quiet, None))
 
 
-def _target_dtype(model):
-    """The dtype the target computes in (its embedding output)."""
+def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str) -> DFlashModel:
+    """The pair of a loaded target and its drafter (in the target's dtype), checked to fit."""
     import mlx.core as mx
 
-    emb = getattr(model, "language_model", model).model.embed_tokens
-    return emb(mx.array([[0]])).dtype
+    from ..decoding.state import DFlashModel
+    from ..model.checkpoint import load_drafter
+    from ..model.target import TargetAdapter
+
+    emb = getattr(target, "language_model", target).model.embed_tokens
+    draft = load_drafter(dpath, dtype=emb(mx.array([[0]])).dtype)
+    adapter = TargetAdapter(target, [])
+    check_compatible(adapter, draft, f"drafter {dname}")
+    adapter.tap(draft.args.target_layer_ids)
+    return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name)
 
 
 def load(
@@ -314,6 +322,9 @@ def load(
     tokenizer_config: dict | None = None,
     warmup: bool = True,
     draft_vocab: int | None = None,
+    max_memory: float | None = None,
+    max_context: int | None = None,
+    kv_bits: int | None = None,
 ) -> tuple[DFlashModel, object]:
     """Load a target model and its DFlash drafter, and time a few decode steps for the
     ``block_size="auto"`` scheduler.
@@ -326,14 +337,14 @@ def load(
         quant: quantisation of an alias's target (e.g. 4bit, 8bit, bf16, mxfp8).
         offline: never touch the network (default: the environment, see ``hub.offline_mode``).
         quiet: no download notices or progress bars. log: callable(str) for notices
-            (default: print to stderr).
-        tokenizer_config: extra options for mlx-lm's tokenizer loader.
+            (default: print to stderr). tokenizer_config: for mlx-lm's tokenizer loader.
         warmup: set the step costs now, measured or as stored for this pair on this
             machine (``diskcache``; else measured at the first ``block_size="auto"`` request).
         draft_vocab: the drafter's vocabulary (docs/algorithm.md §2.4): None uses the
             checkpoint's own ``draft_vocab`` tensor if it has one (else the full
             vocabulary); 0 the full vocabulary; N the N most frequent ids by the tokenizer's
             merge ranks (plus its special tokens).
+        max_memory, max_context, kv_bits: the limits of the memory plan (``memory.Fit``).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -342,23 +353,16 @@ def load(
     Raises:
         DFlashError: one line naming the problem and the fix.
     """
-    from ..decoding import warmup as warm
-    from ..decoding.state import DFlashModel
-    from ..model.checkpoint import load_drafter
-    from ..model.target import TargetAdapter
+    res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
+    fit, notes = memory.Fit(res, quant, max_memory, max_context, kv_bits), _notices(quiet, log)
+    from ..decoding import warmup as warm  # MLX and mlx-lm: after the plan, which is quick
 
-    res = resolve(model, drafter, quant)
-    offline = hub.offline_mode(offline)
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
-    target, tokenizer = _load_target(
-        tpath, res.display_name, tokenizer_config, _notices(quiet, log)
-    )
-    draft = load_drafter(dpath, dtype=_target_dtype(target))
-    adapter = TargetAdapter(target, [])
-    check_compatible(adapter, draft, f"drafter {dname}")
-    adapter.tap(draft.args.target_layer_ids)
-    pair = DFlashModel(target, draft, adapter, str(tpath), str(dpath), res.display_name)
+    fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
+    target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
+    pair = _assemble(target, tpath, dname, dpath, res.display_name)
+    fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup and warm.tune(pair, diskcache.read_costs(pair)):  # measured: kept for next time
         diskcache.write_costs(pair, pair.tuning.tables())

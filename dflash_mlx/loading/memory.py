@@ -7,8 +7,16 @@ read). Only the standard library at import; MLX is imported inside the functions
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import platform
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import DFlashError
+from .footprint import config_int, drafter_size, kv_cache_bytes, target_size, transient_bytes
 
 GB = 1e9
 
@@ -41,14 +49,6 @@ def _meminfo_available(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
-def _physical_memory() -> int | None:
-    """Total physical memory by sysconf, or None."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def device_budget(max_memory_gb: float | None = None) -> tuple[int, str]:
     """The bytes a pair may use on this machine, and where that number came from.
 
@@ -67,7 +67,320 @@ def device_budget(max_memory_gb: float | None = None) -> tuple[int, str]:
     size = _meminfo_available()
     if size:
         return size, "MemAvailable in /proc/meminfo"
-    size = _physical_memory()
-    if size:
-        return size, "physical memory (sysconf)"
     return 0, "unknown"
+
+
+# ----------------------------------------------------------------------------- the headers
+
+DEFAULT_CONTEXT_CAP = 32768  # the context the plan assumes when none is given
+WARN_SHARE = 0.85  # a plan above this share of the budget gets one warning line
+
+
+def _cpu_backend() -> bool:
+    """Whether MLX runs on its CPU backend (it dequantizes GGUF targets to float32)."""
+    import mlx.core as mx
+
+    return mx.default_device() == mx.cpu or not mx.metal.is_available()
+
+
+@dataclass
+class Plan:
+    """What a pair will hold at its peak (bytes, estimated from headers and configs).
+
+    Attributes:
+        target, drafter: the weights (the drafter's with its draft-vocabulary head and, on
+            the CPU, its exact 16-bit copies). kv: the target's KV cache (and recurrent
+            states) at ``context``. draft_kv: the drafter's context cache.
+            transient: the largest temporary of a decode. load_extra: what loading holds
+            besides (a GGUF's float16 copy while the CPU casts it to float32).
+        context: tokens the caches are sized for; context_note: where that came from.
+        kv_bits: the KV cache's bits (None: the compute dtype).
+    """
+
+    target: int
+    drafter: int
+    kv: int
+    draft_kv: int
+    transient: int
+    load_extra: int
+    context: int
+    context_note: str
+    kv_bits: int | None = None
+    fixed: dict = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        """Bytes at the peak: loading the target, or decoding at the full context."""
+        return self.peak_with()
+
+    def peak_with(self, target=None, kv=None, draft_kv=None) -> int:
+        """The peak with other target weights or cache sizes (bytes; None: the plan's)."""
+        target = self.target if target is None else target
+        kv = self.kv if kv is None else kv
+        draft_kv = self.draft_kv if draft_kv is None else draft_kv
+        extra = self.load_extra * target / max(self.target, 1)
+        return int(max(target + extra, target + self.drafter + kv + draft_kv + self.transient))
+
+    def line(self) -> str:
+        """The plan in one line (``-v``)."""
+        kv = f"kv {_gb(self.kv)}" + (f" ({self.kv_bits}-bit)" if self.kv_bits else "")
+        return (
+            f"memory  ~{_gb(self.peak)} GB estimated: target {_gb(self.target)} + drafter "
+            f"{_gb(self.drafter)} + {kv} + drafter cache {_gb(self.draft_kv)} at "
+            f"{self.context} tokens ({self.context_note}) + transient {_gb(self.transient)} GB"
+        )
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.2f}" if n < 10 * GB else f"{n / GB:.1f}"
+
+
+def choose_context(cfg: dict, max_context: int | None) -> tuple[int, str]:
+    """(tokens the caches are sized for, why): ``max_context`` within the model's context,
+    else the model's ``max_position_embeddings`` capped at ``DEFAULT_CONTEXT_CAP``."""
+    model = config_int(cfg, "max_position_embeddings")
+    if max_context is not None:
+        if model and max_context > model:
+            return model, f"the model's context; --max-context {max_context} is beyond it"
+        return max_context, "--max-context"
+    if not model:
+        return DEFAULT_CONTEXT_CAP, "the model states none; --max-context sets it"
+    if model > DEFAULT_CONTEXT_CAP:
+        return DEFAULT_CONTEXT_CAP, f"of the model's {model}; --max-context sets it"
+    return model, "the model's context"
+
+
+def make_plan(
+    target: Path,
+    drafter: Path,
+    max_context: int | None = None,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+) -> Plan:
+    """The memory plan of a pair on disk, from its headers and configs (no weight read).
+
+    Args:
+        target: the target's directory or ``.gguf`` file. drafter: the drafter's directory.
+        max_context: tokens to size the caches for (None: see ``choose_context``).
+        kv_bits, kv_group_size: a quantized KV cache (None: the compute dtype; group 64).
+    """
+    cpu = _cpu_backend()
+    size, cfg, dt, extra = target_size(Path(target), cpu)
+    context, note = choose_context(cfg, max_context)
+    dsize, dkv = drafter_size(Path(drafter), context, dt, cpu)
+    group = kv_group_size or 64
+    return Plan(
+        size,
+        dsize,
+        kv_cache_bytes(cfg, context, dt, kv_bits, group),
+        dkv,
+        transient_bytes(cfg, context, dt, cpu),
+        extra,
+        context,
+        note,
+        kv_bits,
+        {
+            "per_token": kv_cache_bytes(cfg, 1, dt, kv_bits, group) + dkv / max(context, 1),
+            "kv8": kv_cache_bytes(cfg, context, dt, kv_bits or 8, group),
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- the check
+
+_QUANT_BITS = {"4bit": 4.5, "mxfp8": 8.25, "8bit": 8.5, "bf16": 16.0}
+
+
+def _fixes(plan: Plan, budget: int, quants: list[str], quant: str | None) -> list[str]:
+    """The options that would each bring the plan within the budget, as typed."""
+    from ..settings import GenerationConfig
+
+    fixes = []
+    now = _QUANT_BITS.get(quant or (quants[0] if quants else ""), 0)
+    for q in sorted(quants, key=lambda q: -_QUANT_BITS.get(q, 99)):
+        bits = _QUANT_BITS.get(q, 99)
+        if now and bits < now and plan.peak_with(target=plan.target * bits / now) <= budget:
+            fixes.append(f"--quant {q}")
+            break
+    kv8 = plan.fixed.get("kv8", plan.kv)
+    has_kv_bits = "kv_bits" in GenerationConfig.__dataclass_fields__
+    if has_kv_bits and not plan.kv_bits and plan.peak_with(kv=kv8) <= budget:
+        fixes.append("--kv-bits 8")
+    per = plan.fixed.get("per_token", 0)
+    if per and plan.peak_with(kv=0, draft_kv=0) < budget:
+        tokens = int((budget - plan.peak_with(kv=0, draft_kv=0)) / per) // 1024 * 1024
+        if tokens >= 1024:
+            fixes.append(f"--max-context {min(tokens, plan.context)}")
+    return fixes
+
+
+def check(plan: Plan, budget: int, where: str, quants=(), quant=None) -> str | None:
+    """Refuse a plan beyond the budget; a warning line when it is close to it.
+
+    Args:
+        plan: the pair's plan. budget, where: ``device_budget``'s answer.
+        quants: an alias's quantisations (for a smaller one to suggest). quant: the one asked.
+
+    Returns:
+        a ``warning:`` line when the plan takes more than 85% of the budget, else None.
+
+    Raises:
+        DFlashError: the plan exceeds the budget, naming the numbers and what would fit.
+    """
+    if budget <= 0:
+        return None
+    need = f"~{_gb(plan.peak)} GB (estimated, at {plan.context} tokens of context)"
+    have = f"{_gb(budget)} GB ({where})"
+    if plan.peak > budget:
+        fixes = _fixes(plan, budget, list(quants), quant)
+        fix = "try " + " or ".join(fixes) if fixes else "use a smaller model or more memory"
+        raise DFlashError(f"this pair needs {need}, more than the {have} available; {fix}")
+    if plan.peak > WARN_SHARE * budget:
+        return (
+            f"warning: this pair needs {need}, {plan.peak / budget:.0%} of the {have} "
+            "available; expect swapping"
+        )
+    return None
+
+
+def offline_path(name: str) -> Path | None:
+    """A local path for a directory, a ``.gguf`` file or a cached Hub repo; never touches
+    the network; None when it would have to be downloaded."""
+    from . import hub
+
+    p = Path(os.path.expanduser(str(name)))
+    if p.exists():
+        return p
+    return hub.cached(str(name)) if hub.is_hub_id(str(name)) else None
+
+
+class Fit:
+    """``load``'s memory plan: made and checked as soon as the pair's files are on this
+    machine (before any download when they already are; else before any load).
+
+    Args:
+        res: ``loader.resolve``'s answer. quant: ``--quant``. max_memory: GB (None: the
+            device's budget). max_context: tokens (None: see ``choose_context``).
+        kv_bits: the KV cache's bits the estimate counts (None: the compute dtype).
+
+    Raises:
+        DFlashError: a bad limit, or a pair that does not fit.
+    """
+
+    def __init__(self, res, quant, max_memory=None, max_context=None, kv_bits=None):
+        check_limits(max_memory, max_context)
+        entry = res.entry
+        self.quants = (list(entry.targets), quant) if entry and not entry.local else ((), None)
+        self.limits = (max_memory, max_context, kv_bits)
+        self.plan, self.warning = None, None
+        self.check(res.target, res.drafters[0])
+
+    def check(self, target, drafter, notes=None) -> None:
+        """Make and check the plan unless done; say a warning through ``notes`` once.
+
+        Args:
+            target, drafter: paths or Hub ids (a Hub id not in the cache: not yet).
+            notes: callable(str) for the warning line, or None.
+        """
+        if self.plan is None:
+            tpath, dpath = offline_path(target), offline_path(drafter)
+            if tpath is None or dpath is None:
+                return
+            max_memory, max_context, kv_bits = self.limits
+            try:
+                self.plan = make_plan(tpath, dpath, max_context, kv_bits)
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
+                return  # a damaged file: loading it names the problem
+            budget, where = device_budget(max_memory)
+            self.warning = check(self.plan, budget, where, *self.quants)
+        if self.warning and notes is not None:
+            notes(self.warning)
+            self.warning = None
+
+    def cap(self, pair) -> None:
+        """Make ``max_context`` the loaded pair's context (prompts and answers fit in it)."""
+        from ..decoding.prompt import context_length
+
+        limit = self.limits[1]
+        if limit is None or (context_length(pair) or limit + 1) <= limit:
+            return
+        try:
+            pair.target.args.max_position_embeddings = limit
+        except AttributeError:  # a model without args: its context stays the model's
+            pass
+
+
+def check_limits(max_memory, max_context, flags: bool = False) -> None:
+    """The one check of ``max_memory`` (GB, > 0, finite) and ``max_context`` (tokens, >= 1).
+
+    Args:
+        max_memory, max_context: the values, or None. flags: name them as command-line flags.
+
+    Raises:
+        DFlashError: one line naming the setting, the value and the fix.
+    """
+    import math
+    from numbers import Integral, Real
+
+    mem, ctx = ("--max-memory", "--max-context") if flags else ("max_memory", "max_context")
+    sep = " " if flags else "="
+    if max_memory is not None and (
+        isinstance(max_memory, bool)
+        or not isinstance(max_memory, Real)
+        or not math.isfinite(max_memory)
+        or max_memory <= 0
+    ):
+        raise DFlashError(
+            f"{mem} must be a positive number of GB (got {max_memory!r}); e.g. {mem}{sep}16, "
+            "or leave it out to use what the device reports"
+        )
+    if max_context is not None and (
+        isinstance(max_context, bool) or not isinstance(max_context, Integral) or max_context < 1
+    ):
+        raise DFlashError(
+            f"{ctx} must be a positive number of tokens (got {max_context!r}); e.g. {ctx}{sep}8192"
+        )
+
+
+_WIRED = {"depth": 0, "context": None}  # one wired limit while any decode runs
+_WIRED_LOCK = threading.Lock()
+
+
+def _wire(model, on: bool) -> None:
+    """Enter mlx-lm's ``wired_limit`` for the first decode running, leave it after the last
+    (requests on threads overlap; nesting would restore the limits out of order)."""
+    with _WIRED_LOCK:
+        _WIRED["depth"] += 1 if on else -1
+        if on and _WIRED["depth"] == 1:
+            from mlx_lm.generate import wired_limit
+
+            context = wired_limit(model)
+            with contextlib.redirect_stdout(io.StringIO()):  # its warning: ours is on stderr
+                context.__enter__()
+            _WIRED["context"] = context
+        elif not on and _WIRED["depth"] == 0 and _WIRED["context"] is not None:
+            context, _WIRED["context"] = _WIRED["context"], None
+            context.__exit__(None, None, None)
+
+
+def decoding(model, steps):
+    """A decode generator run under MLX's wired limit (mlx-lm's ``wired_limit``: the
+    recommended working set kept resident on Metal; nothing elsewhere), with MLX's buffer
+    cache released once the prefill is done. The items are the generator's, unchanged.
+
+    Args:
+        model: the loaded pair (``DFlashModel``). steps: ``loop.decode``'s generator.
+    """
+    import mlx.core as mx
+
+    _wire(model.target, True)
+    try:
+        first = next(steps, None)
+        if first is None:
+            return
+        mx.clear_cache()  # the prefill's temporaries: given back before the cycles
+        yield first
+        yield from steps
+    finally:
+        steps.close()
+        _wire(model.target, False)

@@ -1,0 +1,144 @@
+"""The memory plan (loading/memory.py, loading/footprint.py): the device budget, the sizes
+read from headers against what MLX holds once loaded, the check and its fixes."""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from dflash_mlx.errors import DFlashError
+from dflash_mlx.loading import footprint, memory
+
+DENSE = {
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_size": 512,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+}
+
+
+def _nbytes(module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+def test_device_budget_override_and_meminfo(tmp_path):
+    assert memory.device_budget(2.5) == (2_500_000_000, "--max-memory 2.5 GB")
+    size, where = memory.device_budget()
+    assert size > 0 and where
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal: 100 kB\nMemAvailable:    2048 kB\n")
+    assert memory._meminfo_available(str(info)) == 2048 * 1024
+    assert memory._meminfo_available(str(tmp_path / "none")) is None
+
+
+def test_kv_cache_dense_quantized_and_hybrid():
+    bf16 = footprint.kv_cache_bytes(DENSE, 1000, 2)
+    assert bf16 == 4 * 2 * 2 * 64 * 1000 * 2
+    q8 = footprint.kv_cache_bytes(DENSE, 1000, 2, kv_bits=8, group=64)
+    assert q8 == int(bf16 / 2 * (1 + 4 / 64))  # 8 bits, plus a bf16 scale and bias per 64
+    hybrid = dict(DENSE, num_hidden_layers=8, full_attention_interval=4)
+    hybrid |= {"linear_num_value_heads": 4, "linear_num_key_heads": 2}
+    hybrid |= {"linear_key_head_dim": 16, "linear_value_head_dim": 16}
+    kv_only = 2 * 2 * 2 * 64 * 1000 * 2  # 2 of the 8 layers hold a KV cache
+    states = footprint.kv_cache_bytes(hybrid, 1000, 2) - kv_only
+    assert 0 < states < kv_only  # the recurrent states do not grow with the context
+
+
+def test_context_choice():
+    assert memory.choose_context(DENSE, None) == (4096, "the model's context")
+    big = dict(DENSE, max_position_embeddings=262144)
+    assert memory.choose_context(big, None)[0] == memory.DEFAULT_CONTEXT_CAP
+    assert memory.choose_context(big, 8192) == (8192, "--max-context")
+    assert memory.choose_context(DENSE, 8192)[0] == 4096  # never beyond the model's
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_plan_matches_a_loaded_safetensors_pair(tiny_dir, pairs, kind):
+    m, _ = pairs(kind, "d2")
+    plan = memory.make_plan(tiny_dir / kind, tiny_dir / f"d2_{kind}", max_context=256)
+    assert plan.target == pytest.approx(_nbytes(m.target), rel=0.1)
+    drafter = _nbytes(m.drafter)
+    if memory._cpu_backend():  # the few-row kernel's exact 16-bit copies (numpy, not MLX)
+        drafter += drafter // 2
+    assert plan.drafter == pytest.approx(drafter, rel=0.1)
+
+
+def test_kv_estimate_matches_a_prefilled_cache(tiny_dir, pairs):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    m, _ = pairs("qwen3", "d2")
+    cache = make_prompt_cache(m.target)
+    m.target(mx.zeros((1, 256), dtype=mx.int32), cache=cache)
+    held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
+    plan = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", max_context=256)
+    assert plan.kv == pytest.approx(held, rel=0.1)
+    smaller = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, kv_bits=8)
+    assert smaller.kv < plan.kv / 2 + 1
+
+
+def test_plan_matches_a_loaded_gguf(tmp_path):
+    from tiny_gguf import write_tiny_gguf
+
+    from dflash_mlx.loading.gguf import load_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tmp_path)
+    cpu = memory._cpu_backend()
+    size, cfg = footprint._gguf(path, cpu)
+    model, _, config = load_gguf(path)
+    assert size == pytest.approx(_nbytes(model), rel=0.1)
+    assert cfg["num_hidden_layers"] == config["num_hidden_layers"] == 2
+
+
+def test_check_refuses_with_fixes_and_warns_when_close(tiny_dir):
+    plan = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3")
+    with pytest.raises(DFlashError, match=r"needs ~.* GB \(estimated"):
+        memory.check(plan, plan.peak // 100, "test")
+    tight = plan.peak_with(kv=0, draft_kv=0) + (plan.kv + plan.draft_kv) // 3
+    with pytest.raises(DFlashError, match="--max-context"):
+        memory.check(plan, tight, "test")
+    assert memory.check(plan, int(plan.peak / 0.9), "test").startswith("warning:")
+    assert memory.check(plan, plan.peak * 2, "test") is None
+
+
+@pytest.mark.parametrize(
+    "mem, ctx, bad",
+    [(-1, None, "max_memory"), (0, None, "max_memory"), (float("nan"), None, "max_memory")]
+    + [(None, 0, "max_context"), (None, 1.5, "max_context"), (True, None, "max_memory")],
+)
+def test_limits_are_checked(mem, ctx, bad):
+    with pytest.raises(DFlashError, match=rf"^{bad} must be a positive number"):
+        memory.check_limits(mem, ctx)
+
+
+def test_load_refuses_before_loading_and_caps_the_context(tiny_dir):
+    from dflash_mlx import load
+    from dflash_mlx.decoding.prompt import context_length
+
+    with pytest.raises(DFlashError, match="estimated"):
+        load(str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"), max_memory=1e-6)
+    m, _ = load(
+        str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"), max_context=64, warmup=False
+    )
+    assert context_length(m) == 64
+
+
+def test_decoding_wrapper_keeps_the_items_and_closes():
+    closed = []
+
+    def steps():
+        try:
+            yield from range(3)
+        finally:
+            closed.append(True)
+
+    class Pair:
+        target = None
+
+    assert list(memory.decoding(Pair(), steps())) == [0, 1, 2]
+    gen = memory.decoding(Pair(), steps())
+    next(gen)
+    gen.close()
+    assert closed == [True, True] and memory._WIRED["depth"] == 0
