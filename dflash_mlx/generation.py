@@ -31,6 +31,7 @@ from .decoding.stats import RequestStats
 from .decoding.steps import Cycle
 from .decoding.warmup import warm_up
 from .errors import DFlashError
+from .loading import memory
 from .settings import AUTO, GenerationConfig
 
 Prompt = str | Sequence[int] | Sequence[dict[str, str]]
@@ -363,7 +364,7 @@ def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, *
         tree=cfg.tree,
         **opts,
     )
-    return decode(model, ids, cache, params, run)
+    return memory.decoding(model, decode(model, ids, cache, params, run))  # wired limit
 
 
 def generate(model: DFlashModel, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:
