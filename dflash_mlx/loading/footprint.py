@@ -146,8 +146,26 @@ def target_size(path: Path, cpu: bool) -> tuple[int, dict, int, int]:
         size, cfg = _gguf(path, cpu)
         return size, cfg, 4 if cpu else 2, size // 2 if cpu else 0
     cfg = text_config(json.loads((path / "config.json").read_text()))
-    size, _, embed = _safetensors(sorted(path.glob("*.safetensors")))
+    size, _, embed = _safetensors(_weight_files(path))
     return size, cfg, _ST_BYTES.get(embed or "BF16", 2), 0
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a directory, all of them there (a download half done has
+    its index naming one that is not: the sizes would be short).
+
+    Raises:
+        FileNotFoundError: no weights, or one the index names is missing.
+    """
+    import json
+
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    named = json.loads(index.read_text()).get("weight_map", {}) if index.is_file() else {}
+    missing = sorted(set(named.values()) - {f.name for f in files})
+    if missing or not files:
+        raise FileNotFoundError(f"{path / (missing or ['*.safetensors'])[0]} is missing")
+    return files
 
 
 def drafter_size(path: Path, context: int, dtype_bytes: int, cpu: bool) -> tuple[int, int]:
@@ -157,7 +175,7 @@ def drafter_size(path: Path, context: int, dtype_bytes: int, cpu: bool) -> tuple
     from ..model.config import DrafterArgs
 
     args = DrafterArgs.from_dict(json.loads((path / "config.json").read_text()))
-    _, floats, _ = _safetensors(sorted(path.glob("*.safetensors")))
+    _, floats, _ = _safetensors(_weight_files(path))
     weights = floats * (dtype_bytes + (2 if cpu else 0))  # the CPU's exact 16-bit copies
     weights += (args.draft_vocab_size or 0) * args.hidden_size * dtype_bytes  # draft head
     head_dim = args.head_dim or args.hidden_size // args.num_attention_heads

@@ -142,3 +142,20 @@ def test_decoding_wrapper_keeps_the_items_and_closes():
     next(gen)
     gen.close()
     assert closed == [True, True] and memory._WIRED["depth"] == 0
+
+
+def test_a_half_downloaded_target_is_not_planned(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    target = tmp_path / "half"
+    shutil.copytree(tiny_dir / "qwen3", target)
+    index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="00002"):
+        memory.make_plan(target, tiny_dir / "d2_qwen3")
+    shutil.rmtree(target)
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError):
+        memory.make_plan(target, tiny_dir / "d2_qwen3")
