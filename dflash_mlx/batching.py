@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import inputs
-from .decoding.batch import BatchDecoder, Row
+from .decoding.batch import BatchDecoder, Row, check_kv
 from .decoding.schedule import EMA, PROBE_MAX, PROBE_START
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
@@ -137,6 +137,8 @@ class BatchGenerator:
         cfg = inputs.settings_config(config, settings).validate(self.model.block_size)
         with self.model.lock:  # the tokenizer is shared with other threads
             ids, cfg = fit_prompt(self.model, self.tokenizer, prompt, cfg, raw=raw, system=system)
+        if not self.hybrid:
+            check_kv(cfg.kv_bits)
         uid = next(self._uids)
         if self.hybrid:  # the prompt is encoded and checked: its ids, with its settings
             self.solo[uid] = stream_generate(

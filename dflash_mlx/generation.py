@@ -362,9 +362,15 @@ def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, *
         key=key,
         lookup=cfg.lookup,
         tree=cfg.tree,
+        kv=None if cfg.kv_bits is None else _kv(cfg),
         **opts,
     )
     return memory.decoding(model, decode(model, ids, cache, params, run))  # wired limit
+
+
+def _kv(cfg: GenerationConfig) -> tuple[int, int, int]:
+    """``DecodeOptions.kv`` of a request's settings."""
+    return (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
 
 
 def generate(model: DFlashModel, tokenizer, prompt: Prompt, verbose: bool = False, **kwargs) -> str:

@@ -18,6 +18,9 @@ from .errors import DFlashError
 
 SEED_MAX = 2**32 - 1  # seeds are 0 .. 2**32 - 1
 AUTO = "auto"  # block_size chosen per cycle by the scheduler (schedule.py)
+# KV-cache quantization: the bits and group sizes offered, mlx-lm's defaults (generate.py).
+KV_BITS, KV_GROUP_SIZES = (4, 8), (32, 64, 128)
+KV_GROUP_SIZE, QUANTIZED_KV_START = 64, 5000
 
 # max_tokens when the user gives none, per entry point; "api" is the field default.
 MAX_TOKENS = {"api": 256, "run": 256, "chat": 1024, "serve": 512, "bench": 128}
@@ -57,6 +60,10 @@ class GenerationConfig:
             the path alone.
         seed: 0 .. 2**32 - 1 makes sampling reproducible; None draws a fresh one.
         stop: strings that end the completion (not included in the text).
+        kv_bits: quantize the target's attention caches to 4 or 8 bits through mlx-lm's
+            ``QuantizedKVCache`` (None: full precision); lossless against the target decoding
+            alone with the same quantization. kv_group_size: 32, 64 or 128 (mlx-lm's).
+            quantized_kv_start: the cache length from which it is quantized (mlx-lm's).
     """
 
     max_tokens: int = MAX_TOKENS["api"]
@@ -74,6 +81,9 @@ class GenerationConfig:
     tree: bool = True
     seed: int | None = None
     stop: str | list[str] | None = None
+    kv_bits: int | None = None
+    kv_group_size: int = KV_GROUP_SIZE
+    quantized_kv_start: int = QUANTIZED_KV_START
 
     def validate(
         self, max_block_size: int | None = None, *, flags: bool = False
@@ -111,6 +121,7 @@ class GenerationConfig:
         if self.seed is not None:
             c.integer("seed", self.seed, 0, SEED_MAX, f"must be in 0..{SEED_MAX}")
         c.stop(self.stop)
+        c.kv(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
         return self
 
 
@@ -205,6 +216,19 @@ class _Checker:
                 self.fail("logit_bias", f"keys must be token ids (got {tid!r})")
             self.number("logit_bias", v, "-100 bans a token", lo=-100, hi=100)
 
+    def kv(self, bits, group, start) -> None:
+        if bits is not None:
+            self.integer("kv_bits", bits, 0, None, "")
+            if bits not in KV_BITS:
+                self.fail(
+                    "kv_bits",
+                    f"must be 4 or 8 (got {bits}); leave it unset for a full-precision cache",
+                )
+        self.integer("kv_group_size", group, 0, None, "")
+        if group not in KV_GROUP_SIZES:
+            self.fail("kv_group_size", f"must be 32, 64 or 128 (got {_shown(group)})")
+        self.integer("quantized_kv_start", start, 0, None, "must be >= 0")
+
     def stop(self, stop) -> None:
         if stop is None or isinstance(stop, str):
             return
@@ -292,6 +316,20 @@ OPTIONS = (
         "Verify the drafter's path alone, without the siblings of its first draft.",
         bool,
         negate=True,
+    ),
+    Flag(
+        "kv_bits",
+        "--kv-bits",
+        "Quantize the target's KV cache to 4 or 8 bits (mlx-lm's QuantizedKVCache; "
+        "default: full precision).",
+        int,
+    ),
+    Flag("kv_group_size", "--kv-group-size", "Group size of the KV quantization.", int),
+    Flag(
+        "quantized_kv_start",
+        "--quantized-kv-start",
+        "Cache length (tokens) from which the KV cache is quantized.",
+        int,
     ),
 )
 

@@ -39,6 +39,8 @@ def serve(
     The decoding options are the defaults of requests that do not set them.
     """
     check_server_options(port, api_key, max_queue, max_batch)
+    if cfg.kv_bits is not None and max_batch > 1:
+        raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
     from .. import server
 
     sock = server.listen(host, port)  # a busy port or a bad host fails before the load

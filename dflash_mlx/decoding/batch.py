@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ..errors import DFlashError
 from ..model.drafter import embed_block
 from .acceptance import SamplingParams
 from .lookup import FIXED_MIN_MATCH, Lookup
@@ -54,6 +55,23 @@ class Row:
     prefilled: int = -1  # prompt tokens in the joining cache; -1 before the first chunk
     reused: int = 0  # prompt tokens the joining cache already held
     index: Lookup | None = None  # the n-gram index of history, when lookup is on
+
+
+def check_kv(kv_bits: int | None) -> None:
+    """Refuse ``kv_bits`` for a batched row: ``BatchKVCache`` rows are not quantized here.
+
+    Args:
+        kv_bits: the request's setting.
+
+    Raises:
+        DFlashError: kv_bits is set.
+    """
+    if kv_bits is not None:
+        raise DFlashError(
+            "kv_bits is not supported with batched decoding (rows share mlx-lm's "
+            "BatchKVCache); decode one request at a time (stream_generate, or `dflash serve "
+            "--max-batch 1`), or leave kv_bits unset"
+        )
 
 
 def _as_kv(keys, values, n) -> KVCache:

@@ -32,7 +32,10 @@ class DecodeOptions:
         tree: without logits processors, on a target that can, verify the first draft's
             siblings beside the path (``tree.py``).
         key: PRNG key for sampling (None: drawn from the clock).
-        prefill_step_size: the most prompt tokens per target forward.
+        prefill_step_size: the most prompt tokens per target forward (and mlx-lm's
+            ``prefill_step_size`` where the KV cache is quantized).
+        kv: (kv_bits, kv_group_size, quantized_kv_start): quantize the target's attention
+            caches where mlx-lm's ``generate_step`` would (``state.convert_at``); None: off.
         profile: time each stage of a cycle (adds syncs).
     """
 
@@ -45,6 +48,7 @@ class DecodeOptions:
     key: mx.array | None = None
     prefill_step_size: int = 2048
     profile: bool = False
+    kv: tuple[int, int, int] | None = None
 
 
 def decode(
@@ -64,14 +68,14 @@ def decode(
     policy = opts.policy or FixedBlock(opts.block_size or model.block_size)
     policy.tree = opts.tree and not params.processors and model.adapter.can_tree(cache.target)
     with mx.stream(generation_stream()):
-        first, key = prefill(model, prompt, cache, params, key, opts.prefill_step_size)
+        first, key = prefill(model, prompt, cache, params, key, opts.prefill_step_size, opts.kv)
         yield first
         history = list(prompt) + first.tokens
         index = Lookup(history) if opts.lookup else None
         pace = Pace(policy)
         while (budget := opts.max_tokens - (len(history) - len(prompt))) > 0:
             copied, match = index.propose(model.block_size - 1) if index else ([], 0)
-            choice = policy.choose(budget, match)
+            choice = policy.choose(cache.room(budget), match)
             key, k_draft, k_acc = mx.random.split(key, 3)
             run = policy.plain_run() if choice.block == 1 and not params.processors else 0
             if run:

@@ -7,7 +7,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models.cache import QuantizedKVCache
 
+from ..errors import DFlashError
 from ..model.drafter import ContextCache, DFlashDrafter, embed_block
 from ..model.target import TargetAdapter
 
@@ -104,6 +107,19 @@ class DFlashModel:
             return next(steps, None)
 
 
+def convert_at(start: int, n_prompt: int, step: int) -> int:
+    """The cache length at which mlx-lm's ``generate_step`` quantizes the cache: the first
+    step boundary at or after ``quantized_kv_start``. Its boundaries are the ends of the
+    prefill chunks of ``step`` tokens over all but the last prompt token, then every token.
+
+    Args:
+        start: quantized_kv_start. n_prompt: the prompt's length. step: prefill_step_size.
+    """
+    if n_prompt > 1 and start <= n_prompt - 1:
+        return min(max(1, -(-start // step)) * step, n_prompt - 1)
+    return max(start, n_prompt)
+
+
 class Interrupted(Exception):
     """A prefill stopped because its ``PromptCache.interrupt`` was set; the cache is
     consistent and holds the prompt tokens that were run."""
@@ -127,6 +143,51 @@ class PromptCache:
     # Set it (from a signal handler or another thread) to stop a prefill at its next chunk:
     # ``Interrupted`` is raised and the caches keep the prompt tokens run so far.
     interrupt: threading.Event = field(default_factory=threading.Event)
+    # KV quantization of the target's attention caches: (bits, group size, the cache
+    # length at which they are converted), set by ``set_kv`` for each decode; None: off.
+    kv: tuple[int, int, int] | None = None
+
+    def _reset(self, model: DFlashModel) -> None:
+        self.target, self.drafter = model.adapter.make_cache(), model.drafter.make_cache()
+        self.tokens, self.checkpoint, self.busy = [], None, False
+
+    def set_kv(self, model: DFlashModel, kv: tuple | None, n_prompt: int, step: int) -> None:
+        """Quantize the target's attention caches for this decode as mlx-lm's
+        ``generate_step`` would (``convert_at``); caches quantized otherwise start over.
+
+        Args:
+            model: the pair. kv: (bits, group size, quantized_kv_start), or None.
+            n_prompt: the prompt's length. step: mlx-lm's ``prefill_step_size``.
+        """
+        have = [(c.bits, c.group_size) for c in self.target if isinstance(c, QuantizedKVCache)]
+        if have and have[0] != (None if kv is None else tuple(kv[:2])):
+            self._reset(model)
+        self.kv = None if kv is None else (kv[0], kv[1], convert_at(kv[2], n_prompt, step))
+
+    def quantize(self) -> None:
+        """At a step boundary: convert the attention caches once they hold ``kv[2]`` tokens
+        (mlx-lm's ``maybe_quantize_kv_cache``; recurrent states are left alone)."""
+        if self.kv is None:
+            return
+        bits, group, at = self.kv
+        try:
+            maybe_quantize_kv_cache(self.target, at, group, bits)
+        except ValueError:  # mx.quantize: the head's width is not a multiple of the group
+            width = next(c.keys.shape[-1] for c in self.target if hasattr(c, "to_quantized"))
+            raise DFlashError(
+                f"kv_group_size {group} does not divide this target's attention head width "
+                f"({width}); use a group size that does, or leave kv_bits unset"
+            ) from None
+
+    def _quantized(self) -> bool:
+        return any(isinstance(c, QuantizedKVCache) for c in self.target)
+
+    def room(self, n: int) -> int:
+        """At most ``n`` tokens, and none past the conversion point: a forward that
+        crossed it would run tokens after it on the full-precision cache."""
+        if self.kv is None or len(self.tokens) >= self.kv[2] or self._quantized():
+            return n  # a cache quantized already (an earlier turn's) stays so
+        return min(n, self.kv[2] - len(self.tokens))
 
     def reuse(self, model: DFlashModel, prompt: list[int]) -> int:
         """Keep the longest usable cached prefix of prompt; return its length.
@@ -136,8 +197,7 @@ class PromptCache:
         last prefill when that is still a prefix, else everything is reset.
         """
         if self.busy:  # interrupted mid-cycle (e.g. Ctrl-C): contents unknown, start over
-            self.target, self.drafter = model.adapter.make_cache(), model.drafter.make_cache()
-            self.tokens, self.checkpoint, self.busy = [], None, False
+            self._reset(model)
         n = 0
         limit = min(len(self.tokens), len(prompt) - 1)
         while n < limit and self.tokens[n] == prompt[n]:

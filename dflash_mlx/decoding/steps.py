@@ -92,6 +92,7 @@ def prefill(
     params: SamplingParams,
     key: mx.array,
     step_size: int = 2048,
+    kv: tuple[int, int, int] | None = None,
 ) -> tuple[Cycle, mx.array]:
     """Run the uncached part of the prompt through the target, feed its features to the
     drafter's context, and choose the first token.
@@ -102,7 +103,8 @@ def prefill(
     Args:
         model: the loaded pair. prompt: token ids (at least one). cache: reused if it holds
             a prefix of prompt. params: target sampling. key: PRNG key. step_size: the
-            most tokens per target forward.
+            most tokens per target forward. kv: (bits, group size, quantized_kv_start) to
+            quantize the target's attention caches as mlx-lm would with this step_size.
 
     Returns:
         (the Cycle holding the first token, the key to continue with).
@@ -111,16 +113,18 @@ def prefill(
         Interrupted: ``cache.interrupt`` was set; the caches keep the chunks already run.
     """
     adapter, drafter = model.adapter, model.drafter
+    cache.set_kv(model, kv, len(prompt), step_size)
     start = done = cache.reuse(model, prompt)
     step = prefill_chunk(step_size)
     clock = _Clock(True)
     while done < len(prompt):
         if cache.interrupt.is_set():
             raise Interrupted(f"stopped after {done - start} of {len(prompt) - start} tokens")
-        end = min(done + step, len(prompt))
+        end = done + cache.room(min(step, len(prompt) - done))  # stops at a KV conversion
         cache.busy = True  # caches and cache.tokens disagree until this chunk is evaluated
         logits, feats = adapter(mx.array(prompt[done:end])[None], cache.target)
         drafter.append_context(feats, cache.drafter)
+        cache.quantize()
         mx.eval(logits[:, -1], cache.state)
         cache.tokens = list(prompt[:end])
         cache.busy = False
@@ -222,6 +226,7 @@ def cycle(
         )
     model.drafter.append_context(feats, cache.drafter, lazy=False)
     cache.tokens += [anchor] + committed[:-1]
+    cache.quantize()
     # Roll back / append on the device while the host builds the next cycle.
     mx.async_eval(cache.state)
     clock.lap("rollback", cache.state)
@@ -285,6 +290,7 @@ def _plain_step(model, cache, params, tok: mx.array, key, feats: list) -> mx.arr
     """Queue one plain target step on ``tok`` [1]: the next token [1] uint32 (lazy); its
     features go to ``feats``."""
     logits, f = model.adapter(tok.reshape(1, 1), cache.target)
+    cache.quantize()
     feats.append(f)
     row = logits[0, -1:]  # [1, V]
     nxt = mx.argmax(row, axis=-1) if params.greedy else sample_rows(target_probs(row, params), key)

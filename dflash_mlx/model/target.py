@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx import nn
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from .. import ops
 from ..decoding import tree
@@ -115,6 +121,11 @@ class _Recorder(_Wrapper):
     def __call__(self, x, mask=None, cache=None):
         object.__setattr__(self, "_last", (x, mask))
         return self.inner(x, mask, cache)
+
+
+def _parts(x) -> list:
+    """A cache's keys or values as a list of arrays (quantized ones are a tuple)."""
+    return list(x) if isinstance(x, (tuple, list)) else [x]
 
 
 def _text_model(model: nn.Module) -> nn.Module:
@@ -240,8 +251,9 @@ class TargetAdapter:
         return logits, feats
 
     def can_tree(self, cache: list) -> bool:
-        """Whether a tree verify may run on these caches (plain ``KVCache`` layers only)."""
-        return self.tree_ok and all(type(c) is KVCache for c in cache)
+        """Whether a tree verify may run on these caches (``KVCache`` layers, or the
+        ``QuantizedKVCache`` they become with ``kv_bits``)."""
+        return self.tree_ok and all(type(c) in (KVCache, QuantizedKVCache) for c in cache)
 
     def keep_rows(self, cache: list, fed: int, rows: list[int]) -> None:
         """After a tree verify of ``fed`` rows, make the caches hold only ``rows`` of them
@@ -253,8 +265,9 @@ class TargetAdapter:
         for c in cache:
             o = c.offset - fed
             src = mx.array([o + r for r in rows])
-            c.keys[..., o : o + n, :] = c.keys[..., src, :]
-            c.values[..., o : o + n, :] = c.values[..., src, :]
+            # a QuantizedKVCache holds (data, scales, biases): each is moved the same way
+            for x in _parts(c.keys) + _parts(c.values):
+                x[..., o : o + n, :] = x[..., src, :]
             c.trim(fed - n)
 
     # -- rollback ------------------------------------------------------------------

@@ -41,6 +41,9 @@ SETTINGS = {
     "tree": "tree",
     "seed": "seed",
     "stop": "stop",
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
+    "quantized_kv_start": "quantized_kv_start",
 }
 
 ROLES = {"system", "developer", "user", "assistant", "tool"}
