@@ -85,3 +85,15 @@ def test_bad_limits_are_one_line(args, flag):
 def test_every_model_command_takes_the_limits(command):
     r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
     assert "--max-memory" in r.output and "--max-context" in r.output
+
+
+@needs_demo
+def test_models_shows_the_estimate_where_the_files_are():
+    import json
+
+    r = runner.invoke(app, ["models", "--json"])
+    rows = {row["alias"]: row for row in json.loads(r.output)}
+    demo = rows["demo"]["memory"]["local"]
+    assert demo["context"] == 8192 and 0.5e9 < demo["bytes"] < 2e9
+    t = runner.invoke(app, ["models"], env={"COLUMNS": "220"})
+    assert "memory (estimated)" in t.output and "GB at 8192 tok" in t.output
