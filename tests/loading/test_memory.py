@@ -159,3 +159,16 @@ def test_a_half_downloaded_target_is_not_planned(tiny_dir, tmp_path):
     (target / "config.json").write_text("{}")
     with pytest.raises(FileNotFoundError):
         memory.make_plan(target, tiny_dir / "d2_qwen3")
+
+
+def test_fit_warns_once_when_close(tiny_dir):
+    from dflash_mlx.loading.loader import resolve
+
+    res = resolve(str(tiny_dir / "qwen3"), str(tiny_dir / "d2_qwen3"))
+    peak = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3").peak
+    fit = memory.Fit(res, None, max_memory=peak / 0.9 / 1e9)
+    said = []
+    fit.check(res.target, res.drafters[0], said.append)
+    fit.check(res.target, res.drafters[0], said.append)
+    assert len(said) == 1 and said[0].startswith("warning: this pair needs ~")
+    assert "expect swapping" in said[0]
