@@ -130,7 +130,7 @@ class PromptResult:
     outputs: dict[str, list[int]] = field(default_factory=dict)  # each method's tokens
 
 
-def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
+def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None):
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
@@ -138,7 +138,7 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
         mx.random.seed(seed)
     out, t_first = [], None
     for tok, _ in generate_step(
-        mx.array(ids), model.target, max_tokens=max_tokens, sampler=make_sampler(temp)
+        mx.array(ids), model.target, max_tokens=max_tokens, sampler=make_sampler(temp), **_kv(kv)
     ):
         out.append(int(tok))
         if t_first is None:
@@ -148,8 +148,14 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult):
     res.continuation = res.outputs["autoregressive"] = out
 
 
+def _kv(kv) -> dict:
+    """mlx-lm's KV quantization keywords of ``DecodeOptions.kv`` (none when it is None)."""
+    names = ("kv_bits", "kv_group_size", "quantized_kv_start")
+    return {} if kv is None else dict(zip(names, kv, strict=True))
+
+
 def _dflash(
-    model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False, tree=True
+    model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False, tree=True, kv=None
 ):
     key = mx.random.key(seed if seed is not None else 0)
     stats, out, t_first = CycleStats(block), [], None
@@ -168,6 +174,7 @@ def _dflash(
             policy=sched,
             lookup=lookup,
             tree=tree,
+            kv=kv,
         ),
     ):
         out += c.tokens
@@ -240,6 +247,7 @@ def run_bench(
     progress=None,
     lookup: bool = True,
     tree: bool = True,
+    kv: tuple[int, int, int] | None = None,
 ) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
 
@@ -251,6 +259,7 @@ def run_bench(
         lookup: also run DFlash 2 with copied drafts ("dflash2+lookup"), and ``auto`` with
             them; False: neither.
         tree: greedy DFlash cycles also verify the first draft's siblings (``tree.py``).
+        kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too.
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
@@ -261,15 +270,15 @@ def run_bench(
     for i, text in enumerate(prompts):
         ids = encode_prompt(tokenizer, text, raw)
         res = PromptResult()
-        _autoregressive(model, ids, max_tokens, temperature, seed, res)
-        args = (model, ids, max_tokens, block, temperature, seed)
-        _dflash(*args, False, "dflash1", res, tree=tree)
+        _autoregressive(model, ids, max_tokens, temperature, seed, res, kv)
+        args, kw = (model, ids, max_tokens, block, temperature, seed), {"tree": tree, "kv": kv}
+        _dflash(*args, False, "dflash1", res, **kw)
         if model.drafter.has_selector:
-            _dflash(*args, True, "dflash2", res, tree=tree)
+            _dflash(*args, True, "dflash2", res, **kw)
         if lookup:
-            _dflash(*args, True, "dflash2+lookup", res, lookup=True, tree=tree)
+            _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw)
         if model.tuning is not None:
-            _dflash(*args, True, "auto", res, lookup=lookup, tree=tree)
+            _dflash(*args, True, "auto", res, lookup=lookup, **kw)
         _recall(model, ids, block, top_k, res)
         results.append(res)
         if progress:

@@ -24,7 +24,8 @@ from .streams import require_stdout
 SETTINGS = decoding(
     "bench",
     "Tokens per prompt.",
-    fields=("max_tokens", "temperature", "seed", "block_size", "lookup", "tree"),
+    fields=("max_tokens", "temperature", "seed", "block_size", "lookup", "tree")
+    + ("kv_bits", "kv_group_size", "quantized_kv_start"),
     seed={"default": 0, "help": "PRNG seed, 0..2**32-1 (fixed, for comparable runs)."},
 )
 
@@ -144,6 +145,9 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
             progress=lambda done, total: bar.update(task, completed=done),
             lookup=cfg.lookup,
             tree=cfg.tree,
+            kv=None
+            if cfg.kv_bits is None
+            else (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start),
         )
         ids = encode_prompt(tok, prompts[0], raw)
         rep["latency_split"] = latency_split(

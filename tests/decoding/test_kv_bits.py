@@ -208,6 +208,7 @@ def test_sampling_follows_the_quantized_target_law(eight):
         (["chat", "--kv-group-size", "48"], "--kv-group-size must be 32, 64 or 128 (got 48)"),
         (["run", "--quantized-kv-start", "-2"], "--quantized-kv-start must be >= 0"),
         (["serve", "--kv-bits", "8"], "--kv-bits needs --max-batch 1"),
+        (["bench", "-p", "x", "--kv-bits", "6"], "--kv-bits must be 4 or 8 (got 6)"),
     ],
 )
 def test_the_commands_take_the_flags_one_error_line_exit_2(tmp_path, args, needle):
@@ -251,3 +252,12 @@ def test_batching_refuses_kv_bits_in_one_line(wide):
         out += [t for u, r in gen.step() if u == uid for t in r.tokens]
     ids = tok.encode("def f(")
     assert out and out == _mlx_lm(model, ids, len(out), 8, 0)
+
+
+def test_bench_quantizes_every_method_and_mlx_lms_alike(wide):
+    from dflash_mlx.bench.runner import run_bench
+
+    model, tok = wide["qwen3_5"]
+    rep = run_bench(model, tok, PROMPTS[:2], max_tokens=24, block_size=8, kv=(4, GROUP, 3))
+    summary = rep["parity"]["summary"]
+    assert summary and all(s["identical"] == s["of"] == 2 for s in summary.values()), summary
