@@ -32,9 +32,11 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
     vocab = src.draft_vocab
     if vocab is not None and vocab < 0:
         raise DFlashError(f"--draft-vocab must be 0 (off) or a positive size (got {vocab})")
-    kv_bits = getattr(cfg, "kv_bits", None)
+    kv = None
+    if getattr(cfg, "kv_bits", None):
+        kv = (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
     if verbose:
-        print_plan(src, kv_bits)
+        print_plan(src, kv)
     m, tok = load(
         src.model,
         drafter=src.drafter,
@@ -44,7 +46,7 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
         draft_vocab=vocab,
         max_memory=src.max_memory,
         max_context=src.max_context,
-        kv_bits=kv_bits,
+        kv=kv,
     )
     if verbose:
         print(f"target  {m.target_path}\ndrafter {m.drafter_path}", file=sys.stderr, flush=True)
@@ -53,11 +55,12 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
     return m, tok
 
 
-def print_plan(src: ModelOptions, kv_bits: int | None) -> None:
+def print_plan(src: ModelOptions, kv: tuple[int, int, int] | None) -> None:
     """The memory plan (estimated) in one line on stderr, when the pair's files are here.
 
     Args:
-        src: the command's model options. kv_bits: the KV cache's bits (None: unquantized).
+        src: the command's model options. kv: (kv_bits, kv_group_size, quantized_kv_start)
+            of a quantized KV cache, or None.
     """
     from ..loading import memory
     from ..loading.loader import resolve
@@ -68,7 +71,7 @@ def print_plan(src: ModelOptions, kv_bits: int | None) -> None:
         print("memory  not estimated: the pair is not downloaded yet", file=sys.stderr)
         return
     try:
-        plan = memory.make_plan(tpath, dpath, src.max_context, kv_bits)
+        plan = memory.make_plan(tpath, dpath, src.max_context, kv)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
         return  # a damaged file: loading it names the problem
     budget, where = memory.device_budget(src.max_memory)

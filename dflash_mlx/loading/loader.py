@@ -324,7 +324,7 @@ def load(
     draft_vocab: int | None = None,
     max_memory: float | None = None,
     max_context: int | None = None,
-    kv_bits: int | None = None,
+    kv: tuple[int, int, int] | None = None,
 ) -> tuple[DFlashModel, object]:
     """Load a target model and its DFlash drafter, and time a few decode steps for the
     ``block_size="auto"`` scheduler.
@@ -344,7 +344,7 @@ def load(
             checkpoint's own ``draft_vocab`` tensor if it has one (else the full
             vocabulary); 0 the full vocabulary; N the N most frequent ids by the tokenizer's
             merge ranks (plus its special tokens).
-        max_memory, max_context, kv_bits: the limits of the memory plan (``memory.Fit``).
+        max_memory, max_context, kv: the memory plan's limits and KV cache (``memory.Fit``).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -354,7 +354,7 @@ def load(
         DFlashError: one line naming the problem and the fix.
     """
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
-    fit, notes = memory.Fit(res, quant, max_memory, max_context, kv_bits), _notices(quiet, log)
+    fit, notes = memory.Fit(res, quant, max_memory, max_context, kv), _notices(quiet, log)
     from ..decoding import warmup as warm  # MLX and mlx-lm: after the plan, which is quick
 
     tpath = locate(res.target, "model", offline, quiet, log)

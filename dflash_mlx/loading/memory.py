@@ -150,40 +150,31 @@ def choose_context(cfg: dict, max_context: int | None) -> tuple[int, str]:
     return model, "the model's context"
 
 
-def make_plan(
-    target: Path,
-    drafter: Path,
-    max_context: int | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int | None = None,
-) -> Plan:
+def make_plan(target: Path, drafter: Path, max_context=None, kv=None) -> Plan:
     """The memory plan of a pair on disk, from its headers and configs (no weight read).
 
     Args:
         target: the target's directory or ``.gguf`` file. drafter: the drafter's directory.
         max_context: tokens to size the caches for (None: see ``choose_context``).
-        kv_bits, kv_group_size: a quantized KV cache (None: the compute dtype; group 64).
+        kv: a quantized KV cache, (kv_bits, kv_group_size, quantized_kv_start) as
+            ``DecodeOptions.kv``; None: the compute dtype. Below the start the cache is
+            not quantized; where it is converted, both copies are held for a moment.
     """
     cpu = _cpu_backend()
     size, cfg, dt, extra = target_size(Path(target), cpu)
     context, note = choose_context(cfg, max_context)
     dsize, dkv = drafter_size(Path(drafter), context, dt, cpu)
-    group = kv_group_size or 64
-    return Plan(
-        size,
-        dsize,
-        kv_cache_bytes(cfg, context, dt, kv_bits, group),
-        dkv,
-        transient_bytes(cfg, context, dt, cpu),
-        extra,
-        context,
-        note,
-        kv_bits,
-        {
-            "per_token": kv_cache_bytes(cfg, 1, dt, kv_bits, group) + dkv / max(context, 1),
-            "kv8": kv_cache_bytes(cfg, context, dt, kv_bits or 8, group),
-        },
-    )
+    bits, group, start = kv or (None, 64, 0)
+    cache = kv_cache_bytes(cfg, context, dt, bits, group)
+    if bits and start:
+        held = min(context, start)
+        both = kv_cache_bytes(cfg, held, dt, bits, group) if context > start else 0
+        cache = max(cache, kv_cache_bytes(cfg, held, dt) + both)
+    per_token = kv_cache_bytes(cfg, 1, dt, bits, group) + dkv / max(context, 1)
+    kv8 = kv_cache_bytes(cfg, context, dt, 8, group)
+    fixed = {"per_token": per_token, "kv8": kv8 if not bits else cache}
+    transient = transient_bytes(cfg, context, dt, cpu)
+    return Plan(size, dsize, cache, dkv, transient, extra, context, note, bits, fixed)
 
 
 # ----------------------------------------------------------------------------- the check
@@ -202,10 +193,11 @@ def _fixes(plan: Plan, budget: int, quants: list[str], quant: str | None) -> lis
         if now and bits < now and plan.peak_with(target=plan.target * bits / now) <= budget:
             fixes.append(f"--quant {q}")
             break
-    kv8 = plan.fixed.get("kv8", plan.kv)
-    has_kv_bits = "kv_bits" in GenerationConfig.__dataclass_fields__
-    if has_kv_bits and not plan.kv_bits and plan.peak_with(kv=kv8) <= budget:
-        fixes.append("--kv-bits 8")
+    kv8 = plan.fixed.get("kv8", plan.kv)  # quantized from the first token
+    flags = GenerationConfig.__dataclass_fields__
+    if "kv_bits" in flags and not plan.kv_bits and plan.peak_with(kv=kv8) <= budget:
+        start = " --quantized-kv-start 0" if "quantized_kv_start" in flags else ""
+        fixes.append("--kv-bits 8" + start)
     per = plan.fixed.get("per_token", 0)
     if per and plan.peak_with(kv=0, draft_kv=0) < budget:
         tokens = int((budget - plan.peak_with(kv=0, draft_kv=0)) / per) // 1024 * 1024
@@ -261,17 +253,17 @@ class Fit:
     Args:
         res: ``loader.resolve``'s answer. quant: ``--quant``. max_memory: GB (None: the
             device's budget). max_context: tokens (None: see ``choose_context``).
-        kv_bits: the KV cache's bits the estimate counts (None: the compute dtype).
+        kv: (kv_bits, kv_group_size, quantized_kv_start) the estimate counts, or None.
 
     Raises:
         DFlashError: a bad limit, or a pair that does not fit.
     """
 
-    def __init__(self, res, quant, max_memory=None, max_context=None, kv_bits=None):
+    def __init__(self, res, quant, max_memory=None, max_context=None, kv=None):
         check_limits(max_memory, max_context)
         entry = res.entry
         self.quants = (list(entry.targets), quant) if entry and not entry.local else ((), None)
-        self.limits = (max_memory, max_context, kv_bits)
+        self.limits = (max_memory, max_context, kv)
         self.plan, self.warning = None, None
         self.check(res.target, res.drafters[0])
 
@@ -286,9 +278,9 @@ class Fit:
             tpath, dpath = offline_path(target), offline_path(drafter)
             if tpath is None or dpath is None:
                 return
-            max_memory, max_context, kv_bits = self.limits
+            max_memory, max_context, kv = self.limits
             try:
-                self.plan = make_plan(tpath, dpath, max_context, kv_bits)
+                self.plan = make_plan(tpath, dpath, max_context, kv)
             except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
                 return  # a damaged file: loading it names the problem
             budget, where = device_budget(max_memory)

@@ -74,8 +74,13 @@ def test_kv_estimate_matches_a_prefilled_cache(tiny_dir, pairs):
     held = sum(c.keys.nbytes + c.values.nbytes for c in cache)
     plan = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", max_context=256)
     assert plan.kv == pytest.approx(held, rel=0.1)
-    smaller = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, kv_bits=8)
+    smaller = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, kv=(8, 64, 0))
     assert smaller.kv < plan.kv / 2 + 1
+    # below quantized_kv_start the cache stays whole; past it both are held while converting
+    later = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, kv=(8, 64, 5000))
+    assert later.kv == plan.kv
+    mid = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, kv=(8, 64, 128))
+    assert plan.kv / 2 < mid.kv < plan.kv
 
 
 def test_plan_matches_a_loaded_gguf(tmp_path):
