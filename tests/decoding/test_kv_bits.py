@@ -56,6 +56,29 @@ def _mlx_lm(model, ids, n, bits, start, step=2048):
     return [t for t, _ in gen]
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_quantized_attention_of_m_rows_has_each_rows_bits_alone(dtype):
+    """Why greedy parity holds bit for bit on MLX's CPU backend: mlx-lm's quantized attention
+    over M verify rows (causal mask, keys up to the last row) gives each row exactly the bits
+    of that row decoded alone on its prefix (mask None), as mlx-lm's generate_step runs it.
+    (Its ``queries *= scale`` scales the caller's array in place: each call gets a copy.)"""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as qsdpa
+
+    mx.random.seed(0)
+    h, kh, d, s, m, bits = 8, 2, 64, 300, 9, 4
+    k, v = (mx.random.normal((1, kh, s, d)).astype(dtype) for _ in range(2))
+    qk, qv = (mx.quantize(x, group_size=GROUP, bits=bits) for x in (k, v))
+    q = mx.random.normal((1, h, m, d)).astype(dtype)
+    mx.eval(q)
+    kw = {"scale": d**-0.5, "group_size": GROUP, "bits": bits}
+    rows = qsdpa(mx.array(q), qk, qv, mask="causal", **kw)
+    for i in range(m):
+        n = s - m + i + 1
+        pre = [x[..., :n, :] for x in qk], [x[..., :n, :] for x in qv]
+        alone = qsdpa(mx.array(q[:, :, i : i + 1]), *pre, mask=None, **kw)
+        assert mx.array_equal(alone[:, :, 0], rows[:, :, i]).item(), i
+
+
 def test_the_conversion_point_is_mlx_lms():
     assert convert_at(0, 10, 2048) == 9  # the first prefill chunk: all but the last token
     assert convert_at(0, 10, 4) == 4
