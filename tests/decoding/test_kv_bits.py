@@ -284,3 +284,26 @@ def test_bench_quantizes_every_method_and_mlx_lms_alike(wide):
     rep = run_bench(model, tok, PROMPTS[:2], max_tokens=24, block_size=8, kv=(4, GROUP, 3))
     summary = rep["parity"]["summary"]
     assert summary and all(s["identical"] == s["of"] == 2 for s in summary.values()), summary
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_trees_commit_siblings_on_quantized_caches_and_match_mlx_lm(wide, bits):
+    """A sibling committed moves its row's data, scales and biases (``keep_rows``)."""
+    from oracle import OracleDrafter
+
+    model, tok = wide["qwen3"]
+    real = model.drafter
+    for prompt in PROMPTS[:2]:
+        ids = tok.encode(prompt)
+        ref = _mlx_lm(model, ids, 64, bits, 0)
+        # the first draft is wrong, the target's token ranks second: the first sibling
+        model.drafter = OracleDrafter(real, ids + ref + [0] * 20, second_at=(1,))
+        try:
+            out, taken = [], 0
+            opts = DecodeOptions(max_tokens=40, block_size=8, kv=(bits, GROUP, 0))
+            for c in decode(model, ids, model.make_cache(), SamplingParams(), opts):
+                out += c.tokens
+                taken += c.sibling > 0
+        finally:
+            model.drafter = real
+        assert out[:40] == ref[:40] and taken > 5, (prompt, taken)
