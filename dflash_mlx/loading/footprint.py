@@ -16,6 +16,9 @@ _GGUF_SCALARS |= {10: "<Q", 11: "<q", 12: "<d"}
 _GGUF_METAL = {0: 2.0, 1: 2.0, 2: 0.625, 3: 0.625, 8: 1.125}
 
 
+_ST_HEADER_MAX = 100 << 20  # a header's JSON table; a damaged file's first bytes say more
+
+
 def _safetensors(files) -> tuple[int, int, str | None]:
     """(bytes of all tensors, float elements, the embedding's dtype) from safetensors
     headers: an 8-byte length and a JSON table of byte ranges; no weight is read."""
@@ -26,7 +29,10 @@ def _safetensors(files) -> tuple[int, int, str | None]:
     embed = None
     for f in files:
         with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
+            head = fh.read(8)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if not 0 < n <= min(Path(f).stat().st_size - 8, _ST_HEADER_MAX):
+                raise ValueError(f"{f} has no safetensors header")  # the loader says why
             table = json.loads(fh.read(n))
         for name, t in table.items():
             if name == "__metadata__":

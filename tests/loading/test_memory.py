@@ -177,3 +177,15 @@ def test_fit_warns_once_when_close(tiny_dir):
     fit.check(res.target, res.drafters[0], said.append)
     assert len(said) == 1 and said[0].startswith("warning: this pair needs ~")
     assert "expect swapping" in said[0]
+
+
+@pytest.mark.parametrize("data", [b"", b"abc", b"not a safetensors file", b"\xff" * 8 + b"{}"])
+def test_a_damaged_safetensors_header_is_a_value_error_not_a_huge_read(tmp_path, data):
+    """The plan reads only headers; a file whose first 8 bytes are no length (the loader
+    then says it is corrupt) must not make it read gigabytes."""
+    from dflash_mlx.loading import footprint
+
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(data)
+    with pytest.raises(ValueError, match="no safetensors header"):
+        footprint._safetensors([f])
