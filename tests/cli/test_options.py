@@ -20,6 +20,7 @@ COMMANDS = ("run", "chat", "serve", "bench")
 # What bench declares differently: it samples at --temp alone and runs DFlash 1 and 2 both
 # (so no --top-p ... --no-selector), with a fixed seed so runs compare.
 BENCH_FIELDS = {"max_tokens", "temperature", "seed", "block_size", "lookup", "tree"}
+BENCH_FIELDS |= {"kv_bits", "kv_group_size", "quantized_kv_start"}  # every method quantizes alike
 BENCH_DEFAULTS = {"seed": 0}
 RUN = decoding("run")
 
