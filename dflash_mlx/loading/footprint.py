@@ -6,6 +6,7 @@ for ``memory.py``'s plan; only the standard library at import.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 _ST_BYTES = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "U32": 4, "I8": 1, "U8": 1, "BOOL": 1}
@@ -144,10 +145,12 @@ def transient_bytes(cfg: dict, context: int, dtype_bytes: int, cpu: bool) -> int
     return max(rows, verify)
 
 
-def target_size(path: Path, cpu: bool) -> tuple[int, dict, int, int]:
+def target_size(path, cpu: bool) -> tuple[int, dict, int, int]:
     """(weight bytes, config, compute dtype bytes, load-time extra bytes) of a target."""
     import json
 
+    if isinstance(path, Remote):
+        return path.weights, text_config(path.cfg), path.dtype_bytes, 0
     if path.is_file():  # a GGUF file
         size, cfg = _gguf(path, cpu)
         return size, cfg, 4 if cpu else 2, size // 2 if cpu else 0
@@ -174,16 +177,63 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def drafter_size(path: Path, context: int, dtype_bytes: int, cpu: bool) -> tuple[int, int]:
+def drafter_size(path, context: int, dtype_bytes: int, cpu: bool) -> tuple[int, int]:
     """(weight bytes, context cache bytes) of a drafter loaded in the target's dtype."""
     import json
 
     from ..model.config import DrafterArgs
 
-    args = DrafterArgs.from_dict(json.loads((path / "config.json").read_text()))
-    _, floats, _ = _safetensors(_weight_files(path))
+    if isinstance(path, Remote):
+        args, floats = DrafterArgs.from_dict(path.cfg), path.weights // path.dtype_bytes
+    else:
+        args = DrafterArgs.from_dict(json.loads((path / "config.json").read_text()))
+        _, floats, _ = _safetensors(_weight_files(path))
     weights = floats * (dtype_bytes + (2 if cpu else 0))  # the CPU's exact 16-bit copies
     weights += (args.draft_vocab_size or 0) * args.hidden_size * dtype_bytes  # draft head
     head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
     rows = sum(min(context, args.window(i) or context) for i in range(args.num_hidden_layers))
     return weights, rows * 2 * args.num_key_value_heads * head_dim * dtype_bytes
+
+
+@dataclass
+class Remote:
+    """A Hub repo not downloaded yet, as the plan sees it: its ``config.json`` and the bytes
+    of its safetensors files as the Hub lists them (stored in ``dtype_bytes`` per float)."""
+
+    cfg: dict
+    weights: int
+
+    @property
+    def dtype_bytes(self) -> int:
+        dtype = text_config(self.cfg).get("torch_dtype") or self.cfg.get("dtype")
+        return 4 if dtype == "float32" else 2
+
+
+def complete(path: Path) -> bool:
+    """Whether a local target or drafter has all its weights (a ``.gguf`` file, or a
+    directory with every safetensors file its index names)."""
+    if path.is_file():
+        return True
+    try:
+        _weight_files(path)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def remote(repo_id: str) -> Remote | None:
+    """What the Hub says of a repo before a download: the sizes of its safetensors files
+    (one request) and its ``config.json`` (fetched alone); None when the Hub lists no
+    safetensors or not all their sizes.
+
+    Args:
+        repo_id: 'owner/name'.
+
+    Raises whatever huggingface_hub raises (the caller skips the plan then).
+    """
+    from . import hub
+
+    sizes = [n for f, n in hub.remote_files(repo_id).items() if f.endswith(".safetensors")]
+    if not sizes or any(not isinstance(n, int) or n <= 0 for n in sizes):
+        return None
+    return Remote(hub.remote_config(repo_id), sum(sizes))

@@ -156,6 +156,36 @@ def plan(repo_id: str) -> Plan:
     return out
 
 
+def remote_files(repo_id: str) -> dict[str, int | None]:
+    """Every file of a Hub repo with its size in bytes (None where the Hub gives none).
+
+    Args:
+        repo_id: 'owner/name'.
+
+    Raises whatever huggingface_hub raises (the caller decides what a failure means).
+    """
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(repo_id, files_metadata=True)
+    return {s.rfilename: getattr(s, "size", None) for s in info.siblings or []}
+
+
+def remote_config(repo_id: str) -> dict:
+    """A Hub repo's ``config.json`` alone (a few kB, kept in the Hub cache), parsed.
+
+    Args:
+        repo_id: 'owner/name'.
+
+    Raises whatever huggingface_hub raises, or ValueError for a file that is not JSON.
+    """
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    path = hf_hub_download(repo_id, "config.json", cache_dir=cache_dir())
+    return json.loads(Path(path).read_text())
+
+
 def _stderr(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -354,7 +354,8 @@ def load(
         DFlashError: one line naming the problem and the fix.
     """
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
-    fit, notes = memory.Fit(res, quant, max_memory, max_context, kv), _notices(quiet, log)
+    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline)
+    notes = _notices(quiet, log)
     from ..decoding import warmup as warm  # MLX and mlx-lm: after the plan, which is quick
 
     tpath = locate(res.target, "model", offline, quiet, log)

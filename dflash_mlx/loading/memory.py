@@ -155,15 +155,19 @@ def make_plan(target: Path, drafter: Path, max_context=None, kv=None) -> Plan:
 
     Args:
         target: the target's directory or ``.gguf`` file. drafter: the drafter's directory.
+            Either may be a ``footprint.Remote`` (a Hub repo before its download).
         max_context: tokens to size the caches for (None: see ``choose_context``).
         kv: a quantized KV cache, (kv_bits, kv_group_size, quantized_kv_start) as
             ``DecodeOptions.kv``; None: the compute dtype. Below the start the cache is
             not quantized; where it is converted, both copies are held for a moment.
     """
+    from .footprint import Remote
+
     cpu = _cpu_backend()
-    size, cfg, dt, extra = target_size(Path(target), cpu)
+    target, drafter = (p if isinstance(p, Remote) else Path(p) for p in (target, drafter))
+    size, cfg, dt, extra = target_size(target, cpu)
     context, note = choose_context(cfg, max_context)
-    dsize, dkv = drafter_size(Path(drafter), context, dt, cpu)
+    dsize, dkv = drafter_size(drafter, context, dt, cpu)
     bits, group, start = kv or (None, 64, 0)
     cache = kv_cache_bytes(cfg, context, dt, bits, group)
     if bits and start:
@@ -235,6 +239,23 @@ def check(plan: Plan, budget: int, where: str, quants=(), quant=None) -> str | N
     return None
 
 
+def _source(name: str, offline: bool):
+    """What the plan reads for a target or drafter: its complete local copy, else (online,
+    a Hub id) what the Hub says before a download; None when neither is there."""
+    from . import hub
+    from .footprint import complete, remote
+
+    p = offline_path(name)
+    if p is not None and complete(p):
+        return p
+    if offline or not hub.is_hub_id(str(name)):
+        return None
+    try:
+        return remote(str(name))
+    except Exception:  # noqa: BLE001 (the Hub unreachable or odd: the plan waits for the files)
+        return None
+
+
 def offline_path(name: str) -> Path | None:
     """A local path for a directory, a ``.gguf`` file or a cached Hub repo; never touches
     the network; None when it would have to be downloaded."""
@@ -247,35 +268,36 @@ def offline_path(name: str) -> Path | None:
 
 
 class Fit:
-    """``load``'s memory plan: made and checked as soon as the pair's files are on this
-    machine (before any download when they already are; else before any load).
+    """``load``'s memory plan: made and checked before any download (from the files here,
+    or online from the Hub's sizes and ``config.json``), else before any load.
 
     Args:
         res: ``loader.resolve``'s answer. quant: ``--quant``. max_memory: GB (None: the
             device's budget). max_context: tokens (None: see ``choose_context``).
         kv: (kv_bits, kv_group_size, quantized_kv_start) the estimate counts, or None.
+        offline: never ask the Hub (the plan waits until the files are here).
 
     Raises:
         DFlashError: a bad limit, or a pair that does not fit.
     """
 
-    def __init__(self, res, quant, max_memory=None, max_context=None, kv=None):
+    def __init__(self, res, quant, max_memory=None, max_context=None, kv=None, offline=True):
         check_limits(max_memory, max_context)
         entry = res.entry
         self.quants = (list(entry.targets), quant) if entry and not entry.local else ((), None)
         self.limits = (max_memory, max_context, kv)
         self.plan, self.warning = None, None
-        self.check(res.target, res.drafters[0])
+        self.check(res.target, res.drafters[0], offline=offline)
 
-    def check(self, target, drafter, notes=None) -> None:
+    def check(self, target, drafter, notes=None, offline=True) -> None:
         """Make and check the plan unless done; say a warning through ``notes`` once.
 
         Args:
             target, drafter: paths or Hub ids (a Hub id not in the cache: not yet).
-            notes: callable(str) for the warning line, or None.
+            notes: callable(str) for the warning line, or None. offline: no Hub request.
         """
         if self.plan is None:
-            tpath, dpath = offline_path(target), offline_path(drafter)
+            tpath, dpath = _source(target, offline), _source(drafter, offline)
             if tpath is None or dpath is None:
                 return
             max_memory, max_context, kv = self.limits

@@ -97,3 +97,42 @@ def test_models_shows_the_estimate_where_the_files_are():
     assert demo["context"] == 8192 and 0.5e9 < demo["bytes"] < 2e9
     t = runner.invoke(app, ["models"], env={"COLUMNS": "220"})
     assert "memory (estimated)" in t.output and "GB at 8192 tok" in t.output
+
+
+def test_an_uncached_hub_target_too_big_is_refused_before_its_download(
+    tiny_dir, tmp_path, monkeypatch
+):
+    """Issue 30: 19 GB of weights on a 16 GB budget are refused from the Hub's file list and
+    config.json alone; the weights are never downloaded (every Hub call is faked here)."""
+    import types
+
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    downloads = []
+
+    def listing(self, repo_id, **kw):
+        files = [("config.json", 600), ("a.safetensors", 9_500_000_000)]
+        files.append(("b.safetensors", 9_500_000_000))
+        siblings = [types.SimpleNamespace(rfilename=f, size=n) for f, n in files]
+        return types.SimpleNamespace(sha="c" * 40, siblings=siblings)
+
+    def download(*a, local_files_only=False, **kw):
+        if local_files_only:
+            raise huggingface_hub.errors.LocalEntryNotFoundError("not cached")
+        downloads.append(a)
+        raise AssertionError("downloaded")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", listing)
+    config = str(tiny_dir / "qwen3" / "config.json")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **kw: config)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    drafter = str(tiny_dir / "d2_qwen3")
+    args = ["run", "--model", "acme/big", "--drafter", drafter, "--max-memory", "16", "Hi"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 2 and not downloads
+    out = r.output.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("error: this pair needs ~19"), r.output
+    assert "16.0 GB (--max-memory 16 GB)" in out[0] and "Traceback" not in r.output

@@ -189,3 +189,84 @@ def test_a_damaged_safetensors_header_is_a_value_error_not_a_huge_read(tmp_path,
     f.write_bytes(data)
     with pytest.raises(ValueError, match="no safetensors header"):
         footprint._safetensors([f])
+
+
+class _Downloaded(Exception):
+    """Raised by the fake download: the load got that far."""
+
+
+def _fake_hub(monkeypatch, tmp_path, tiny_dir, total: int | None) -> dict:
+    """An uncached Hub repo acme/big: the tiny qwen3's config.json, safetensors files
+    listed as ``total`` bytes (None: no sizes); every Hub call is counted, none leaves."""
+    import types
+
+    import huggingface_hub
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    calls = {"listing": 0, "config": 0, "download": 0}
+    half = None if total is None else total // 2
+    files = ["config.json", "model-1.safetensors", "model-2.safetensors"]
+
+    def listing(self, repo_id, **kw):
+        calls["listing"] += 1
+        sizes = [600, half, half]
+        siblings = [types.SimpleNamespace(rfilename=f, size=n) for f, n in zip(files, sizes)]
+        return types.SimpleNamespace(sha="b" * 40, siblings=siblings)
+
+    def config(repo_id, filename, **kw):
+        calls["config"] += 1
+        return str(tiny_dir / "qwen3" / filename)
+
+    def download(*a, local_files_only=False, **kw):
+        if local_files_only:  # hub.cached: nothing is in the cache
+            raise LocalEntryNotFoundError("not cached")
+        calls["download"] += 1
+        raise _Downloaded
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", listing)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", config)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", download)
+    return calls
+
+
+def test_an_uncached_repo_too_big_is_refused_before_its_download(tiny_dir, tmp_path, monkeypatch):
+    from dflash_mlx import load
+
+    calls = _fake_hub(monkeypatch, tmp_path, tiny_dir, 19 * 10**9)
+    drafter = str(tiny_dir / "d2_qwen3")
+    with pytest.raises(DFlashError, match=r"needs ~19\.\d GB \(estimated.* 16\.0 GB \(--max-m"):
+        load("acme/big", drafter, offline=False, quiet=True, max_memory=16)
+    assert calls == {"listing": 1, "config": 1, "download": 0}
+    calls = _fake_hub(monkeypatch, tmp_path, tiny_dir, 10**9)  # fits: the download starts
+    with pytest.raises(_Downloaded):
+        load("acme/big", drafter, offline=False, quiet=True, max_memory=16)
+    assert calls["config"] == 1 and calls["download"] == 1
+
+
+@pytest.mark.parametrize("offline, total", [(True, 19 * 10**9), (False, None)])
+def test_offline_or_no_sizes_waits_for_the_files(tiny_dir, tmp_path, monkeypatch, offline, total):
+    from dflash_mlx import load
+
+    calls = _fake_hub(monkeypatch, tmp_path, tiny_dir, total)
+    drafter = str(tiny_dir / "d2_qwen3")
+    with pytest.raises(DFlashError if offline else _Downloaded) as e:
+        load("acme/big", drafter, offline=offline, quiet=True, max_memory=16)
+    if offline:  # no Hub request at all: the cache's own one-line error
+        assert "not in the local Hugging Face cache" in str(e.value)
+        assert calls == {"listing": 0, "config": 0, "download": 0}
+    else:
+        assert calls["config"] == 0 and calls["download"] == 1
+
+
+def test_a_hub_that_cannot_be_reached_skips_the_plan(tiny_dir, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    _fake_hub(monkeypatch, tmp_path, tiny_dir, 19 * 10**9)
+
+    def down(self, repo_id, **kw):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", down)
+    assert memory._source("acme/big", offline=False) is None
+    assert memory._source(str(tiny_dir / "qwen3"), offline=False) == tiny_dir / "qwen3"
