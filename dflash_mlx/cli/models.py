@@ -21,10 +21,17 @@ def _cached(e: registry.Entry):
         tsize = _local_size(e.target())
         tcached = {e.default_quant: tsize} if tsize is not None else {}
         return tcached, [_local_size(d) for d in e.drafters]
-    sizes = {q: hub.cached_size(r) for q, r in e.targets.items()}
-    return {q: s for q, s in sizes.items() if s is not None}, [
-        hub.cached_size(d) for d in e.drafters
-    ]
+    sizes = {q: _downloaded(r) for q, r in e.targets.items()}
+    return {q: s for q, s in sizes.items() if s is not None}, [_downloaded(d) for d in e.drafters]
+
+
+def _downloaded(repo_id: str) -> int | None:
+    """Cached bytes of a Hub repo whose weights are all there, else None (a snapshot
+    holding only config.json, fetched to plan memory before a download, is not cached)."""
+    from ..loading.footprint import complete
+
+    path = hub.cached(repo_id)
+    return hub.cached_size(repo_id) if path is not None and complete(path) else None
 
 
 def _memory(e: registry.Entry) -> dict[str, tuple[int, int]]:

@@ -136,3 +136,25 @@ def test_an_uncached_hub_target_too_big_is_refused_before_its_download(
     out = r.output.strip().splitlines()
     assert len(out) == 1 and out[0].startswith("error: this pair needs ~19"), r.output
     assert "16.0 GB (--max-memory 16 GB)" in out[0] and "Traceback" not in r.output
+
+
+def test_a_snapshot_holding_only_config_json_is_not_listed_as_cached(tmp_path, monkeypatch):
+    """Planning memory before a download keeps config.json in the Hub cache; `dflash
+    models` must not call that quantisation downloaded."""
+    from cli_helpers import fake_cache_repo
+
+    from dflash_mlx.cli import models
+    from dflash_mlx.loading import registry
+
+    entry = registry.ENTRIES[0]
+    repo = entry.targets[entry.default_quant]
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    src = tmp_path / "only-config"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    fake_cache_repo(cache, repo, src)
+    assert models._cached(entry)[0] == {}
+    (src / "model.safetensors").write_bytes(b"\0" * 16)
+    fake_cache_repo(cache, repo, src, sha="b" * 40)
+    assert entry.default_quant in models._cached(entry)[0]  # with its weights: cached
