@@ -133,12 +133,13 @@ def versions() -> Check:
 
 def cpu_backend() -> Check:
     """The Linux CPU backend: the BLAS in use, whether the few-row and exact kernels built."""
-    from . import cpu
+    from . import ops
+    from .loading import backend
 
-    if not cpu.enabled():
+    if not backend.install():
         why = "DFLASH_CPU=0" if sys.platform.startswith("linux") else "not Linux"
         return Check("cpu backend", f"not applicable ({why}: plain MLX)")
-    st = cpu.status()
+    st = ops.backend_status()
     parts, ok = [f"BLAS {st['blas'] or 'bundled with MLX'}"], True
     for key, label in (("small_gemm", "few-row kernel"), ("exact_ops", "exact ops")):
         part = st[key]
@@ -190,9 +191,11 @@ def parity() -> Check:
 def _bit_exact_backend() -> bool:
     """Whether greedy DFlash must be bit-identical to plain decoding here (algorithm.md
     §4.2.1): the CPU backend with its few-row kernel."""
-    from . import cpu
+    from . import ops
+    from .loading import backend
 
-    return cpu.enabled() and bool(cpu.status()["small_gemm"].get("active"))
+    st = ops.backend_status() if backend.install() else None
+    return bool(st) and bool(st["small_gemm"].get("active"))
 
 
 def caches() -> Check:

@@ -55,6 +55,12 @@ def describe() -> dict[str, str]:
     return {"device": str(mx.default_device()), "mlx": mx.__version__}
 
 
+def backend_status() -> dict | None:
+    """Each part of the installed backend and its state (``dflash doctor``); None: plain
+    MLX, no backend installed."""
+    return None
+
+
 def backend_name() -> str:
     """A one-line name of the matmul backend for the stats (``dflash run -v``)."""
     return "Metal" if mx.default_device() == mx.gpu else "MLX CPU"
@@ -69,6 +75,7 @@ _NAMES = (
     "prepare_target",
     "describe",
     "backend_name",
+    "backend_status",
 )
 
 

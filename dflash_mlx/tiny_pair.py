@@ -81,17 +81,17 @@ def load_pair(tdir: Path, ddir: Path):
     """
     from mlx_lm.utils import load_model
 
-    from . import cpu
     from .decoding.state import DFlashModel
+    from .loading import backend
     from .model.checkpoint import load_drafter
     from .model.target import TargetAdapter
 
-    cpu.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
+    backend.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
     target = load_model(Path(tdir))[0]
     drafter = load_drafter(ddir)
     adapter = TargetAdapter(target, drafter.args.target_layer_ids)
     pair = DFlashModel(target, drafter, adapter, str(tdir), str(ddir), "tiny")
-    cpu.install(pair)
+    backend.install(pair)
     return pair
 
 

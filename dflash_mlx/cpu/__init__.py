@@ -91,6 +91,7 @@ def _install_ops() -> None:
         prepare_target=target.compile_layers,
         describe=describe,
         backend_name=backend_name,
+        backend_status=status,
     )
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config
-from . import diskcache, hub, memory, registry
+from . import backend, diskcache, hub, memory, registry
 
 if TYPE_CHECKING:
     from ..decoding.state import DFlashModel
@@ -248,9 +248,7 @@ def _notices(quiet: bool, log: Callable[[str], None] | None):
 
 def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None):
     """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
-    from .. import cpu
-
-    cpu.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
+    backend.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
     if _is_gguf(path):
         from .gguf import load_gguf
 
@@ -377,7 +375,6 @@ def set_draft_vocab(pair, tokenizer, n: int | None) -> None:
         pair: the loaded DFlashModel. tokenizer: its tokenizer (for the merge ranks).
         n: None (the checkpoint's own), 0 (the full vocabulary) or a size.
     """
-    from .. import cpu
     from ..model.draft_vocab import DraftHead, ranked_vocab
 
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
@@ -396,4 +393,4 @@ def set_draft_vocab(pair, tokenizer, n: int | None) -> None:
                 f"which a draft vocabulary always keeps; use more than {len(ids)}"
             )
     pair.draft_head = None if ids is None else DraftHead(pair.adapter, ids)
-    cpu.install(pair)  # on the CPU, the few-row kernel reads the drafter's and head's 16-bit words
+    backend.install(pair)  # on the CPU the few-row kernel reads the drafter's 16-bit words

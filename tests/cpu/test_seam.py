@@ -15,11 +15,7 @@ from dflash_mlx import cpu, ops
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_USERS = {
     "dflash_mlx/__init__.py",
-    "dflash_mlx/loading/loader.py",
-    # dflash doctor reports the entry's own cpu.status(); its tiny pair installs the backend's
-    # ops as the loader does, so its parity check runs what a user's decode runs
-    "dflash_mlx/doctor.py",
-    "dflash_mlx/tiny_pair.py",
+    "dflash_mlx/loading/backend.py",  # install, for the loader, the doctor and its tiny pair
 }
 
 
