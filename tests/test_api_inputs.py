@@ -9,10 +9,10 @@ import threading
 
 import numpy as np
 import pytest
+from refusals import refused
 
 from dflash_mlx import generation
 from dflash_mlx.batching import BatchGenerator, batch_generate
-from dflash_mlx.errors import DFlashError
 from dflash_mlx.generation import generate
 from dflash_mlx.settings import GenerationConfig
 
@@ -22,16 +22,6 @@ KW = {"max_tokens": 6, "block_size": 4, "raw": True}
 @pytest.fixture(scope="module")
 def pair(pairs):
     return pairs("qwen3", "d2")
-
-
-def refused(call, *needles):
-    with pytest.raises(DFlashError) as e:
-        call()
-    msg = str(e.value)
-    assert "\n" not in msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
 
 
 @pytest.mark.parametrize(

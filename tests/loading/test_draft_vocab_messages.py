@@ -5,19 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import pytest
-
-from dflash_mlx.errors import DFlashError
-
-
-def refused(call, *needles):
-    with pytest.raises(DFlashError) as e:
-        call()
-    msg = str(e.value)
-    assert "\n" not in msg
-    for n in needles:
-        assert n in msg, msg
-    return msg
+from refusals import refused
 
 
 def test_draft_vocab_errors_name_the_parameter(pairs):

@@ -72,6 +72,16 @@ def _start(tmp: Path, model: Path, drafter: Path, *args: str):
     raise RuntimeError("server did not start:\n" + log.read_text())
 
 
+def serve_tiny(tiny_dir, tmp_path_factory, name: str):
+    """A server of the tiny qwen3 pair behind KEY, for a module-scoped fixture: yields its
+    URL, stops it after."""
+    proc, url, _ = _start(
+        tmp_path_factory.mktemp(name), tiny_dir / "qwen3", tiny_dir / "d2_qwen3", "--api-key", KEY
+    )
+    yield url
+    _stop(proc)
+
+
 def _stop(proc) -> None:
     proc.terminate()
     try:

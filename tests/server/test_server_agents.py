@@ -6,7 +6,7 @@ and schemas are finite here (enums, booleans, no extra keys), so a random model 
 import json
 
 import pytest
-from test_server import KEY, _http, _start, _stop
+from test_server import KEY, _http, serve_tiny
 
 from dflash_mlx import generate
 from dflash_mlx.decoding.grammar import json_schema_grammar, make_processor
@@ -49,15 +49,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(tiny_dir, tmp_path_factory):
-    proc, url, _ = _start(
-        tmp_path_factory.mktemp("agents"),
-        tiny_dir / "qwen3",
-        tiny_dir / "d2_qwen3",
-        "--api-key",
-        KEY,
-    )
-    yield url
-    _stop(proc)
+    yield from serve_tiny(tiny_dir, tmp_path_factory, "agents")
 
 
 @pytest.fixture(scope="module")

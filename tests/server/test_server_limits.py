@@ -17,7 +17,7 @@ import socket
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_server import KEY, _http, _start, _stop
+from test_server import KEY, _http, serve_tiny
 
 CHAT, MESSAGES, COMPLETIONS = "/v1/chat/completions", "/v1/messages", "/v1/completions"
 ASK = [{"role": "user", "content": "hi"}]
@@ -25,15 +25,7 @@ ASK = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def served(tiny_dir, tmp_path_factory):
-    proc, url, _ = _start(
-        tmp_path_factory.mktemp("limits"),
-        tiny_dir / "qwen3",
-        tiny_dir / "d2_qwen3",
-        "--api-key",
-        KEY,
-    )
-    yield url
-    _stop(proc)
+    yield from serve_tiny(tiny_dir, tmp_path_factory, "limits")
 
 
 def _nest(n: int, leaf, wrap):
