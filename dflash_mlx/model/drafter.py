@@ -13,11 +13,11 @@ import mlx.core as mx
 import numpy as np
 from mlx import nn
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .. import ops
 from .config import DrafterArgs
+from .context import ContextCache
 from .conv import TwoTapConv
 from .selector import PathSelector
 
@@ -69,109 +69,6 @@ def block_mask(anchors: np.ndarray, context: int, block: int, window: int | None
         ctx &= col >= anchors[:, None] - (window - 1)
     mask = np.concatenate([ctx, np.ones((len(anchors), block), bool)], axis=1)
     return np.broadcast_to(mask[:, None, None, :], (len(anchors), 1, block, context + block))
-
-
-class ContextCache:
-    """Per-layer K/V of the context rows (target features of committed tokens).
-
-    Only context K/V persist between cycles; sliding layers keep the last ``window`` rows.
-
-    Args:
-        window: rows to keep, or None to keep all.
-    """
-
-    def __init__(self, window: int | None = None):
-        self.window = window
-        # Unwindowed rows live in an mlx-lm KVCache (grown in steps, written in place), so
-        # a cycle neither copies the whole context to append nor to attend to it.
-        self._rows = KVCache() if window is None else None
-        self._keys: mx.array | None = None  # windowed: [1, n_kv, n, head_dim]
-        self._values: mx.array | None = None
-        self.offset = 0  # rows projected so far == absolute position of the next row
-        # Target features [1, n, nT*H] not projected yet (``DFlashDrafter.append_context``)
-        self.pending: list[mx.array] = []
-
-    def held(self) -> tuple:
-        """The held (keys, values) [1, n_kv, size, head_dim], or (None, None) when empty."""
-        if self._rows is None:
-            return self._keys, self._values
-        return self._rows.keys_and_values() if self._rows.offset else (None, None)
-
-    keys = property(lambda self: self.held()[0])
-    values = property(lambda self: self.held()[1])
-
-    @property
-    def pending_rows(self) -> int:
-        """Feature rows waiting to be projected."""
-        return sum(f.shape[1] for f in self.pending)
-
-    @property
-    def position(self) -> int:
-        """Absolute position of the next row, pending rows included."""
-        return self.offset + self.pending_rows
-
-    @property
-    def size(self) -> int:
-        """Rows currently held."""
-        if self._rows is not None:
-            return self._rows.offset
-        return 0 if self._keys is None else self._keys.shape[2]
-
-    def append(self, keys: mx.array, values: mx.array) -> None:
-        """Add new context rows [1, n_kv, n, head_dim], dropping rows past the window."""
-        self.offset += keys.shape[2]
-        if self._rows is not None:
-            self._rows.update_and_fetch(keys, values)
-            return
-        if self._keys is not None:
-            keys = mx.concatenate([self._keys, keys], axis=2)
-            values = mx.concatenate([self._values, values], axis=2)
-        if keys.shape[2] > self.window:
-            keys, values = keys[:, :, -self.window :], values[:, :, -self.window :]
-        self._keys, self._values = keys, values
-
-    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The held rows followed by a block's rows [1, n_kv, L, head_dim], for one
-        attention call; the block rows are not kept (they are written past the held rows
-        of the buffer and forgotten, so nothing is copied)."""
-        if self._rows is None:
-            if self._keys is None:
-                return keys, values
-            return (
-                mx.concatenate([self._keys, keys], 2),
-                mx.concatenate([self._values, values], 2),
-            )
-        out = self._rows.update_and_fetch(keys, values)
-        self._rows.trim(keys.shape[2])
-        return out
-
-    def trim(self, n: int) -> None:
-        """Drop the last n rows (pending ones first, then positions offset-n ..). Rows the
-        window already dropped are not brought back: the drafter then sees less context,
-        which costs acceptance, never correctness."""
-        while n and self.pending:
-            k = self.pending[-1].shape[1]
-            if k <= n:
-                self.pending.pop()
-                n -= k
-            else:
-                self.pending[-1] = self.pending[-1][:, : k - n]
-                n = 0
-        n = min(n, self.offset)
-        self.offset -= n
-        if self._rows is not None:
-            self._rows.trim(n)
-        elif n >= self.size:
-            self._keys = self._values = None
-        elif n:
-            self._keys, self._values = self._keys[:, :, :-n], self._values[:, :, :-n]
-
-    @property
-    def state(self):
-        """Arrays to evaluate."""
-        held = [self._rows.keys, self._rows.values] if self._rows is not None else []
-        held += [self._keys, self._values]
-        return [a for a in held if a is not None] + self.pending
 
 
 class Attention(nn.Module):

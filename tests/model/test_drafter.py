@@ -72,3 +72,26 @@ def test_a_windowed_context_holds_only_its_window():
     assert k.shape[2] == 7 and c.size == 5
     c.trim(2)
     assert c.size == 3 and c.offset == 5 and c.keys[0, 0, :, 0].tolist() == [1.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_saved_context_cache_restores_identical_drafts(pairs, window, flush):
+    model, _ = pairs("qwen3", "d2")
+    d = model.drafter
+    cache = [drafter_mod.ContextCache(window) for _ in d.layers]
+    d.append_context(feats(model, 9, 0), cache, lazy=False)
+    for c in cache:
+        c.trim(2)
+    d.append_context(feats(model, 4, 1), cache, lazy=not flush)
+    saved = [c.save_state() for c in cache]
+    assert all(isinstance(v, str) for _, meta in saved for v in meta.values())
+    restored = [drafter_mod.ContextCache.load_state(*s) for s in saved]
+    assert [c.position for c in restored] == [c.position for c in cache] == [11] * len(cache)
+    emb = model.embed_block(mx.array([5], mx.uint32), 4)
+    assert mx.array_equal(d.step(emb, restored), d.step(emb, cache)).item()
+
+
+def test_loading_something_else_than_a_saved_context_cache_is_refused():
+    with pytest.raises(ValueError, match="not a saved context cache"):
+        drafter_mod.ContextCache.load_state({}, {"window": "none", "offset": "0"})
