@@ -24,6 +24,18 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A Qwen3-style thinking template: the generation prompt opens "<think>\n" (closed at once when
+# enable_thinking is false), an earlier assistant turn's reasoning_content is written back.
+THINK = ["<think>", "</think>"]
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and m.get('reasoning_content') %}"
+    "<think>\n{{ m['reasoning_content'] }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
 CORPUS = (
     "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    return parser\n"
     "import os\nimport sys\nfor i in range(10):\n    print(i, os.path.join('a', 'b'))\n"
@@ -49,17 +61,25 @@ def train_tokenizer(texts, vocab_size: int, special_tokens):
     return tok
 
 
-def build_tokenizer(path: Path, vocab_size: int = 320, chat_template: bool = True) -> int:
+def build_tokenizer(
+    path: Path, vocab_size: int = 320, chat_template: bool = True, thinking: bool = False
+) -> int:
     """Train a tiny byte-level BPE into path (without a chat template when chat_template is
-    False: the default chat format then applies); return its vocabulary size."""
+    False: the default chat format then applies); return its vocabulary size. thinking: a
+    thinking model's tokenizer (``THINK`` as added, non-special tokens, as Qwen3 has them,
+    and ``THINKING_TEMPLATE``)."""
     tok = train_tokenizer([CORPUS], vocab_size, SPECIALS)
+    if thinking:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK])
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": THINKING_TEMPLATE if thinking else CHAT_TEMPLATE,
         "model_max_length": 4096,
     }
     if not chat_template:
@@ -119,15 +139,21 @@ def build_target(
     tokenizer: bool = True,
     chat_template: bool = True,
     context: int | None = None,
+    thinking: bool = False,
     **kw,
 ) -> Path:
     """Write a tiny random float32 target (config, weights, tokenizer) to path; context
-    sets max_position_embeddings (4096 by default)."""
+    sets max_position_embeddings (4096 by default); thinking: a thinking tokenizer
+    (``build_tokenizer``)."""
     from mlx_lm.utils import _get_classes
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    V = build_tokenizer(path, chat_template=chat_template) if tokenizer else vocab_size
+    V = (
+        build_tokenizer(path, chat_template=chat_template, thinking=thinking)
+        if tokenizer
+        else vocab_size
+    )
     V = vocab_size or V
     cfg = target_config(kind, V, **kw)
     if context is not None:
@@ -162,6 +188,13 @@ def build_drafter(
         **kw,
     )
     return save_drafter(path, random_drafter(cfg, seed), cfg)
+
+
+def thinking_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
+    """(target dir, drafter dir) of a tiny qwen3 thinking model: ``<think>`` / ``</think>``
+    are tokens and its Qwen3-style template honours ``enable_thinking``."""
+    target = build_target(root / "think_t", "qwen3", seed=seed, thinking=True)
+    return target, build_drafter(root / "think_d", target)
 
 
 def eight_token_pair(root: Path):

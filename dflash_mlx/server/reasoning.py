@@ -1,0 +1,184 @@
+"""Reasoning kept apart from the answer: a thinking model's template markers (Qwen3's
+``<think>`` / ``</think>``), whether a prompt already opens a thinking section, and a splitter
+of the answer's text (whole or streamed) into reasoning and content. No MLX.
+
+The text between the markers is the reasoning; what follows the closing marker is the
+content (tool calls are parsed from it alone). As Qwen3's template writes an earlier turn's
+reasoning back, the newlines around the reasoning and those opening the content are dropped.
+"""
+
+from __future__ import annotations
+
+from .tools import template_text
+
+# (open, close) marker pairs a template may use; each is one token of the vocabulary
+PAIRS = (("<think>", "</think>"),)
+
+Marks = tuple[str, str]
+
+
+def _vocab(tokenizer) -> dict:
+    get = getattr(tokenizer, "get_vocab", None)
+    try:
+        return get() if callable(get) else dict(getattr(tokenizer, "vocab", {}) or {})
+    except (TypeError, ValueError, AttributeError):
+        return {}
+
+
+def markers(tokenizer) -> Marks | None:
+    """The (open, close) thinking markers of a tokenizer whose vocabulary holds both as
+    tokens and whose chat template mentions them; None for models without thinking.
+
+    Args:
+        tokenizer: mlx-lm TokenizerWrapper or a Hugging Face tokenizer.
+    """
+    template = template_text(tokenizer)
+    if not template:
+        return None
+    vocab = _vocab(tokenizer)
+    for pair in PAIRS:
+        if all(m in vocab for m in pair) and any(m in template for m in pair):
+            return pair
+    return None
+
+
+def marker_ids(tokenizer, marks: Marks) -> tuple[int, int]:
+    """The token ids of the (open, close) markers (``markers`` checked both are tokens)."""
+    vocab = _vocab(tokenizer)
+    return vocab[marks[0]], vocab[marks[1]]
+
+
+def starts_open(tokenizer, prompt, marks: Marks | None = None) -> bool:
+    """Whether a prompt ends inside a thinking section (a template that writes ``<think>\\n``
+    into the generation prompt), so the answer begins as reasoning.
+
+    Args:
+        tokenizer: the model's tokenizer. prompt: the prompt's token ids or its text.
+        marks: the markers (default: ``markers(tokenizer)``).
+    """
+    marks = marks or markers(tokenizer)
+    if marks is None:
+        return False
+    if isinstance(prompt, str):
+        return prompt.rfind(marks[0]) > prompt.rfind(marks[1])
+    ids = [int(t) for t in prompt]
+    opened, closed = marker_ids(tokenizer, marks)
+    last = {t: i for i, t in enumerate(ids)}  # a token's last position
+    return last.get(opened, -1) > last.get(closed, -1)
+
+
+def split(text: str, marks: Marks | None, started_open: bool) -> tuple[str | None, str]:
+    """A whole answer as (its reasoning, or None when it has none; the content after the
+    closing marker). An answer cut off while reasoning has content ''.
+
+    Args:
+        text: the answer's text. marks: from ``markers`` (None: no reasoning).
+        started_open: from ``starts_open``: the answer begins inside the reasoning.
+    """
+    s = Splitter(marks, started_open)
+    events = s.feed(text) + s.close()
+    content = "".join(v for k, v in events if k == "content")
+    return (s.reasoning_text if s.saw_reasoning else None), content
+
+
+def _partial(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class Splitter:
+    """Streamed answer text as ("reasoning", str) and ("content", str) pieces, each given as
+    soon as it is certain: a partial marker at the end, the newlines that may end the
+    reasoning, and the start of an answer that may open with the marker are held back.
+
+    Args:
+        marks: from ``markers`` (None: all of the text is content).
+        started_open: the answer begins inside the reasoning (``starts_open``).
+    """
+
+    def __init__(self, marks: Marks | None, started_open: bool):
+        self.marks = marks
+        self.state = "content" if marks is None else ("reasoning" if started_open else "start")
+        self.buf = ""
+        self.lead = started_open  # newlines opening the reasoning or the content are dropped
+        self.saw_reasoning = marks is not None and started_open
+        self.reasoning_text = ""
+
+    def feed(self, text: str) -> list[tuple[str, str]]:
+        """The pieces ``text`` completes (adjacent pieces of one kind merged)."""
+        self.buf += text
+        out: list[tuple[str, str]] = []
+        while self.buf:
+            before = (self.state, self.buf)
+            getattr(self, "_" + self.state)(out)
+            if (self.state, self.buf) == before:
+                break  # waiting for more text
+        return _merged(out)
+
+    def close(self) -> list[tuple[str, str]]:
+        """The pieces left at the end of the answer (an unclosed marker's text as it is)."""
+        rest, self.buf = self.buf, ""
+        out: list[tuple[str, str]] = []
+        if self.state == "reasoning":
+            self._emit(out, "reasoning", rest.rstrip("\n"))
+        elif self.state == "start":
+            self._emit(out, "content", rest)
+        else:
+            self._emit(out, "content", rest.lstrip("\n") if self.lead else rest)
+        return _merged(out)
+
+    def _emit(self, out: list, kind: str, s: str) -> None:
+        if s:
+            out.append((kind, s))
+            if kind == "reasoning":
+                self.reasoning_text += s
+
+    def _start(self, out: list) -> None:
+        """Before the first visible text: the answer may open the reasoning itself."""
+        head = self.buf.lstrip()
+        opened = self.marks[0]
+        if head.startswith(opened):
+            self.buf, self.state = head[len(opened) :], "reasoning"
+            self.lead = self.saw_reasoning = True
+        elif head and not opened.startswith(head):
+            self.state, self.lead = "content", False
+
+    def _reasoning(self, out: list) -> None:
+        if self.lead:  # the newline(s) after the opening marker
+            self.buf = self.buf.lstrip("\n")
+            if not self.buf:
+                return
+            self.lead = False
+        closing = self.marks[1]
+        i = self.buf.find(closing)
+        if i >= 0:
+            self._emit(out, "reasoning", self.buf[:i].rstrip("\n"))
+            self.buf, self.state, self.lead = self.buf[i + len(closing) :], "content", True
+            return
+        keep = _partial(self.buf, closing)
+        body = self.buf[: len(self.buf) - keep]
+        sure = body.rstrip("\n")  # newlines right before the marker are not reasoning
+        self._emit(out, "reasoning", sure)
+        self.buf = self.buf[len(sure) :]
+
+    def _content(self, out: list) -> None:
+        if self.lead:
+            self.buf = self.buf.lstrip("\n")
+            if not self.buf:
+                return
+            self.lead = False
+        self._emit(out, "content", self.buf)
+        self.buf = ""
+
+
+def _merged(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    for kind, s in pieces:
+        if out and out[-1][0] == kind:
+            out[-1] = (kind, out[-1][1] + s)
+        else:
+            out.append((kind, s))
+    return out

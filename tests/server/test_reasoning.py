@@ -1,0 +1,96 @@
+"""The reasoning splitter (server/reasoning.py): markers from a tokenizer, a prompt that opens
+the reasoning, and whole or streamed answers split into reasoning and content."""
+
+import pytest
+
+from dflash_mlx.server.reasoning import Splitter, markers, split, starts_open
+
+M = ("<think>", "</think>")
+
+
+class FakeTokenizer:
+    def __init__(self, vocab, template):
+        self.vocab, self.chat_template = vocab, template
+
+    def get_vocab(self):
+        return self.vocab
+
+
+def streamed(text: str, marks, started_open: bool, step: int = 1):
+    s = Splitter(marks, started_open)
+    out = []
+    for i in range(0, len(text), step):
+        out += s.feed(text[i : i + step])
+    out += s.close()
+    joined = {"reasoning": "", "content": ""}
+    for kind, val in out:
+        joined[kind] += val
+    return joined["reasoning"], joined["content"]
+
+
+def test_markers_need_both_tokens_and_a_template_that_mentions_them():
+    vocab = {"<think>": 5, "</think>": 6}
+    assert markers(FakeTokenizer(vocab, "x {{ '<think>' }} y")) == M
+    assert markers(FakeTokenizer(vocab, "no thinking here")) is None
+    assert markers(FakeTokenizer({"<think>": 5}, "<think></think>")) is None
+    assert markers(FakeTokenizer(vocab, None)) is None
+
+
+def test_starts_open_reads_the_last_marker_of_the_prompt():
+    tok = FakeTokenizer({"<think>": 5, "</think>": 6}, "<think>")
+    assert starts_open(tok, [1, 2, 5, 7])
+    assert not starts_open(tok, [1, 5, 7, 6, 8])  # enable_thinking false: opened and closed
+    assert not starts_open(tok, [1, 2, 3])
+    assert starts_open(tok, "a<think>\n")
+    assert not starts_open(tok, "a<think>\n\n</think>\n\n")
+    assert not starts_open(FakeTokenizer({}, ""), [5])  # no markers: never
+
+
+@pytest.mark.parametrize(
+    "text, started_open, want",
+    [
+        ("\nLet me see.\n</think>\n\nHello", True, ("Let me see.", "Hello")),
+        ("<think>\nhmm\n</think>\n\nHi", False, ("hmm", "Hi")),
+        ("  <think>a</think>b", False, ("a", "b")),
+        ("Hi <think>x</think>", False, (None, "Hi <think>x</think>")),
+        ("still thinking\n", True, ("still thinking", "")),
+        ("</think>\n\nHi", True, ("", "Hi")),
+        ("a\n\nb</think>c\n\nd", True, ("a\n\nb", "c\n\nd")),
+        ("\n\n x", False, (None, "\n\n x")),
+    ],
+)
+def test_split_separates_reasoning_from_content(text, started_open, want):
+    assert split(text, M, started_open) == want
+
+
+def test_split_without_markers_is_all_content():
+    assert split("<think>a</think>b", None, True) == (None, "<think>a</think>b")
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7])
+def test_streamed_pieces_join_to_the_whole_split(step):
+    for text, started in [
+        ("\nI think\n\nso.\n</think>\n\n<tool_call>x", True),
+        ("<think>\nhmm</thi nk</think>\n\nHi\n", False),
+        ("<thin", False),
+        ("\n\n<think>", False),
+    ]:
+        whole = split(text, M, started)
+        got = streamed(text, M, started, step)
+        assert got == (whole[0] or "", whole[1]), (text, step)
+
+
+def test_a_partial_closing_marker_is_held_back_until_it_is_decided():
+    s = Splitter(M, True)
+    assert s.feed("abc</thi") == [("reasoning", "abc")]
+    assert s.feed("nk>\n\nok") == [("content", "ok")]
+    s = Splitter(M, True)
+    assert s.feed("abc</thi") == [("reasoning", "abc")]
+    assert s.feed("s is text") == [("reasoning", "</this is text")]
+
+
+def test_an_answer_that_does_not_open_the_reasoning_streams_as_content_at_once():
+    s = Splitter(M, False)
+    assert s.feed("  ") == []  # might still open with <think>
+    assert s.feed("Hello") == [("content", "  Hello")]
+    assert s.feed(" <think>") == [("content", " <think>")]
