@@ -6,11 +6,129 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+SLACK = 256  # rows a sliding buffer has past its window at least
+
+
+class GrowingRows:
+    """Every context row, in mlx-lm's ``KVCache`` (grown in steps of 256 rows, written in
+    place): a cycle copies the context neither to append nor to attend to it."""
+
+    def __init__(self):
+        self._kv = KVCache()
+
+    @property
+    def size(self) -> int:
+        """Rows held."""
+        return self._kv.offset
+
+    def held(self) -> tuple:
+        """(keys, values) [1, n_kv, size, head_dim], or (None, None) when empty."""
+        return self._kv.keys_and_values() if self._kv.offset else (None, None)
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Keep rows [1, n_kv, n, head_dim] after the held ones."""
+        self._kv.update_and_fetch(keys, values)
+
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The held rows then a block's [1, n_kv, L, head_dim]; the block is not kept."""
+        out = self._kv.update_and_fetch(keys, values)
+        self._kv.trim(keys.shape[2])
+        return out
+
+    def trim(self, n: int) -> None:
+        """Drop the last n held rows."""
+        self._kv.trim(n)
+
+    @property
+    def arrays(self) -> list:
+        """Its buffers."""
+        return [a for a in (self._kv.keys, self._kv.values) if a is not None]
+
+
+class WindowRows:
+    """The last ``window`` context rows, in order, in a buffer of ``window + slack`` rows
+    written in place (a sliding layer's context, docs/algorithm.md §2.3).
+
+    Rows and blocks are written past the held ones; the window's start moves forward. Only
+    when the buffer is full are the held rows copied to its front: one window-sized copy
+    every ``slack`` rows, where a concatenation would copy the window on every append and
+    every draft. The rows keep their order, so attention sees the bits the concatenation
+    gave.
+
+    Args:
+        window: rows to keep.
+    """
+
+    def __init__(self, window: int):
+        self.window = window
+        self.slack = max(window, SLACK)
+        self._k: mx.array | None = None  # [1, n_kv, capacity, head_dim]
+        self._v: mx.array | None = None
+        self._start = self._end = 0  # the held rows are _start .. _end - 1
+
+    @property
+    def size(self) -> int:
+        """Rows held."""
+        return self._end - self._start
+
+    def held(self) -> tuple:
+        """(keys, values) [1, n_kv, size, head_dim] (views), or (None, None) when empty."""
+        if not self.size:
+            return None, None
+        return self._k[:, :, self._start : self._end], self._v[:, :, self._start : self._end]
+
+    def _room(self, n: int, keys: mx.array, values: mx.array) -> None:
+        """Room for n rows past the held ones: a new buffer with the held rows at its front
+        when the current one lacks it (keys, values give the shapes and dtypes)."""
+        if self._k is not None and self._end + n <= self._k.shape[2]:
+            return
+        cap = self.window + max(self.slack, n)
+        k = mx.zeros(keys.shape[:2] + (cap, keys.shape[3]), keys.dtype)
+        v = mx.zeros(values.shape[:2] + (cap, values.shape[3]), values.dtype)
+        size = self.size
+        if size:
+            k[:, :, :size], v[:, :, :size] = self.held()
+        self._k, self._v, self._start, self._end = k, v, 0, size
+
+    def _write(self, keys: mx.array, values: mx.array) -> int:
+        """Write rows [1, n_kv, n, head_dim] just past the held ones; returns n."""
+        n = keys.shape[2]
+        self._room(n, keys, values)
+        self._k[:, :, self._end : self._end + n] = keys
+        self._v[:, :, self._end : self._end + n] = values
+        return n
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        """Keep rows [1, n_kv, n, head_dim] after the held ones, the last ``window`` in all."""
+        if keys.shape[2] >= self.window:  # nothing held survives: keep the last window rows
+            keys, values = keys[:, :, -self.window :], values[:, :, -self.window :]
+            self._start = self._end
+        n = self._write(keys, values)  # may move the held rows to the buffer's front
+        self._end += n
+        self._start = max(self._start, self._end - self.window)
+
+    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The held rows then a block's [1, n_kv, L, head_dim] (views of the buffer); the
+        block is written past the held rows and not kept."""
+        n = self._write(keys, values)  # may move the held rows to the buffer's front
+        stop = self._end + n
+        return self._k[:, :, self._start : stop], self._v[:, :, self._start : stop]
+
+    def trim(self, n: int) -> None:
+        """Drop the last n held rows (rows the window dropped are not brought back)."""
+        self._end -= min(n, self.size)
+
+    @property
+    def arrays(self) -> list:
+        """Its buffers."""
+        return [a for a in (self._k, self._v) if a is not None]
+
 
 class ContextCache:
     """Per-layer K/V of the context rows (target features of committed tokens).
 
     Only context K/V persist between cycles; sliding layers keep the last ``window`` rows.
+    Both kinds are written in place (``GrowingRows``, ``WindowRows``).
 
     Args:
         window: rows to keep, or None to keep all.
@@ -18,20 +136,14 @@ class ContextCache:
 
     def __init__(self, window: int | None = None):
         self.window = window
-        # Unwindowed rows live in an mlx-lm KVCache (grown in steps, written in place), so
-        # a cycle neither copies the whole context to append nor to attend to it.
-        self._rows = KVCache() if window is None else None
-        self._keys: mx.array | None = None  # windowed: [1, n_kv, n, head_dim]
-        self._values: mx.array | None = None
+        self._rows = GrowingRows() if window is None else WindowRows(window)
         self.offset = 0  # rows projected so far == absolute position of the next row
         # Target features [1, n, nT*H] not projected yet (``DFlashDrafter.append_context``)
         self.pending: list[mx.array] = []
 
     def held(self) -> tuple:
         """The held (keys, values) [1, n_kv, size, head_dim], or (None, None) when empty."""
-        if self._rows is None:
-            return self._keys, self._values
-        return self._rows.keys_and_values() if self._rows.offset else (None, None)
+        return self._rows.held()
 
     keys = property(lambda self: self.held()[0])
     values = property(lambda self: self.held()[1])
@@ -49,37 +161,18 @@ class ContextCache:
     @property
     def size(self) -> int:
         """Rows currently held."""
-        if self._rows is not None:
-            return self._rows.offset
-        return 0 if self._keys is None else self._keys.shape[2]
+        return self._rows.size
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         """Add new context rows [1, n_kv, n, head_dim], dropping rows past the window."""
         self.offset += keys.shape[2]
-        if self._rows is not None:
-            self._rows.update_and_fetch(keys, values)
-            return
-        if self._keys is not None:
-            keys = mx.concatenate([self._keys, keys], axis=2)
-            values = mx.concatenate([self._values, values], axis=2)
-        if keys.shape[2] > self.window:
-            keys, values = keys[:, :, -self.window :], values[:, :, -self.window :]
-        self._keys, self._values = keys, values
+        self._rows.append(keys, values)
 
     def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """The held rows followed by a block's rows [1, n_kv, L, head_dim], for one
         attention call; the block rows are not kept (they are written past the held rows
         of the buffer and forgotten, so nothing is copied)."""
-        if self._rows is None:
-            if self._keys is None:
-                return keys, values
-            return (
-                mx.concatenate([self._keys, keys], 2),
-                mx.concatenate([self._values, values], 2),
-            )
-        out = self._rows.update_and_fetch(keys, values)
-        self._rows.trim(keys.shape[2])
-        return out
+        return self._rows.with_block(keys, values)
 
     def trim(self, n: int) -> None:
         """Drop the last n rows (pending ones first, then positions offset-n ..). Rows the
@@ -95,12 +188,7 @@ class ContextCache:
                 n = 0
         n = min(n, self.offset)
         self.offset -= n
-        if self._rows is not None:
-            self._rows.trim(n)
-        elif n >= self.size:
-            self._keys = self._values = None
-        elif n:
-            self._keys, self._values = self._keys[:, :, :-n], self._values[:, :, :-n]
+        self._rows.trim(n)
 
     def save_state(self) -> tuple[dict[str, mx.array], dict[str, str]]:
         """Arrays and metadata that fully describe this cache (e.g. for safetensors);
@@ -158,6 +246,4 @@ class ContextCache:
     @property
     def state(self):
         """Arrays to evaluate."""
-        held = [self._rows.keys, self._rows.values] if self._rows is not None else []
-        held += [self._keys, self._values]
-        return [a for a in held if a is not None] + self.pending
+        return self._rows.arrays + self.pending
