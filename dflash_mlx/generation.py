@@ -86,6 +86,7 @@ def encode_prompt(
     system: str | None = None,
     context: int | None = None,
     tools: list | None = None,
+    template_kwargs: dict | None = None,
 ):
     """Turn a prompt into ids: a str gets the chat template unless raw, messages always
     do, token ids are used as-is. A tokenizer without a template gets the default chat
@@ -97,6 +98,7 @@ def encode_prompt(
         raw: skip the chat template for a str. system: optional system message.
         context: the model's context length; a prompt that does not fit is refused (text
             far too long before it is tokenized). tools: the chat template's ``tools``.
+        template_kwargs: more chat template variables (e.g. ``{"enable_thinking": False}``).
 
     Raises:
         DFlashError: an empty prompt, text that is not valid UTF-8.
@@ -112,9 +114,9 @@ def encode_prompt(
             msgs = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
-            ids = chat_ids(tokenizer, msgs)
+            ids = chat_ids(tokenizer, msgs, template_kwargs=template_kwargs)
     elif len(prompt) and isinstance(prompt[0], dict):
-        ids = chat_ids(tokenizer, list(prompt), tools)
+        ids = chat_ids(tokenizer, list(prompt), tools, template_kwargs)
     else:
         try:
             ids = [int(t) for t in prompt]

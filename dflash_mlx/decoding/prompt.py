@@ -262,16 +262,20 @@ def _seen(tokenizer) -> bool:
     return False
 
 
-def chat_ids(tokenizer, messages: Sequence[dict[str, str]], tools=None) -> list[int]:
+def chat_ids(
+    tokenizer, messages: Sequence[dict[str, str]], tools=None, template_kwargs=None
+) -> list[int]:
     """Ids of a conversation ready for the assistant's answer: the tokenizer's chat
     template, or the default format (with a one-time notice) when it has none.
 
     Args:
         tokenizer: mlx-lm TokenizerWrapper. messages: {role, content} dicts.
         tools: the template's ``tools`` variable (OpenAI tool objects), if any.
+        template_kwargs: more template variables (e.g. ``enable_thinking``); the default
+            format has none and ignores them.
     """
     if has_chat_template(tokenizer):
-        kw = {"tools": tools} if tools else {}
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kw)
         return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
     notice_default_format(tokenizer)
