@@ -1,0 +1,382 @@
+"""OpenAI's Responses API on the same server: ``POST /v1/responses`` (whole or streamed) and
+``GET /v1/responses/{id}``.
+
+A Responses request is translated into the OpenAI chat request the rest of the server speaks
+(``instructions`` as the system message, ``message`` items as messages, ``function_call``
+items as assistant ``tool_calls``, ``function_call_output`` items as ``tool`` messages,
+flat function ``tools``, ``text.format`` as ``response_format``), so the template, the
+grammar that forces a call, and the queue are the same. ``reasoning`` input items are
+dropped, as chat templates drop earlier turns' thinking. The answer and its events are
+``responses_stream``'s. Finished responses are held in memory (``Store``: the last
+``MAX_HELD``, at most ``MAX_HELD_BYTES``) for ``previous_response_id`` and the GET route.
+Errors have OpenAI's shape and name the Responses API's fields.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from .limits import InputError, Names, check_body, load_json
+from .responses_stream import Answer, new_id
+from .schema import SETTINGS, APIError, bad, parse_body
+
+RESPONSES = "/v1/responses"
+ROUTES = {RESPONSES}
+MAX_HELD = 256  # responses held for previous_response_id and GET
+MAX_HELD_BYTES = 64 << 20  # ... and at most this much of their JSON
+PASSED = {k for k in SETTINGS if k not in ("max_tokens", "max_completion_tokens")}
+TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
+REFUSED = {  # request fields this server cannot honour: a 400 rather than a silent ignore
+    "background": "background responses are not supported; leave 'background' unset",
+    "conversation": "conversations are not stored here; use 'previous_response_id'",
+}
+# the chat request's field names, as this API writes them in errors
+RESPELL = (
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("'max_tokens'", "'max_output_tokens'"),
+)
+PARAMS = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens"}
+
+
+@dataclass(frozen=True)
+class _Spelling(Names):
+    """Tools as the Responses API writes them: flat, ``tools[0].parameters``."""
+
+    def tool(self, i: int, field: str = "") -> str:
+        return f"tools[{i}]" + (f".{field}" if field else "")
+
+    @property
+    def choice_name(self) -> str:
+        return "tool_choice.name"
+
+
+SPELLING = _Spelling("openai")
+
+
+def respell(e: APIError) -> APIError:
+    """The chat request's error in this API's field names."""
+    msg = e.message
+    for old, new in RESPELL:
+        msg = msg.replace(old, new)
+    return APIError(e.status, msg, PARAMS.get(e.param, e.param), e.code)
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+class Store:
+    """Finished responses by id, oldest dropped first past ``MAX_HELD`` or ``MAX_HELD_BYTES``.
+
+    Each holds the response object (for GET) and its conversation: the input items of its
+    chain and its output items, without instructions (they do not carry over)."""
+
+    def __init__(self, max_held: int = MAX_HELD, max_bytes: int = MAX_HELD_BYTES):
+        self.max_held, self.max_bytes, self.bytes = max_held, max_bytes, 0
+        self.held: OrderedDict[str, tuple[dict, list, int]] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def put(self, response: dict, items: list) -> None:
+        """Hold ``response`` (its ``id``) with its conversation ``items``."""
+        size = len(json.dumps(response)) + len(json.dumps(items))
+        if size > self.max_bytes:  # larger than the whole store: not held
+            return
+        with self.lock:
+            self.held[response["id"]] = (response, items, size)
+            self.bytes += size
+            while self.held and (len(self.held) > self.max_held or self.bytes > self.max_bytes):
+                self.bytes -= self.held.popitem(last=False)[1][2]
+
+    def get(self, rid: str) -> tuple[dict, list] | None:
+        """(response, conversation items) of a held id, or None."""
+        with self.lock:
+            got = self.held.get(rid)
+        return None if got is None else got[:2]
+
+
+_STORE_LOCK = threading.Lock()
+
+
+def store_of(server) -> Store:
+    """The server's store, made on first use."""
+    with _STORE_LOCK:
+        if getattr(server, "responses_store", None) is None:
+            server.responses_store = Store()
+        return server.responses_store
+
+
+# ----------------------------------------------------------------------------- input items
+
+
+def _text(content: Any, where: str) -> str:
+    """A string, or a list of text parts, as one string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad(f"{where} must be a string or a list of text parts", "input")
+    parts = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        if kind == "refusal" and isinstance(p.get("refusal"), str):
+            parts.append(p["refusal"])
+        elif kind in TEXT_PARTS and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+        else:
+            raise bad(
+                f"{where}[{j}]: only text parts are supported (input_text, output_text; "
+                f"got {kind!r})",
+                "input",
+            )
+    return "".join(parts)
+
+
+def _message(item: dict, where: str) -> dict:
+    role = item.get("role")
+    if role not in ("user", "assistant", "system", "developer"):
+        raise bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
+    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    v = item.get(key)
+    if not isinstance(v, str) or not v:
+        raise bad(f"{where}.{key} must be a non-empty string", "input")
+    return v
+
+
+def _call(item: dict, where: str, out: list) -> None:
+    """A ``function_call`` item: a tool call of the assistant turn it ends (or a new one)."""
+    args = item.get("arguments", "")
+    if not isinstance(args, str):
+        raise bad(f"{where}.arguments must be a string of JSON", "input")
+    try:
+        value = load_json(args, f"{where}.arguments", SPELLING) if args.strip() else {}
+    except InputError as e:
+        raise bad(str(e), "input") from None
+    if not isinstance(value, dict):
+        raise bad(f"{where}.arguments must be a JSON object", "input")
+    fn = {"name": _string(item, "name", where), "arguments": json.dumps(value)}
+    call = {"id": _string(item, "call_id", where), "type": "function", "function": fn}
+    last = out[-1] if out else None
+    if last is None or last["role"] != "assistant":
+        last = {"role": "assistant", "content": ""}
+        out.append(last)
+    last.setdefault("tool_calls", []).append(call)
+
+
+def _item(item: Any, where: str, out: list) -> None:
+    """Append the chat messages of one input item to ``out``."""
+    if not isinstance(item, dict):
+        raise bad(f"{where} must be an object (a message or an item)", "input")
+    kind = item.get("type", "message")
+    if kind == "message":
+        msg = _message(item, where)
+        last = out[-1] if out else None
+        if last and msg["role"] == "assistant" == last["role"] and not last.get("tool_calls"):
+            last["content"] += msg["content"]  # one turn written as several items
+        else:
+            out.append(msg)
+    elif kind == "function_call":
+        _call(item, where, out)
+    elif kind == "function_call_output":
+        text = _text(item.get("output"), f"{where}.output")
+        out.append(
+            {"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": text}
+        )
+    elif kind == "reasoning":
+        if not isinstance(item.get("summary", []), list):
+            raise bad(f"{where}.summary must be a list", "input")
+    elif kind == "item_reference":
+        raise bad(f"{where}: item_reference is not supported; send the item itself", "input")
+    else:
+        raise bad(
+            f"{where}.type {kind!r} is not supported; use message, function_call, "
+            "function_call_output or reasoning",
+            "input",
+        )
+
+
+def input_items(body: dict) -> list:
+    """The request's ``input`` as a list of items (a string is one user message)."""
+    inp = body.get("input")
+    if isinstance(inp, str):
+        return [{"type": "message", "role": "user", "content": inp}]
+    if not isinstance(inp, list):
+        raise bad("'input' must be a string or a list of items", "input")
+    return inp
+
+
+def messages(items: list, where: str = "input") -> list[dict]:
+    """The chat messages of Responses items.
+
+    Raises:
+        APIError: 400 naming the item at fault.
+    """
+    out: list[dict] = []
+    for i, item in enumerate(items):
+        _item(item, f"{where}[{i}]", out)
+    return out
+
+
+# ----------------------------------------------------------------------------- the request
+
+
+def _tools(body: dict) -> list | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list of function tools", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise bad(
+                f"tools[{i}].type is {kind!r}; only function tools "
+                "({'type': 'function', 'name': ..., 'parameters': {...}}) are supported",
+                "tools",
+            )
+        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(tc: Any) -> Any:
+    if tc is None or isinstance(tc, str):
+        return tc  # "auto" / "none" / "required", checked with the tools
+    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
+        return {"type": "function", "function": {"name": tc["name"]}}
+    raise bad(
+        "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+        "tool_choice",
+    )
+
+
+def _format(text: Any) -> dict | None:
+    """``text.format`` as a chat ``response_format``."""
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or (fmt is not None and not isinstance(fmt, dict)):
+        raise bad("'text' must be {'format': {'type': 'text' | 'json_object' | ...}}", "text")
+    if fmt is None or fmt.get("type") in ("text", "json_object"):
+        return fmt
+    if fmt.get("type") != "json_schema":
+        raise bad("'text.format.type' must be 'text', 'json_object' or 'json_schema'", "text")
+    schema = fmt.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("'text.format.schema' must be a JSON schema object", "text")
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema}}
+
+
+def _history(body: dict, store: Store) -> list:
+    """The items of the conversation ``previous_response_id`` names ([] without one)."""
+    prev = body.get("previous_response_id")
+    if prev is None:
+        return []
+    if not isinstance(prev, str):
+        raise bad("'previous_response_id' must be a string", "previous_response_id")
+    held = store.get(prev)
+    if held is None:
+        raise APIError(
+            404,
+            f"previous response '{prev}' is not held here (the server keeps its last "
+            f"{store.max_held} responses); send the whole conversation as 'input'",
+            "previous_response_id",
+            "previous_response_not_found",
+        )
+    return held[1]
+
+
+def to_chat(body: Any, store: Store) -> tuple[dict, list]:
+    """(the OpenAI chat body of a Responses request, the conversation items it continues
+    plus its own input: what a later ``previous_response_id`` resumes).
+
+    Raises:
+        APIError: 400 naming the field, 404 for a ``previous_response_id`` not held.
+    """
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", code="invalid_json")
+    if not isinstance(body.get("store", True), bool):
+        raise bad("'store' must be a boolean", "store")
+    for key, why in REFUSED.items():
+        if body.get(key):
+            raise bad(why, key)
+    items = _history(body, store) + input_items(body)
+    msgs = messages(items)
+    ins = body.get("instructions")
+    if ins is not None:
+        if not isinstance(ins, str):
+            raise bad("'instructions' must be a string", "instructions")
+        msgs.insert(0, {"role": "system", "content": ins})
+    if not msgs:
+        raise bad("'input' is empty; send a string or at least one message", "input")
+    chat: dict[str, Any] = {"messages": msgs, "stream": body.get("stream", False)}
+    for k in ("model", "parallel_tool_calls", *PASSED):
+        if body.get(k) is not None:
+            chat[k] = body[k]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    chat["tools"] = _tools(body)
+    chat["tool_choice"] = _tool_choice(body.get("tool_choice"))
+    chat["response_format"] = _format(body.get("text"))
+    return chat, items
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def _load(raw: bytes) -> Any:
+    """The request body, parsed and within ``limits.MAX_BODY_DEPTH``."""
+    try:
+        body = json.loads(raw.decode("utf-8") if raw else "")
+    except RecursionError:
+        raise bad(
+            "the request body is nested too deeply; flatten it", code="invalid_json"
+        ) from None
+    except ValueError as e:
+        raise bad(f"the request body is not valid JSON ({e})", code="invalid_json") from None
+    if isinstance(body, dict):
+        try:
+            check_body(body, SPELLING)
+        except InputError as e:
+            raise bad(str(e), e.field, "invalid_json") from None
+    return body
+
+
+def handle(h, path: str) -> None:
+    """Answer ``POST /v1/responses`` on the handler ``h`` (``http.Handler``)."""
+    if not h._authorized():
+        raise h._unauthorized()
+    srv, store = h.server, store_of(h.server)
+    body = _load(h.body())
+    try:
+        chat, items = to_chat(body, store)
+        req = parse_body(chat, "chat", srv.defaults, srv.engine.model.block_size, SPELLING)
+        job = h.submit(req)
+    except APIError as e:
+        raise respell(e) from None
+    try:
+        done = Answer(h, req, job, body, new_id()).run()
+    finally:
+        job.cancel.set()  # no-op when finished; stops the generation otherwise
+    if done is not None and body.get("store", True) is not False:
+        store.put(done, items + done["output"])
+
+
+def get(h, path: str) -> None:
+    """Answer ``GET /v1/responses/{id}`` with a held response, or 404."""
+    rid = path[len(RESPONSES) + 1 :]
+    held = store_of(h.server).get(rid)
+    if held is None:
+        raise APIError(
+            404,
+            f"response '{rid}' is not held here (the server keeps its last {MAX_HELD})",
+            None,
+            "response_not_found",
+        )
+    h._send_json(200, held[0])

@@ -1,0 +1,287 @@
+"""The answer of a Responses API request (``responses.py``): output items (``message`` with
+``output_text``, ``function_call``) built from the generated text, the response object, and
+for ``stream: true`` the server-sent events the official SDK consumes, each with its
+``sequence_number``: ``response.created``, ``response.in_progress``, then per item
+``response.output_item.added``, ``response.content_part.added``,
+``response.output_text.delta`` ... ``.done``, ``response.content_part.done`` (a message) or
+``response.function_call_arguments.delta`` / ``.done`` (a call), ``response.output_item.done``,
+and last ``response.completed`` (``response.incomplete`` when ``max_output_tokens`` ran out).
+
+A whole answer goes through the same items with the events unsent, so both agree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from .schema import APIError, dflash_stats
+from .tools import HERMES, CallStream
+
+
+def new_id(prefix: str = "resp") -> str:
+    return f"{prefix}_" + uuid.uuid4().hex[:24]
+
+
+def usage(last) -> dict:
+    """The Responses ``usage`` of the last GenerationResponse."""
+    return {
+        "input_tokens": last.prompt_tokens,
+        "input_tokens_details": {
+            "cached_tokens": max(0, last.prompt_tokens - last.prompt_processed)
+        },
+        "output_tokens": last.generation_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": last.prompt_tokens + last.generation_tokens,
+    }
+
+
+class Answer:
+    """One Responses answer, whole or as events.
+
+    Args:
+        h: the ``http.Handler``. req: the translated chat request. job: its queued job.
+        body: the Responses request (fields echoed in the response). rid: the response id.
+    """
+
+    def __init__(self, h, req, job, body: dict, rid: str):
+        self.h, self.req, self.job, self.body, self.id = h, req, job, body, rid
+        self.created, self.seq, self.sending = int(time.time()), 0, False
+        self.output: list[dict] = []  # the items so far; an open one is last
+        self.open: dict | None = None  # the message whose text is streaming
+        spec = req.tools
+        self.tools = spec is not None and spec.active
+        self.split = CallStream(spec.fmt if spec is not None else HERMES)
+        self.accepted = 0
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict | None:
+        """Relay the job; the final response object, or None when the client went away or
+        the generation failed after the events began."""
+        last = None
+        texts: list[str] = []
+        while True:
+            item = self.h._next(self.job)
+            if item is None:
+                return None
+            tag, val = item
+            if tag == "end":
+                break
+            if tag == "error":
+                if not self.sending:  # nothing sent yet: the error is the answer
+                    raise val
+                self._fail(val)
+                return None
+            last = val
+            self.accepted += val.accepted
+            texts.append(val.text)
+            if self.req.stream:
+                if not self.sending:
+                    self._begin(last)
+                self._feed(val.text, bool(val.finish_reason))
+        if last is None:
+            raise APIError(500, "the generation produced nothing")
+        if not self.req.stream:
+            self._feed("".join(texts), True)
+        self._close_message()
+        if not self.output:  # nothing at all was said: one empty message
+            self._open_message()
+            self._close_message()
+        final = self.response(last)
+        if self.req.stream:
+            self.send({"type": f"response.{final['status']}", "response": final})
+        else:
+            self.h._send_json(200, final)
+        return final
+
+    def _begin(self, last) -> None:
+        self.sending = True
+        self.h.start_events()
+        for kind in ("created", "in_progress"):
+            self.send({"type": f"response.{kind}", "response": self.response(last, False)})
+
+    def send(self, event: dict) -> None:
+        """One server-sent event (numbered) when streaming."""
+        if not self.sending:
+            return
+        event["sequence_number"] = self.seq
+        self.seq += 1
+        data = json.dumps(event)
+        self.h.wfile.write(f"event: {event['type']}\ndata: {data}\n\n".encode())
+        self.h.wfile.flush()
+
+    def _fail(self, err: APIError) -> None:
+        """A generation that failed mid-stream: the error event, then ``response.failed``."""
+        body = err.body()["error"]
+        self.send(
+            {
+                "type": "error",
+                "code": body["code"],
+                "message": body["message"],
+                "param": body["param"],
+            }
+        )
+        failed = self.response(None, False)
+        failed.update(status="failed", error={"code": "server_error", "message": err.message})
+        self.send({"type": "response.failed", "response": failed})
+
+    # ------------------------------------------------------------------ items
+    def _feed(self, text: str, final: bool) -> None:
+        """The items and events of a piece of the answer (``final``: the last piece)."""
+        if self.tools:
+            events = self.split.feed(text) + (self.split.close() if final else [])
+        else:
+            events = [("text", text)] if text else []
+        for kind, val in events:
+            if kind == "text":
+                self._text(val)
+            else:
+                self._call(val)
+
+    def _where(self, item: dict) -> dict:
+        return {"item_id": item["id"], "output_index": self.output.index(item)}
+
+    def _open_message(self) -> None:
+        self.open = {
+            "id": new_id("msg"),
+            "type": "message",
+            "role": "assistant",
+            "status": "in_progress",
+            "content": [],
+        }
+        self.output.append(self.open)
+        self.send(
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.output) - 1,
+                "item": dict(self.open, content=[]),
+            }
+        )
+        part = {"type": "output_text", "text": "", "annotations": []}
+        self.open["content"].append(part)
+        self.send(
+            {
+                "type": "response.content_part.added",
+                **self._where(self.open),
+                "content_index": 0,
+                "part": dict(part),
+            }
+        )
+
+    def _text(self, text: str) -> None:
+        if self.open is None:
+            self._open_message()
+        self.open["content"][0]["text"] += text
+        self.send(
+            {
+                "type": "response.output_text.delta",
+                **self._where(self.open),
+                "content_index": 0,
+                "delta": text,
+                "logprobs": [],
+            }
+        )
+
+    def _close_message(self) -> None:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        part, where = item["content"][0], self._where(item)
+        self.send(
+            {
+                "type": "response.output_text.done",
+                **where,
+                "content_index": 0,
+                "text": part["text"],
+                "logprobs": [],
+            }
+        )
+        self.send(
+            {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}
+        )
+        item["status"] = "completed"
+        self._done(item)
+
+    def _call(self, call) -> None:
+        """A whole tool call (``tools.ToolCall``) as a ``function_call`` item."""
+        self._close_message()
+        item = {
+            "id": new_id("fc"),
+            "type": "function_call",
+            "status": "in_progress",
+            "call_id": call.id,
+            "name": call.name,
+            "arguments": "",
+        }
+        self.output.append(item)
+        self.send(
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.output) - 1,
+                "item": dict(item),
+            }
+        )
+        item["arguments"] = call.arguments
+        where = self._where(item)
+        self.send(
+            {"type": "response.function_call_arguments.delta", **where, "delta": call.arguments}
+        )
+        self.send(
+            {
+                "type": "response.function_call_arguments.done",
+                **where,
+                "name": call.name,
+                "arguments": call.arguments,
+            }
+        )
+        item["status"] = "completed"
+        self._done(item)
+
+    def _done(self, item: dict) -> None:
+        self.send(
+            {
+                "type": "response.output_item.done",
+                "output_index": self.output.index(item),
+                "item": json.loads(json.dumps(item)),
+            }
+        )
+
+    # ------------------------------------------------------------------ the object
+    def response(self, last, finished: bool = True) -> dict:
+        """The response object: in progress (no output yet) or finished from ``last``."""
+        b, gen, spec = self.body, self.req.gen, self.req.tools
+        status = "in_progress"
+        if finished:
+            status = "incomplete" if last.finish_reason == "length" else "completed"
+        out = {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": b.get("instructions"),
+            "max_output_tokens": b.get("max_output_tokens"),
+            "model": self.h.server.model_name,
+            "output": self.output if finished else [],
+            "parallel_tool_calls": spec.parallel if spec is not None else True,
+            "previous_response_id": b.get("previous_response_id"),
+            "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
+            "store": b.get("store", True) is not False,
+            "temperature": gen.temperature,
+            "top_p": gen.top_p,
+            "text": b.get("text") or {"format": {"type": "text"}},
+            "tool_choice": b.get("tool_choice") or "auto",
+            "tools": b.get("tools") or [],
+            "truncation": "disabled",
+            "usage": None,
+            "metadata": b.get("metadata") or {},
+        }
+        if finished:
+            out["completed_at"] = int(time.time())
+            block = gen.block_size or self.h.server.engine.model.block_size
+            out.update(usage=usage(last), dflash=dflash_stats(last, self.accepted, block))
+        return out
