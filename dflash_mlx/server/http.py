@@ -1,7 +1,8 @@
 """The HTTP exchange of the OpenAI-compatible server: routes, authentication, and answers
 as one JSON object or as server-sent events.
 
-``POST /v1/chat/completions``, ``/v1/completions``, ``GET /v1/models[/{id}]``, ``/health``.
+``POST /v1/chat/completions``, ``/v1/completions``, ``GET /v1/models[/{id}]``, ``/health``;
+Anthropic's ``/v1/messages`` (``anthropic.py``) and ``/v1/responses`` (``responses.py``).
 Each connection has its own thread; generation runs in the worker (``worker.Engine``), and a
 client that disconnects cancels its generation at the next cycle. The plumbing (bodies,
 errors, the key, disconnects) is ``connection.Connection``."""
@@ -15,7 +16,7 @@ import time
 from dataclasses import replace
 
 from ..decoding.prompt import room, with_default_stops
-from . import anthropic, structured
+from . import anthropic, responses, structured
 from .connection import Connection
 from .schema import (
     APIError,
@@ -111,6 +112,8 @@ class Handler(Connection):
         }
         if path == "/v1/models":
             return self._send_json(200, {"object": "list", "data": [card]})
+        if path.startswith(responses.RESPONSES + "/"):
+            return responses.get(self, path)
         if path.startswith("/v1/models/"):
             name = path[len("/v1/models/") :]
             if self.server.knows(name):
@@ -137,6 +140,8 @@ class Handler(Connection):
         path = self._path()
         if path in anthropic.ROUTES:
             return anthropic.handle(self, path)
+        if path in responses.ROUTES:
+            return responses.handle(self, path)
         kind = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}.get(path)
         if kind is None:
             raise APIError(404, f"no route {path}", code="not_found")
