@@ -89,7 +89,8 @@ def build_tokenizer(
 
 
 def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
-    """Config of a tiny 'qwen3' (dense) or 'qwen3_5' (Gated DeltaNet + attention) target."""
+    """Config of a tiny 'qwen3' (dense), 'qwen3_5' or 'qwen3_next' (Gated DeltaNet +
+    attention) target."""
     base = {
         "hidden_size": hidden,
         "num_hidden_layers": layers,
@@ -118,6 +119,23 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
                 "rope_theta": 10000.0,
                 "partial_rotary_factor": 0.5,
             },
+            **base,
+        }
+    if kind == "qwen3_next":  # the same mixer as qwen3_5 behind fused projections; no MoE
+        linear = target_config("qwen3_5", vocab_size, hidden, layers)
+        linear = {k: v for k, v in linear.items() if k.startswith("linear_")}
+        return {
+            "model_type": "qwen3_next",
+            "full_attention_interval": 2,
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "num_experts": 0,
+            "num_experts_per_tok": 0,
+            "decoder_sparse_step": 1,
+            "shared_expert_intermediate_size": 0,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 0,
+            **linear,
             **base,
         }
     if kind == "muse_glimmer":  # soft-capped logits, sliding + full attention

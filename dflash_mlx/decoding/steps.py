@@ -130,7 +130,7 @@ def prefill(
         cache.busy = False
         done = end
     if adapter.is_hybrid:
-        cache.checkpoint = (len(prompt), adapter.snapshot(cache.target))
+        cache.checkpoint = (len(prompt), adapter.snapshot(cache.target, arm=False))
     last = process_rows(
         logits[0, -1:], mx.array(prompt), mx.array([], mx.uint32), params.processors
     )

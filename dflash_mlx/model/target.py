@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (
 from .. import ops
 from ..decoding import tree
 from ..errors import UnsupportedModelError
+from . import tape
 
 # Architectures whose attention takes positions from ``cache.offset`` and its mask from
 # ``make_mask`` of the first layer's cache: they can verify a tree (``tree.py``).
@@ -112,15 +113,38 @@ class _TreeView:
 
 
 class _Recorder(_Wrapper):
-    """Wraps a recurrent mixer (Gated DeltaNet); keeps its last input for replay."""
+    """Wraps a recurrent mixer (Gated DeltaNet). While armed (the forward after a
+    ``snapshot``) it keeps what a rollback needs: a known mixer's tape (``tape.py``),
+    else its input, to replay."""
 
-    def __init__(self, mixer: nn.Module):
+    def __init__(self, mixer: nn.Module, armed: dict):
         super().__init__(mixer)
+        object.__setattr__(self, "_armed", armed)
+        object.__setattr__(self, "_taped", tape.known(mixer))
         object.__setattr__(self, "_last", None)
 
     def __call__(self, x, mask=None, cache=None):
+        if not self._armed.get("on"):
+            object.__setattr__(self, "_last", None)
+            return self.inner(x, mask, cache)
+        plain = mask is None and cache is not None and cache.lengths is None
+        if self._taped and plain:
+            out, t = tape.forward(self.inner, x, mask, cache)
+            object.__setattr__(self, "_last", t)
+            return out
         object.__setattr__(self, "_last", (x, mask))
         return self.inner(x, mask, cache)
+
+    def rewind(self, cache, snap: list, keep: int) -> None:
+        """Put ``cache`` back to ``snap`` and feed it the first ``keep`` recorded steps."""
+        last = self._last
+        object.__setattr__(self, "_last", None)
+        if isinstance(last, tape.Tape):
+            tape.rewind(self.inner, last, cache, snap, keep)
+            return
+        cache.cache = list(snap)
+        x, mask = last
+        self.inner(x[:, :keep], None if mask is None else mask[:, :keep], cache)
 
 
 def _parts(x) -> list:
@@ -152,6 +176,7 @@ class TargetAdapter:
         self.model_type = mtype
         self.inner = inner
         self._store: dict = {}
+        self._armed: dict = {}  # "on": the next forward records for a rollback
         layers = inner.layers
         self.num_layers = len(layers)
         self.tap(layer_ids)
@@ -159,8 +184,10 @@ class TargetAdapter:
         for layer in layers:
             base = layer.inner if isinstance(layer, _Tap) else layer
             mixer = getattr(base, "linear_attn", None)
-            if mixer is not None and not isinstance(mixer, _Recorder):
-                mixer = base.linear_attn = _Recorder(mixer)
+            if isinstance(mixer, _Recorder):  # a second adapter on the same model
+                object.__setattr__(mixer, "_armed", self._armed)
+            elif mixer is not None:
+                mixer = base.linear_attn = _Recorder(mixer, self._armed)
             self.recorders.append(mixer)
         self.is_hybrid = any(r is not None for r in self.recorders)
         ops.prepare_target(layers)  # the CPU backend compiles the block-only modules
@@ -248,6 +275,7 @@ class TargetAdapter:
         finally:
             self._store.clear()
             self._tree.clear()
+            self._armed.clear()  # only the forward right after a snapshot records
         return logits, feats
 
     def can_tree(self, cache: list) -> bool:
@@ -271,24 +299,30 @@ class TargetAdapter:
             c.trim(fed - n)
 
     # -- rollback ------------------------------------------------------------------
-    def snapshot(self, cache: list) -> list:
-        """Copy the recurrent states (ArraysCache lists are mutated in place by a forward)."""
+    def snapshot(self, cache: list, arm: bool = True) -> list:
+        """Copy the recurrent states (ArraysCache lists are mutated in place by a forward).
+
+        Args:
+            arm: the next forward records what ``rollback`` needs (a verify follows).
+        """
+        if arm and self.is_hybrid:
+            self._armed["on"] = True
         return [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
 
     def rollback(self, cache: list, fed: int, keep: int, snap: list) -> None:
         """Make the caches hold only the first ``keep`` of the ``fed`` tokens just run.
 
-        Attention caches are trimmed; recurrent layers restore the snapshot and replay
-        their mixer on the kept inputs, which equals having fed only those tokens.
+        Attention caches are trimmed; recurrent layers restore the snapshot and run the
+        kept steps again: only the recurrence, from the verify's tape, for known mixers;
+        the whole mixer on the kept inputs for others. Either equals having fed only those
+        tokens. The forward of ``fed`` tokens must have followed ``snapshot(cache)``.
         """
         drop = fed - keep
         if drop == 0:
             return
         for c, rec, s in zip(cache, self.recorders, snap or [None] * len(cache)):
             if isinstance(c, ArraysCache):
-                c.cache = list(s)
-                x, mask = rec._last
-                rec.inner(x[:, :keep], None if mask is None else mask[:, :keep], c)
+                rec.rewind(c, s, keep)
             elif c.is_trimmable():
                 c.trim(drop)
             else:

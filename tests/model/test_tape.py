@@ -1,0 +1,174 @@
+"""Tape rollback of Gated DeltaNet mixers (model/tape.py): the taped forward gives the
+mixer's own bits, and a rollback from the tape gives the states of feeding the kept steps
+one at a time; unknown mixers are replayed."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.cache import ArraysCache
+from tiny_models import target_config
+
+from dflash_mlx.model import tape
+from dflash_mlx.model.target import TargetAdapter
+
+IDS = mx.array([[5, 17, 3, 99, 42, 7, 11, 64, 2, 8, 9, 10, 33, 44]])
+PROMPT, FED = 6, 8  # a prefill of 6 tokens, then a verify of 8
+
+
+def _mixer(kind: str):
+    """A tiny random mixer of mlx-lm's qwen3_5 or qwen3_next class."""
+    cfg = target_config(kind, 64)
+    mx.random.seed(3)
+    if kind == "qwen3_5":
+        return qwen3_5.GatedDeltaNet(qwen3_5.TextModelArgs.from_dict(cfg))
+    return qwen3_next.Qwen3NextGatedDeltaNet(qwen3_next.ModelArgs.from_dict(cfg))
+
+
+def _equal(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+def test_taped_forward_gives_the_mixers_own_outputs_and_states(kind):
+    m = _mixer(kind)
+    assert tape.known(m)
+    x = mx.random.normal((1, 9, 64), key=mx.random.key(0))
+    mine, theirs = ArraysCache(2), ArraysCache(2)
+    for rows in (x[:, :5], x[:, 5:6], x[:, 6:]):  # prefill, one step, a verify of 3
+        out, t = tape.forward(m, rows, None, mine)
+        assert _equal(out, m(rows, None, theirs))
+        assert all(_equal(a, b) for a, b in zip(mine.cache, theirs.cache))
+    assert t.q.shape[1] == 3 and t.conv_input.shape[1] == 3 + m.conv_kernel_size - 1
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("keep", [0, 1, 3, 4])
+def test_rewind_equals_feeding_the_kept_steps_one_at_a_time(kind, keep):
+    m = _mixer(kind)
+    x = mx.random.normal((1, 9, 64), key=mx.random.key(1))
+    taped, single = ArraysCache(2), ArraysCache(2)
+    tape.forward(m, x[:, :4], None, taped)
+    m(x[:, :4], None, single)
+    snap = list(taped.cache)
+    _, t = tape.forward(m, x[:, 4:], None, taped)  # a verify of 5 steps
+    tape.rewind(m, t, taped, snap, keep)
+    for i in range(keep):
+        m(x[:, 4 + i : 5 + i], None, single)
+    assert all(_equal(a, b) for a, b in zip(taped.cache, single.cache))
+
+
+def _verify_and_roll_back(adapter, keep, taped=True):
+    """Prefill PROMPT tokens, verify FED more, roll back to keep: the recurrent states, and
+    each recurrent layer's inputs of the verify and its snapshot."""
+    recs = [r for r in adapter.recorders if r is not None]
+    for r in recs:
+        object.__setattr__(r, "_taped", taped)
+    cache = adapter.make_cache()
+    adapter(IDS[:, :PROMPT], cache)
+    snap = adapter.snapshot(cache)
+    adapter(IDS[:, PROMPT : PROMPT + FED], cache)
+    inputs = [r._last[0] if isinstance(r._last, tuple) else None for r in recs]
+    adapter.rollback(cache, FED, keep, snap)
+    snaps = [s for s in snap if s is not None]
+    states = [list(c.cache) for c in cache if isinstance(c, ArraysCache)]
+    mx.eval(states)
+    for r in recs:
+        object.__setattr__(r, "_taped", tape.known(r.inner))
+    return states, inputs, snaps
+
+
+@pytest.mark.parametrize("keep", [1, 3, 7])
+def test_adapter_rollback_from_the_tape_equals_the_layers_fed_one_step_at_a_time(pairs, keep):
+    """Per recurrent layer of a tiny qwen3_5 target: the tape's rollback state is, bit for
+    bit, the mixer's own state after its kept inputs fed one at a time from the snapshot,
+    and the whole model's states are the replay's bits."""
+    adapter = pairs("qwen3_5", "d2")[0].adapter
+    assert all(r._taped for r in adapter.recorders if r is not None)
+    replayed, inputs, snaps = _verify_and_roll_back(adapter, keep, taped=False)
+    taped, none, _ = _verify_and_roll_back(adapter, keep)
+    assert none == [None] * len(none)  # a taped verify keeps no layer inputs
+    recs = [r for r in adapter.recorders if r is not None]
+    for rec, x, snap, got, again in zip(recs, inputs, snaps, taped, replayed):
+        single = ArraysCache(2)
+        single.cache = list(snap)
+        for i in range(keep):
+            rec.inner(x[:, i : i + 1], None, single)
+        assert all(_equal(a, b) for a, b in zip(got, single.cache))
+        assert all(_equal(a, b) for a, b in zip(got, again))
+
+
+def test_first_recurrent_layer_after_rollback_equals_feeding_the_tokens_one_at_a_time(pairs):
+    """Layer 0 reads the embeddings, so its state after a rollback to 3 of 8 steps is that
+    of the unwrapped target fed those 3 tokens one at a time, bit for bit."""
+    model = pairs("qwen3_5", "d2")[0]
+    adapter = model.adapter
+    states = _verify_and_roll_back(adapter, 3)[0]
+    cache = adapter.make_cache()
+    adapter(IDS[:, :PROMPT], cache)
+    for i in range(3):
+        adapter(IDS[:, PROMPT + i : PROMPT + i + 1], cache)
+    assert all(_equal(a, b) for a, b in zip(states[0], cache[0].cache))
+
+
+class _Unknown(qwen3_5.GatedDeltaNet):
+    """A mixer class the tape does not know (another module, another name)."""
+
+
+def test_unknown_mixer_is_replayed_with_the_same_result(tiny_dir):
+    """A mixer class outside the tape's table keeps the replay; its rollback state equals
+    the taped mixer's bit for bit."""
+    from mlx_lm.utils import load_model
+
+    results = []
+    for unknown in (False, True):
+        target = load_model(tiny_dir / "qwen3_5")[0]
+        if unknown:
+            for layer in target.model.layers:
+                if getattr(layer, "linear_attn", None) is not None:
+                    layer.linear_attn.__class__ = _Unknown
+        adapter = TargetAdapter(target, [0, 2])
+        assert [r._taped for r in adapter.recorders if r is not None] == [not unknown] * 2
+        cache = adapter.make_cache()
+        adapter(IDS[:, :PROMPT], cache)
+        snap = adapter.snapshot(cache)
+        adapter(IDS[:, PROMPT : PROMPT + FED], cache)
+        kinds = {type(r._last).__name__ for r in adapter.recorders if r is not None}
+        assert kinds == ({"tuple"} if unknown else {"Tape"})
+        adapter.rollback(cache, FED, 2, snap)
+        results.append([x for c in cache if isinstance(c, ArraysCache) for x in c.cache])
+    assert all(_equal(a, b) for a, b in zip(*results))
+
+
+def test_a_mixer_whose_taped_forward_differs_on_the_probe_is_not_taped(monkeypatch):
+    """If mlx-lm's mixer changed so the taped forward no longer gives its bits, the probe
+    sees it and the mixer is replayed (a gate and beta swapped stand in for the change)."""
+
+    def swapped(m, x):
+        qkv, z, b, a = tape._front_qwen3_5(m, x)
+        return qkv, z, a, b
+
+    key = ("mlx_lm.models.qwen3_5", "GatedDeltaNet")
+    monkeypatch.setitem(tape._FRONTS, key, swapped)
+    monkeypatch.setattr(tape, "_checked", {})
+    assert not tape.known(_mixer("qwen3_5"))
+    monkeypatch.setitem(tape._FRONTS, key, tape._front_qwen3_5)
+    monkeypatch.setattr(tape, "_checked", {})
+    assert tape.known(_mixer("qwen3_5"))
+
+
+def test_only_the_forward_after_a_snapshot_records(pairs):
+    """A prefill or plain step keeps nothing for a rollback (a prefill chunk's tape would
+    hold megabytes per layer); the forward right after ``snapshot`` does, once."""
+    adapter = pairs("qwen3_5", "d2")[0].adapter
+    recs = [r for r in adapter.recorders if r is not None]
+    cache = adapter.make_cache()
+    adapter(IDS[:, :PROMPT], cache)
+    assert all(r._last is None for r in recs)
+    adapter.snapshot(cache, arm=False)  # the prefill's checkpoint
+    adapter(IDS[:, PROMPT : PROMPT + 1], cache)
+    assert all(r._last is None for r in recs)
+    adapter.snapshot(cache)
+    adapter(IDS[:, PROMPT + 1 : PROMPT + 4], cache)
+    assert all(isinstance(r._last, tape.Tape) for r in recs)
+    adapter(IDS[:, PROMPT + 4 : PROMPT + 5], cache)
+    assert all(r._last is None for r in recs)
