@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import DFlashError, IncompatibleDrafterError
-from ..model.config import check_target_config
+from ..model.config import check_target_config, parse_draft_quant
 from . import backend, diskcache, hub, memory, registry
 
 if TYPE_CHECKING:
@@ -293,7 +293,7 @@ def load_target(model: str, offline: bool | None = None, quiet: bool = False):
     return _load_target(path, name, None, _notices(quiet, None))
 
 
-def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str) -> DFlashModel:
+def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str, bits=None) -> DFlashModel:
     """The pair of a loaded target and its drafter (in the target's dtype), checked to fit."""
     import mlx.core as mx
 
@@ -302,7 +302,7 @@ def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str) -> DFlash
     from ..model.target import TargetAdapter
 
     emb = getattr(target, "language_model", target).model.embed_tokens
-    draft = load_drafter(dpath, dtype=emb(mx.array([[0]])).dtype)
+    draft = load_drafter(dpath, dtype=emb(mx.array([[0]])).dtype, quant=(bits, target))
     adapter = TargetAdapter(target, [])
     check_compatible(adapter, draft, f"drafter {dname}")
     adapter.tap(draft.args.target_layer_ids)
@@ -323,6 +323,7 @@ def load(
     max_memory: float | None = None,
     max_context: int | None = None,
     kv: tuple[int, int, int] | None = None,
+    draft_quant: int | str | None = None,
 ) -> tuple[DFlashModel, object]:
     """Load a target model and its DFlash drafter, and time a few decode steps for the
     ``block_size="auto"`` scheduler.
@@ -343,6 +344,7 @@ def load(
             vocabulary); 0 the full vocabulary; N the N most frequent ids by the tokenizer's
             merge ranks (plus its special tokens).
         max_memory, max_context, kv: the memory plan's limits and KV cache (``memory.Fit``).
+        draft_quant: the drafter's layers: 4 / 8 bits, "none", "auto" (None; format.md §2.5).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -351,6 +353,7 @@ def load(
     Raises:
         DFlashError: one line naming the problem and the fix.
     """
+    bits = parse_draft_quant(draft_quant)  # before any I/O
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
     fit = memory.Fit(res, quant, max_memory, max_context, kv, offline)
     notes = _notices(quiet, log)
@@ -360,7 +363,7 @@ def load(
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
-    pair = _assemble(target, tpath, dname, dpath, res.display_name)
+    pair = _assemble(target, tpath, dname, dpath, res.display_name, bits)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup and warm.tune(pair, diskcache.read_costs(pair)):  # measured: kept for next time

@@ -12,9 +12,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx import nn
 from mlx.utils import tree_flatten
 
 from ..errors import DFlashError
+from . import quantize as qz
 from .config import DFLASH1, DFLASH2, DrafterArgs
 from .draft_vocab import TENSOR as DRAFT_VOCAB
 from .draft_vocab import check_ids
@@ -134,7 +136,9 @@ def random_drafter(config: dict[str, Any], seed: int = 0, scale: float = 1.0) ->
     return model
 
 
-def save_drafter(path, model: DFlashDrafter, config: dict[str, Any], draft_vocab=None) -> Path:
+def save_drafter(
+    path, model: DFlashDrafter, config: dict[str, Any], draft_vocab=None, quantize: int = 0
+) -> Path:
     """Write config.json and model.safetensors (bf16, released tensor names) to path.
 
     Args:
@@ -142,12 +146,25 @@ def save_drafter(path, model: DFlashDrafter, config: dict[str, Any], draft_vocab
         draft_vocab: sorted target ids the drafter scores (docs/format.md §2.4), written as
             the int32 tensor ``draft_vocab`` with its size in ``dflash_config``; default:
             the drafter's own (``model.draft_vocab``), if any.
+        quantize: 4 or 8 writes the attention and MLP projections quantized (format.md
+            §2.5: ``.scales`` / ``.biases`` and a ``quantization`` key); 0 keeps a quantized
+            model's layers as they are and a dense one dense.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
-    ids = getattr(model, "draft_vocab", None) if draft_vocab is None else draft_vocab
     config = json.loads(json.dumps(config))
+    config.pop("quantization", None)
+    if quantize:
+        model = _copy(model)
+        qz.dequantize(model)
+        qz.quantize(model, quantize)
+    if qz.is_quantized(model):
+        config["quantization"] = _quantization_of(model)
+    weights = {
+        k: v if v.dtype == mx.uint32 else v.astype(mx.bfloat16)  # packed words stay packed
+        for k, v in tree_flatten(model.parameters())
+    }
+    ids = getattr(model, "draft_vocab", None) if draft_vocab is None else draft_vocab
     config.setdefault("dflash_config", {}).pop("draft_vocab_size", None)
     if ids is not None:
         ids = check_ids(np.asarray(ids), config["vocab_size"], f"drafter {path}")
@@ -158,12 +175,35 @@ def save_drafter(path, model: DFlashDrafter, config: dict[str, Any], draft_vocab
     return path
 
 
-def load_drafter(path, dtype: mx.Dtype | None = None) -> DFlashDrafter:
+def _copy(model: DFlashDrafter) -> DFlashDrafter:
+    """A dense or quantized drafter's twin with the same tensors (quantizing it leaves the
+    original alone)."""
+    twin = DFlashDrafter(model.args)
+    if qz.bits_of(model):
+        names = {k for k, _ in tree_flatten(model.parameters())}
+        quant = {"quantization": _quantization_of(model)}
+        qz.from_checkpoint(twin, quant, names, "in memory")
+    twin.load_weights(list(tree_flatten(model.parameters())))
+    twin.draft_vocab = getattr(model, "draft_vocab", None)
+    return twin
+
+
+def _quantization_of(model) -> dict[str, int]:
+    """The ``quantization`` config entry of a quantized drafter (its first quantized layer)."""
+    for _, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            return {"group_size": int(m.group_size), "bits": int(m.bits)}
+    raise ValueError("the drafter has no quantized layer")
+
+
+def load_drafter(path, dtype: mx.Dtype | None = None, quant: tuple | None = None) -> DFlashDrafter:
     """Load a drafter directory (config.json + *.safetensors), checking every tensor.
 
     Args:
         path: local directory of the checkpoint.
         dtype: compute dtype to cast the weights to (default: as stored).
+        quant: (bits, target): bring the layers to ``load(draft_quant=bits)`` beside the
+            mlx-lm ``target`` (``quantize.settle_beside``); None keeps them as stored.
 
     Raises:
         DFlashError: missing files, unreadable config or tensors, wrong names or shapes.
@@ -193,6 +233,22 @@ def load_drafter(path, dtype: mx.Dtype | None = None) -> DFlashDrafter:
             raise DFlashError(f"cannot read {f.name} ({str(e).splitlines()[0]}); re-download it")
     model = DFlashDrafter(args)
     model.draft_vocab = _draft_vocab(weights.pop(DRAFT_VOCAB, None), args, path)
+    qz.from_checkpoint(model, config, weights, str(path))
+    _check_tensors(model, weights, path)
+    dtype = dtype or weights["norm.weight"].dtype  # never quantized
+    # Packed quantized words stay uint32; everything else takes the compute dtype.
+    model.load_weights(
+        [(k, w if w.dtype == mx.uint32 else w.astype(dtype)) for k, w in weights.items()]
+    )
+    if quant is not None:
+        qz.settle_beside(model, *quant)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _check_tensors(model: DFlashDrafter, weights: dict, path: Path) -> None:
+    """Refuse tensors whose names, shapes or (packed) dtypes are not those the config implies."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -200,19 +256,21 @@ def load_drafter(path, dtype: mx.Dtype | None = None) -> DFlashDrafter:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
         raise DFlashError(
             f"drafter {path} tensors do not match its config ({what}); "
-            "check architectures/num_hidden_layers in config.json"
+            "check architectures/num_hidden_layers (and quantization) in config.json"
         )
     for k, v in expected.items():
-        if weights[k].shape != v.shape:
+        got = weights[k]
+        if got.shape != v.shape or (v.dtype == mx.uint32) != (got.dtype == mx.uint32):
+            if k.endswith((".scales", ".biases")) or v.dtype == mx.uint32:
+                raise DFlashError(
+                    f"drafter tensor {k} has shape {tuple(got.shape)} ({got.dtype}), its "
+                    f"config's quantization implies {tuple(v.shape)}: the scales do not match "
+                    "the weights; fix config.json's quantization or re-convert the drafter"
+                )
             raise DFlashError(
-                f"drafter tensor {k} has shape {tuple(weights[k].shape)}, config implies "
+                f"drafter tensor {k} has shape {tuple(got.shape)}, config implies "
                 f"{tuple(v.shape)}; the checkpoint and config.json disagree"
             )
-    dtype = dtype or weights["fc.weight"].dtype
-    model.load_weights([(k, w.astype(dtype)) for k, w in weights.items()])
-    mx.eval(model.parameters())
-    model.eval()
-    return model
 
 
 def _draft_vocab(tensor, args: DrafterArgs, path: Path):

@@ -12,6 +12,31 @@ DFLASH2 = "DFlash2DraftModel"
 DFLASH1 = "DFlashDraftModel"
 
 
+# --draft-quant / load(draft_quant=): the drafter's layers at load (model/quantize.py).
+DRAFT_QUANT = ("auto", "none", "8", "4")
+
+
+def parse_draft_quant(value, what: str = "draft_quant") -> int | None:
+    """``draft_quant`` as bits: None (auto: 4 on a GPU beside a quantized target, else
+    none), 0 (none: dense), 4 or 8.
+
+    Args:
+        value: None / "auto", 0 / "none", 4 / "4", 8 / "8". what: the name errors use.
+
+    Raises:
+        DFlashError: any other value, naming the choices.
+    """
+    text = "auto" if value is None else str(value).strip().lower()
+    if isinstance(value, bool) or text not in DRAFT_QUANT + ("0",):
+        raise DFlashError(
+            f"{what} must be one of {', '.join(DRAFT_QUANT)} (got {value!r}); "
+            "use 4 or 8 for a quantized drafter, none for its stored weights"
+        )
+    if text == "auto":
+        return None
+    return 0 if text in ("none", "0") else int(text)
+
+
 @dataclass
 class DrafterArgs:
     """Hyper-parameters of a DFlash 1 / DFlash 2 drafter, HF-named like its config.json."""
@@ -128,6 +153,12 @@ class DrafterArgs:
             raise DFlashError(
                 "drafter config has no dflash_config.target_layer_ids; "
                 "this is not a DFlash drafter checkpoint"
+            )
+        if self.is_causal:  # format.md §2.1: the block's rows see each other
+            raise DFlashError(
+                "drafter config.json says is_causal: true, but this engine drafts a block with "
+                "bidirectional attention (docs/format.md §2.1); set it to false if the drafter "
+                "was trained bidirectionally (DFlash's own are), else it cannot be run here"
             )
         if self.block_size < 2:
             raise DFlashError(f"drafter block_size {self.block_size} must be at least 2")

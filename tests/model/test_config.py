@@ -49,6 +49,8 @@ BAD = [
     ("rope_parameters", [1], "'rope_parameters' must be an object (got an array)"),
     ("dflash_config", [], "'dflash_config' must be an object (got an array)"),
     ("dtype", 16, "'dtype' must be a string (got 16)"),
+    ("is_causal", "yes", "'is_causal' must be true or false"),
+    ("is_causal", True, "says is_causal: true, but this engine drafts a block with bidirectional"),
 ]
 
 
