@@ -13,6 +13,17 @@ from .options import MODEL, ModelOptions, decoding, expand
 
 # the decoding options, with this command's defaults
 SETTINGS = decoding("serve", "Default max tokens.")
+CACHE_GB = typer.Option(
+    None,
+    "--prompt-cache-gb",
+    help="Memory for prompt caches kept across requests, in GB (default: a quarter of what "
+    "the memory budget leaves beside the weights; 0: off).",
+)
+CACHE_DIR = typer.Option(
+    None,
+    "--prompt-cache-dir",
+    help="Keep prompt caches evicted from memory in this folder (safetensors); restore them.",
+)
 
 
 @expand()
@@ -30,6 +41,8 @@ def serve(
     max_batch: int = typer.Option(
         8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
     ),
+    prompt_cache_gb: float | None = CACHE_GB,
+    prompt_cache_dir: str | None = CACHE_DIR,
     cfg: GenerationConfig = SETTINGS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No download notices."),
@@ -38,7 +51,7 @@ def serve(
 
     The decoding options are the defaults of requests that do not set them.
     """
-    check_server_options(port, api_key, max_queue, max_batch)
+    check_server_options(port, api_key, max_queue, max_batch, prompt_cache_gb, prompt_cache_dir)
     if cfg.kv_bits is not None and max_batch > 1:
         raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
     from .. import server
@@ -63,15 +76,25 @@ def serve(
         max_queue=max_queue,
         sock=sock,
         max_batch=max_batch,
+        cache_gb=prompt_cache_gb,
+        cache_dir=prompt_cache_dir,
     )
 
 
-def check_server_options(port: int, api_key: str | None, max_queue: int, max_batch: int):
+def check_server_options(
+    port: int,
+    api_key: str | None,
+    max_queue: int,
+    max_batch: int,
+    cache_gb: float | None = None,
+    cache_dir: str | None = None,
+):
     """Refuse, before anything is bound or loaded, options the server cannot run with.
 
     Args:
-        port, api_key, max_queue, max_batch: ``--port``, ``--api-key``, ``--max-queue``,
-            ``--max-batch``.
+        port, api_key, max_queue, max_batch, cache_gb, cache_dir: ``--port``,
+            ``--api-key``, ``--max-queue``, ``--max-batch``, ``--prompt-cache-gb``,
+            ``--prompt-cache-dir``.
 
     Raises:
         DFlashError: one line naming the option and the fix.
@@ -92,3 +115,8 @@ def check_server_options(port: int, api_key: str | None, max_queue: int, max_bat
         raise DFlashError(f"--max-queue must be at least 1 (got {max_queue})")
     if max_batch < 1:
         raise DFlashError(f"--max-batch must be at least 1 (got {max_batch})")
+    from ..server.prompt_cache import check_gb
+    from ..server.prompt_cache_disk import check_dir
+
+    check_gb(cache_gb)
+    check_dir(cache_dir)

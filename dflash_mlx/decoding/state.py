@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import QuantizedKVCache
+from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
 
 from ..errors import DFlashError
 from ..model.drafter import ContextCache, DFlashDrafter, embed_block
@@ -198,10 +198,7 @@ class PromptCache:
         """
         if self.busy:  # interrupted mid-cycle (e.g. Ctrl-C): contents unknown, start over
             self._reset(model)
-        n = 0
-        limit = min(len(self.tokens), len(prompt) - 1)
-        while n < limit and self.tokens[n] == prompt[n]:
-            n += 1
+        n = self.common(prompt)
         have = len(self.tokens)
         if n == have:
             return n
@@ -217,6 +214,56 @@ class PromptCache:
             c.trim(have - n)
         del self.tokens[n:]
         return n
+
+    def common(self, prompt: list[int]) -> int:
+        """The length of the longest common prefix of ``tokens`` and prompt, leaving at least
+        one prompt token to run."""
+        limit, n = min(len(self.tokens), len(prompt) - 1), 0
+        while n + 256 <= limit and self.tokens[n : n + 256] == prompt[n : n + 256]:
+            n += 256  # whole slices first: a long shared system prompt compares in C
+        while n < limit and self.tokens[n] == prompt[n]:
+            n += 1
+        return n
+
+    def trimmable(self) -> bool:
+        """Whether every target layer can drop cached tokens (no recurrent state)."""
+        return all(not isinstance(c, ArraysCache) and c.is_trimmable() for c in self.target)
+
+    def usable(self, prompt: list[int]) -> int:
+        """How many prompt tokens ``reuse`` would keep, changing nothing (a pool of caches
+        picks the best one with it).
+
+        Args:
+            prompt: the request's token ids.
+        """
+        if self.busy:
+            return 0
+        n = self.common(prompt)
+        if n == len(self.tokens) or self.trimmable():
+            return n
+        ck = self.checkpoint
+        if ck is None or ck[0] > n:
+            return 0
+        ok = all(isinstance(c, ArraysCache) or c.is_trimmable() for c in self.target)
+        return ck[0] if ok else 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the target's caches, the drafter's context (rows and pending
+        features) and a hybrid's checkpoint."""
+        total = sum(c.nbytes for c in self.target if not c.empty())
+        for c in self.drafter:
+            own = getattr(c, "nbytes", None)
+            if own is not None:
+                total += own
+                continue
+            k, v = c.held()
+            total += 0 if k is None else k.nbytes + v.nbytes
+            total += sum(f.nbytes for f in c.pending)
+        if self.checkpoint is not None:
+            for layer in self.checkpoint[1]:
+                total += sum(a.nbytes for a in layer or () if a is not None)
+        return total
 
     @property
     def state(self):

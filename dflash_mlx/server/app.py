@@ -2,9 +2,9 @@
 run generations in the calling thread.
 
 Up to ``max_batch`` generations decode together (continuous batching, ``worker.Engine``);
-more requests wait in a bounded FIFO queue (503 when full). One
-prompt cache is kept across requests, so a chat history re-sent each turn prefills only its
-new part. All MLX work runs in the thread that calls ``run_server`` (the main thread): MLX
+more requests wait in a bounded FIFO queue (503 when full). Prompt
+caches are kept across requests in a pool keyed by their tokens (``prompt_cache.PromptPool``),
+so a chat history or an agent's system prompt re-sent each turn prefills only its new part. All MLX work runs in the thread that calls ``run_server`` (the main thread): MLX
 streams belong to the thread that makes them, and the decode loop makes its stream on first
 use there (``decode.generation_stream``).
 
@@ -25,6 +25,8 @@ from ..decoding.prompt import context_length
 from ..errors import ContextLengthError, DFlashError
 from ..settings import GenerationConfig
 from .http import Handler
+from .prompt_cache import GB, check_gb
+from .prompt_cache_disk import DiskTier
 from .schema import DEFAULTS, bad, now
 from .worker import Engine
 
@@ -89,6 +91,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
                     raw=req.kind == "completion",
                     context=self.context,
                     tools=req.template_tools,
+                    template_kwargs=getattr(req, "template_kwargs", None),
                 )
         except ContextLengthError as e:
             raise bad(str(e), field, "context_length_exceeded") from None
@@ -144,25 +147,41 @@ def make_server(
     max_queue: int = 16,
     sock: socket.socket | None = None,
     max_batch: int = 8,
+    cache_gb: float | None = None,
+    cache_dir: str | None = None,
 ) -> DFlashHTTPServer:
     """Bind the HTTP server; ``run_server`` serves it.
 
     Args:
-        model, tokenizer, model_name, host, api_key, defaults, max_queue, max_batch: as
-            for ``run_server``. port: 0 picks a free one. sock: a socket from ``listen`` (host
-            and port are then only names).
+        model, tokenizer, model_name, host, api_key, defaults, max_queue, max_batch,
+            cache_gb, cache_dir: as for ``run_server``. port: 0 picks a free one. sock: a
+            socket from ``listen`` (host and port are then only names).
 
     Raises:
         DFlashError: the address cannot be resolved or bound.
     """
     sock = sock or listen(host, port)
     try:
-        return DFlashHTTPServer(
-            sock, Engine(model, tokenizer, max_queue, max_batch), model_name, api_key, defaults
-        )
+        cache_bytes = None if cache_gb is None else int(check_gb(cache_gb) * GB)
+        disk = None if cache_dir is None else DiskTier.open(cache_dir, model)
+        engine = Engine(model, tokenizer, max_queue, max_batch, cache_bytes, disk)
+        return DFlashHTTPServer(sock, engine, model_name, api_key, defaults)
     except BaseException:
         sock.close()
         raise
+
+
+def banner(httpd: DFlashHTTPServer) -> str:
+    """The line ``run_server`` prints once it listens."""
+    h, p = httpd.server_address[:2]
+    shown = f"[{h}]" if ":" in str(h) else h
+    eng = httpd.engine
+    return (
+        f"dflash serve: '{httpd.model_name}' listening on http://{shown}:{p}/v1 "
+        f"(batch {eng.max_batch}, queue {eng.jobs.maxsize}, "
+        f"prompt cache {eng.pool.max_bytes / GB:.3g} GB{' + disk' if eng.pool.disk else ''}, "
+        f"api key {'on' if httpd.api_key else 'off'})"
+    )
 
 
 def run_server(
@@ -176,6 +195,8 @@ def run_server(
     max_queue: int = 16,
     sock: socket.socket | None = None,
     max_batch: int = 8,
+    cache_gb: float | None = None,
+    cache_dir: str | None = None,
 ) -> None:
     """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
 
@@ -189,18 +210,13 @@ def run_server(
             requests override (default ``schema.DEFAULTS``). max_queue: requests that may
             wait for a row (503 past it). sock: already bound (``listen``), else bound here.
             max_batch: requests decoded together (1: one at a time; hybrid targets always).
+            cache_gb: the prompt caches' memory budget in GB (None: a quarter of what the
+            device budget leaves beside the weights; 0: off). cache_dir: a folder keeping
+            evicted prompt caches as safetensors (None: none).
     """
-    httpd = make_server(
-        model, tokenizer, model_name, host, port, api_key, defaults, max_queue, sock, max_batch
-    )
-    h, p = httpd.server_address[:2]
-    shown = f"[{h}]" if ":" in str(h) else h
-    print(
-        f"dflash serve: '{model_name}' listening on http://{shown}:{p}/v1 "
-        f"(batch {httpd.engine.max_batch}, queue {httpd.engine.jobs.maxsize}, "
-        f"api key {'on' if api_key else 'off'})",
-        flush=True,
-    )
+    opts = (host, port, api_key, defaults, max_queue, sock, max_batch, cache_gb, cache_dir)
+    httpd = make_server(model, tokenizer, model_name, *opts)
+    print(banner(httpd), flush=True)
     engine = httpd.engine
     old = None
     if threading.current_thread() is threading.main_thread():

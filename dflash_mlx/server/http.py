@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 
 from ..decoding.prompt import room, with_default_stops
-from . import anthropic, responses, structured
+from . import anthropic, reasoning, responses, structured
 from .connection import Connection
 from .schema import (
     APIError,
@@ -98,6 +98,7 @@ class Handler(Connection):
                     "queued": eng.jobs.qsize(),
                     "served": eng.served,
                     "cancelled": eng.cancelled,
+                    "prompt_cache": eng.pool.stats(),
                 },
             )
         if not path.startswith("/v1/"):
@@ -110,6 +111,10 @@ class Handler(Connection):
             "created": self.server.created,
             "owned_by": "dflash-mlx",
         }
+        if path == "/v1/cache":  # the prompt caches: entries, bytes, hit rate
+            return self._send_json(
+                200, {"object": "prompt_cache", **self.server.engine.pool.stats()}
+            )
         if path == "/v1/models":
             return self._send_json(200, {"object": "list", "data": [card]})
         if path.startswith(responses.RESPONSES + "/"):
@@ -177,6 +182,8 @@ class Handler(Connection):
         req.gen = replace(req.gen, max_tokens=room(len(ids), req.gen.max_tokens, srv.context))
         if req.kind == "chat":
             req.gen = replace(req.gen, stop=with_default_stops(req.gen.stop, tok))
+            req.marks = reasoning.markers(tok)  # a thinking model's answer opens as reasoning
+            req.started_open = reasoning.starts_open(tok, ids, req.marks)
         job = Job(ids, req.gen, structured.processors(req, tok, vocab))
         if not srv.engine.submit(job):
             raise APIError(
@@ -204,7 +211,8 @@ class Handler(Connection):
         when ``req.stream``. Returns early (the job cancelled) when the client goes away."""
         # (kind, id, model, created): the header every chunk and the whole answer share
         head = (req.kind, new_id(req.kind), self.server.model_name, now())
-        calls = structured.DeltaStream(req.tools)  # content and tool-call deltas (chat)
+        # reasoning, content and tool-call deltas (chat)
+        calls = structured.DeltaStream(req.tools, req.marks, req.started_open)
         texts, accepted, last, started = [], 0, None, False
         while True:
             item = self._next(job)
@@ -267,7 +275,7 @@ class Handler(Connection):
             if req.kind == "chat":
                 choice = out["choices"][0]
                 choice["message"], choice["finish_reason"] = structured.message(
-                    text, req.tools, last.finish_reason
+                    text, req.tools, last.finish_reason, req.marks, req.started_open
                 )
             return self._send_json(200, out)
         if req.include_usage:

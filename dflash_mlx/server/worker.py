@@ -1,6 +1,8 @@
 """The generation worker of ``dflash_mlx.server``: a bounded FIFO of jobs served in the thread
 that calls ``Engine.run`` (MLX streams are per thread; the decode loop makes its own on first
-use there), with cancellation at the next cycle and one prompt cache shared by all requests.
+use there), with cancellation at the next cycle. Each job takes the prompt cache that shares
+the longest prefix with it out of a pool (``prompt_cache.PromptPool``) and gives it back
+when its caches are done with: at its end, or once its prefill is merged into a batch.
 
 With ``max_batch`` > 1 (the default) up to that many jobs decode together
 (``batching.BatchGenerator``): jobs join and leave between cycles and the queue holds the jobs
@@ -19,6 +21,7 @@ from .. import generation
 from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
+from .prompt_cache import PromptPool, default_bytes
 from .schema import APIError, bad
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -42,13 +45,25 @@ class Engine:
     Args:
         model, tokenizer: the loaded pair. max_queue: jobs that may wait for a row (503 past
             it). max_batch: jobs decoding together (1: one at a time; hybrids always are).
+        cache_bytes: the prompt caches' budget (None: ``prompt_cache.default_bytes``).
+        disk: the prompt caches' disk tier (``prompt_cache_disk.DiskTier``), or None.
     """
 
-    def __init__(self, model, tokenizer, max_queue: int = 16, max_batch: int = 8):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_queue: int = 16,
+        max_batch: int = 8,
+        cache_bytes: int | None = None,
+        disk=None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max(1, int(max_queue)))
         self.max_batch = 1 if model.adapter.is_hybrid else max(1, int(max_batch))
-        self.cache = None
+        budget = default_bytes(model) if cache_bytes is None else cache_bytes
+        self.pool = PromptPool(model, budget, disk)
+        self.lent: dict[int, object] = {}  # batched jobs' prompt caches until their prefill ends
         self.running = False
         self.current: Job | None = None
         self.active: dict[int, Job] = {}  # batched jobs by row uid
@@ -72,7 +87,6 @@ class Engine:
 
     def run(self) -> None:
         """Serve jobs until ``stop``; call from the thread that owns the MLX stream."""
-        self.cache = self.model.make_cache()
         if self.max_batch > 1:
             return self._run_batched()
         while not self.stopping.is_set():
@@ -110,13 +124,15 @@ class Engine:
             job.out.put(("end", None))
             return
         self.running, self.current = True, job
-        self.cache.interrupt = job.cancel  # a client gone mid-prefill stops it at a chunk
+        cache = self.pool.take(job.ids)
+        cache.interrupt = job.cancel  # a client gone mid-prefill stops it at a chunk
+        keep = True
         gen = generation.stream_generate(
             self.model,
             self.tokenizer,
             job.ids,
             config=job.gen,
-            prompt_cache=self.cache,
+            prompt_cache=cache,
             logits_processors=job.processors,
         )
         try:
@@ -134,10 +150,11 @@ class Engine:
             job.out.put(("error", bad(str(e))))
         except Exception as e:
             logger.exception("generation failed")
-            self.cache = self.model.make_cache()  # its contents are unknown now
+            keep = False  # the cache's contents are unknown now
             job.out.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}")))
         finally:
             gen.close()
+            self.pool.give(cache, keep)
             self.served += 1
             self.running, self.current = False, None
             job.out.put(("end", None))
@@ -146,7 +163,6 @@ class Engine:
     def _run_batched(self) -> None:
         from ..batching import BatchGenerator
 
-        self.cache.interrupt = threading.Event()  # jobs leave between chunks instead
         gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
         try:
             while not self.stopping.is_set() or self.active:
@@ -160,11 +176,11 @@ class Engine:
                     logger.exception("batched generation failed")
                     self._fail_all(APIError(500, f"generation failed: {type(e).__name__}: {e}"))
                     gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
-                    self.cache = self.model.make_cache()
-                    self.cache.interrupt = threading.Event()
                     continue
                 for uid, r in results:
                     job = self.active.get(uid)
+                    if uid in self.lent:  # its prefill is merged: the batch holds a copy
+                        self.pool.give(self.lent.pop(uid))
                     if job is not None:
                         job.out.put(("data", r))
                         if r.finish_reason:
@@ -194,17 +210,22 @@ class Engine:
                 self.cancelled += 1
                 job.out.put(("end", None))
                 continue
+            cache = self.pool.take(job.ids)
             try:
-                uid = gen.insert(job.ids, job.gen, cache=self.cache, processors=job.processors)
+                uid = gen.insert(job.ids, job.gen, cache=cache, processors=job.processors)
             except DFlashError as e:
+                self.pool.give(cache)
                 self.served += 1  # counted like a refused job of the one-at-a-time path
                 job.out.put(("error", bad(str(e))))
                 job.out.put(("end", None))
                 continue
             self.active[uid] = job
+            self.lent[uid] = cache
             self.running = True
 
-    def _end(self, uid: int) -> None:
+    def _end(self, uid: int, keep: bool = True) -> None:
+        if uid in self.lent:  # left before its prefill ended: its chunks are consistent
+            self.pool.give(self.lent.pop(uid), keep)
         job = self.active.pop(uid)
         self.served += 1
         self.running = bool(self.active)
@@ -213,4 +234,4 @@ class Engine:
     def _fail_all(self, err: APIError) -> None:
         for uid in list(self.active):
             self.active[uid].out.put(("error", err))
-            self._end(uid)
+            self._end(uid, keep=False)

@@ -1,0 +1,168 @@
+"""The server's prompt caches: several ``PromptCache``s (target KV or hybrid state, the
+drafter's context) keyed by the tokens they hold, so that agents and chats sharing a server
+do not evict each other.
+
+A request takes the entry whose prefix it can reuse longest out of the pool (no array is
+copied: ``PromptCache.reuse`` trims it in place) and gives it back when its caches are done
+with, keyed by the tokens it holds then. While an entry is out, a second request sharing its
+prefix takes the next best entry or starts fresh. A request whose prompt diverges from an
+entry's (a branch) trims that entry to the shared prefix: the cut tail is lost. Entries past
+``max_bytes`` go, least recently used first, to the disk tier when there is one
+(``prompt_cache_disk.DiskTier``), else away.
+
+mlx-lm's ``LRUPromptCache`` copies a cache for every request and holds target caches only;
+an entry here also holds the drafter's context and a hybrid's checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from mlx.utils import tree_flatten
+
+from ..decoding.state import PromptCache
+from ..errors import DFlashError
+
+logger = logging.getLogger("dflash_mlx.server")
+
+GB = 10**9
+DEFAULT_SHARE = 0.25  # of the memory the budget leaves beside the pair's weights
+FALLBACK_BYTES = 2 * GB  # when the budget cannot be measured
+
+
+def default_bytes(model) -> int:
+    """``--prompt-cache-gb``'s default: a quarter of what the device budget
+    (``memory.device_budget``) leaves beside the pair's weights.
+
+    Args:
+        model: the loaded pair.
+    """
+    from ..loading.memory import device_budget
+
+    budget, _ = device_budget()
+    if not budget:
+        return FALLBACK_BYTES
+    weights = sum(a.nbytes for _, a in tree_flatten(model.target.parameters()))
+    weights += sum(a.nbytes for _, a in tree_flatten(model.drafter.parameters()))
+    return int(max(0, budget - weights) * DEFAULT_SHARE)
+
+
+def check_gb(value) -> float | None:
+    """``--prompt-cache-gb`` as a number of GB (None: the default).
+
+    Raises:
+        DFlashError: not a finite number at least 0.
+    """
+    if value is None:
+        return None
+    try:
+        gb = float(value)
+    except (TypeError, ValueError):
+        gb = float("nan")
+    if not gb >= 0 or gb == float("inf"):
+        raise DFlashError(
+            f"--prompt-cache-gb must be a number of GB, 0 or more (got {value}); "
+            "e.g. --prompt-cache-gb 4 (0 turns the prompt cache off)"
+        )
+    return gb
+
+
+class PromptPool:
+    """Prompt caches keyed by their tokens, least recently used evicted past a byte budget.
+
+    Args:
+        model: the loaded pair. max_bytes: the budget (0: nothing is kept between requests).
+        disk: where evicted entries go and come back from (``DiskTier``), or None.
+    """
+
+    def __init__(self, model, max_bytes: int, disk=None):
+        self.model, self.max_bytes, self.disk = model, max(0, int(max_bytes)), disk
+        self.entries: list[list] = []  # [cache, bytes], least recently used first
+        self.lock = threading.Lock()  # /health reads the counters from another thread
+        self.lookups = self.hits = self.cached = self.prompted = self.evicted = 0
+        self.out = 0  # entries taken and not given back
+
+    def take(self, prompt: list[int]) -> PromptCache:
+        """The cache whose prefix of prompt is longest (memory, then disk), out of the pool;
+        a fresh one when none shares a prefix. Give it back with ``give``.
+
+        Args:
+            prompt: the request's token ids.
+        """
+        with self.lock:
+            best, n = None, 0
+            for i, (cache, _) in enumerate(self.entries):
+                k = cache.usable(prompt)
+                if k > n:
+                    best, n = i, k
+            best = None if best is None else self.entries.pop(best)[0]
+        if self.disk is not None and len(prompt) - 1 > n:
+            restored = self.disk.take(self.model, prompt, n)
+            if restored is not None:
+                if best is not None:
+                    self._put(best)  # untouched: back as it was
+                best, n = restored, restored.usable(prompt)
+        with self.lock:
+            self.lookups += 1
+            self.prompted += len(prompt)
+            self.hits += n > 0
+            self.cached += n
+            self.out += 1
+        cache = best if best is not None else self.model.make_cache()
+        cache.interrupt = threading.Event()
+        return cache
+
+    def give(self, cache: PromptCache, keep: bool = True) -> None:
+        """Put a cache back, keyed by the tokens it holds now (most recently used).
+
+        Args:
+            cache: from ``take``. keep: False drops it (its contents are unknown).
+        """
+        with self.lock:
+            self.out = max(0, self.out - 1)
+        if keep and not cache.busy and cache.tokens:
+            self._put(cache)
+
+    def _put(self, cache: PromptCache) -> None:
+        evicted = []
+        with self.lock:
+            if cache.trimmable():  # an entry holding a prefix of this one adds nothing
+                n = len(cache.tokens)
+                self.entries = [
+                    e
+                    for e in self.entries
+                    if not (
+                        len(e[0].tokens) <= n and cache.tokens[: len(e[0].tokens)] == e[0].tokens
+                    )
+                ]
+            self.entries.append([cache, cache.nbytes])
+            while self.entries and self.nbytes > self.max_bytes:
+                evicted.append(self.entries.pop(0)[0])
+                self.evicted += 1
+        for old in evicted:
+            if self.disk is not None:
+                self.disk.put(old)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the entries in the pool (not those taken)."""
+        return sum(b for _, b in self.entries)
+
+    def stats(self) -> dict:
+        """What ``/health`` and ``/v1/cache`` report."""
+        with self.lock:
+            out = {
+                "entries": len(self.entries),
+                "bytes": self.nbytes,
+                "max_bytes": self.max_bytes,
+                "in_use": self.out,
+                "lookups": self.lookups,
+                "hits": self.hits,
+                "hit_rate": round(self.hits / self.lookups, 4) if self.lookups else 0.0,
+                "cached_tokens": self.cached,
+                "prompt_tokens": self.prompted,
+                "evicted": self.evicted,
+            }
+        out["disk"] = None if self.disk is None else self.disk.stats()
+        return out
