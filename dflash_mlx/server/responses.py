@@ -7,28 +7,29 @@ items as assistant ``tool_calls``, ``function_call_output`` items as ``tool`` me
 flat function ``tools``, ``text.format`` as ``response_format``), so the template, the
 grammar that forces a call, and the queue are the same. ``reasoning`` input items are
 dropped, as chat templates drop earlier turns' thinking. The answer and its events are
-``responses_stream``'s. Finished responses are held in memory (``Store``: the last
-``MAX_HELD``, at most ``MAX_HELD_BYTES``) for ``previous_response_id`` and the GET route.
+``responses_stream``'s. Finished responses are held in memory (``responses_store``) for
+``previous_response_id`` and the GET route.
 Errors have OpenAI's shape and name the Responses API's fields.
 """
 
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from .limits import InputError, Names, check_body, load_json
+from .responses_store import MAX_HELD, Store, store_of
 from .responses_stream import Answer, new_id
 from .schema import SETTINGS, APIError, bad, parse_body
 
 RESPONSES = "/v1/responses"
 ROUTES = {RESPONSES}
-MAX_HELD = 256  # responses held for previous_response_id and GET
-MAX_HELD_BYTES = 64 << 20  # ... and at most this much of their JSON
-PASSED = {k for k in SETTINGS if k not in ("max_tokens", "max_completion_tokens")}
+# chat fields passed as they are: decoding settings and the reasoning options (extensions)
+PASSED = {k for k in SETTINGS if k not in ("max_tokens", "max_completion_tokens")} | {
+    "chat_template_kwargs",
+    "thinking_budget",
+}
 TEXT_PARTS = {"input_text", "output_text", "text", "summary_text", "reasoning_text"}
 REFUSED = {  # request fields this server cannot honour: a 400 rather than a silent ignore
     "background": "background responses are not supported; leave 'background' unset",
@@ -39,8 +40,14 @@ RESPELL = (
     ("response_format.json_schema.schema", "text.format.schema"),
     ("response_format", "text.format"),
     ("'max_tokens'", "'max_output_tokens'"),
+    ("'reasoning_effort'", "'reasoning.effort'"),
 )
-PARAMS = {"messages": "input", "response_format": "text", "max_tokens": "max_output_tokens"}
+PARAMS = {
+    "messages": "input",
+    "response_format": "text",
+    "max_tokens": "max_output_tokens",
+    "reasoning_effort": "reasoning",
+}
 
 
 @dataclass(frozen=True)
@@ -64,49 +71,6 @@ def respell(e: APIError) -> APIError:
     for old, new in RESPELL:
         msg = msg.replace(old, new)
     return APIError(e.status, msg, PARAMS.get(e.param, e.param), e.code)
-
-
-# ----------------------------------------------------------------------------- the store
-
-
-class Store:
-    """Finished responses by id, oldest dropped first past ``MAX_HELD`` or ``MAX_HELD_BYTES``.
-
-    Each holds the response object (for GET) and its conversation: the input items of its
-    chain and its output items, without instructions (they do not carry over)."""
-
-    def __init__(self, max_held: int = MAX_HELD, max_bytes: int = MAX_HELD_BYTES):
-        self.max_held, self.max_bytes, self.bytes = max_held, max_bytes, 0
-        self.held: OrderedDict[str, tuple[dict, list, int]] = OrderedDict()
-        self.lock = threading.Lock()
-
-    def put(self, response: dict, items: list) -> None:
-        """Hold ``response`` (its ``id``) with its conversation ``items``."""
-        size = len(json.dumps(response)) + len(json.dumps(items))
-        if size > self.max_bytes:  # larger than the whole store: not held
-            return
-        with self.lock:
-            self.held[response["id"]] = (response, items, size)
-            self.bytes += size
-            while self.held and (len(self.held) > self.max_held or self.bytes > self.max_bytes):
-                self.bytes -= self.held.popitem(last=False)[1][2]
-
-    def get(self, rid: str) -> tuple[dict, list] | None:
-        """(response, conversation items) of a held id, or None."""
-        with self.lock:
-            got = self.held.get(rid)
-        return None if got is None else got[:2]
-
-
-_STORE_LOCK = threading.Lock()
-
-
-def store_of(server) -> Store:
-    """The server's store, made on first use."""
-    with _STORE_LOCK:
-        if getattr(server, "responses_store", None) is None:
-            server.responses_store = Store()
-        return server.responses_store
 
 
 # ----------------------------------------------------------------------------- input items
@@ -273,6 +237,17 @@ def _format(text: Any) -> dict | None:
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": schema}}
 
 
+def _effort(body: dict) -> str | None:
+    """``reasoning.effort`` (the chat request's ``reasoning_effort``: "none" turns a thinking
+    template's reasoning off)."""
+    r = body.get("reasoning")
+    if r is None:
+        return None
+    if not isinstance(r, dict):
+        raise bad("'reasoning' must be an object, e.g. {'effort': 'low'}", "reasoning")
+    return r.get("effort")
+
+
 def _history(body: dict, store: Store) -> list:
     """The items of the conversation ``previous_response_id`` names ([] without one)."""
     prev = body.get("previous_response_id")
@@ -324,6 +299,8 @@ def to_chat(body: Any, store: Store) -> tuple[dict, list]:
     chat["tools"] = _tools(body)
     chat["tool_choice"] = _tool_choice(body.get("tool_choice"))
     chat["response_format"] = _format(body.get("text"))
+    if _effort(body) is not None:
+        chat["reasoning_effort"] = _effort(body)
     return chat, items
 
 

@@ -16,6 +16,7 @@ import json
 import time
 import uuid
 
+from . import reasoning
 from .schema import APIError, dflash_stats
 from .tools import HERMES, CallStream
 
@@ -24,15 +25,16 @@ def new_id(prefix: str = "resp") -> str:
     return f"{prefix}_" + uuid.uuid4().hex[:24]
 
 
-def usage(last) -> dict:
-    """The Responses ``usage`` of the last GenerationResponse."""
+def usage(last, reasoning_tokens: int = 0) -> dict:
+    """The Responses ``usage`` of the last GenerationResponse (``reasoning_tokens``: those
+    of the answer's thinking section, markers included)."""
     return {
         "input_tokens": last.prompt_tokens,
         "input_tokens_details": {
             "cached_tokens": max(0, last.prompt_tokens - last.prompt_processed)
         },
         "output_tokens": last.generation_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": last.prompt_tokens + last.generation_tokens,
     }
 
@@ -53,7 +55,11 @@ class Answer:
         spec = req.tools
         self.tools = spec is not None and spec.active
         self.split = CallStream(spec.fmt if spec is not None else HERMES)
-        self.accepted = 0
+        self.accepted, self.tokens = 0, []
+        tok = h.server.engine.tokenizer
+        self.marks = reasoning.markers(tok)  # a thinking model's answer: reasoning first
+        self.think = reasoning.Splitter(self.marks, reasoning.starts_open(tok, job.ids, self.marks))
+        self.thought: dict | None = None  # the reasoning item whose text is streaming
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict | None:
@@ -75,15 +81,16 @@ class Answer:
                 return None
             last = val
             self.accepted += val.accepted
+            self.tokens += val.tokens
             texts.append(val.text)
             if self.req.stream:
                 if not self.sending:
                     self._begin(last)
-                self._feed(val.text, bool(val.finish_reason))
+                self._feed(val.text)
         if last is None:
             raise APIError(500, "the generation produced nothing")
-        if not self.req.stream:
-            self._feed("".join(texts), True)
+        self._feed("" if self.req.stream else "".join(texts), True)
+        self._close_reasoning()
         self._close_message()
         if not self.output:  # nothing at all was said: one empty message
             self._open_message()
@@ -127,8 +134,19 @@ class Answer:
         self.send({"type": "response.failed", "response": failed})
 
     # ------------------------------------------------------------------ items
-    def _feed(self, text: str, final: bool) -> None:
-        """The items and events of a piece of the answer (``final``: the last piece)."""
+    def _feed(self, text: str, final: bool = False) -> None:
+        """The items and events of a piece of the answer (``final``: the end of it)."""
+        pieces = self.think.feed(text) + (self.think.close() if final else [])
+        for kind, val in pieces:
+            if kind == "reasoning":
+                self._reasoning(val)
+            else:
+                self._content(val, False)
+        if final:
+            self._content("", True)
+
+    def _content(self, text: str, final: bool) -> None:
+        """What follows the reasoning: text and tool calls."""
         if self.tools:
             events = self.split.feed(text) + (self.split.close() if final else [])
         else:
@@ -142,84 +160,119 @@ class Answer:
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.output.index(item)}
 
+    def _add(self, item: dict) -> dict:
+        """Append an output item (``response.output_item.added``)."""
+        self.output.append(item)
+        self.send(
+            {
+                "type": "response.output_item.added",
+                "output_index": len(self.output) - 1,
+                "item": json.loads(json.dumps(item)),
+            }
+        )
+        return item
+
+    def _done(self, item: dict) -> None:
+        item["status"] = "completed"
+        self.send(
+            {
+                "type": "response.output_item.done",
+                "output_index": self.output.index(item),
+                "item": json.loads(json.dumps(item)),
+            }
+        )
+
+    def _open(self, kind: str, item: dict) -> dict:
+        """A message or reasoning item with one part of ``kind`` (output_text or
+        reasoning_text) whose text streams."""
+        self._add(item)
+        part = {"type": kind, "text": ""} | ({"annotations": []} if kind == "output_text" else {})
+        item["content"].append(part)
+        self.send(
+            {
+                "type": "response.content_part.added",
+                **self._where(item),
+                "content_index": 0,
+                "part": dict(part),
+            }
+        )
+        return item
+
+    def _delta(self, item: dict, text: str) -> None:
+        part = item["content"][0]
+        part["text"] += text
+        event = {
+            "type": f"response.{part['type']}.delta",
+            **self._where(item),
+            "content_index": 0,
+            "delta": text,
+        }
+        self.send(event | ({"logprobs": []} if part["type"] == "output_text" else {}))
+
+    def _close(self, item: dict | None) -> None:
+        if item is None:
+            return
+        part, where = item["content"][0], self._where(item)
+        event = {
+            "type": f"response.{part['type']}.done",
+            **where,
+            "content_index": 0,
+            "text": part["text"],
+        }
+        self.send(event | ({"logprobs": []} if part["type"] == "output_text" else {}))
+        self.send(
+            {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}
+        )
+        self._done(item)
+
+    def _reasoning(self, text: str) -> None:
+        if self.thought is None:
+            item = {
+                "id": new_id("rs"),
+                "type": "reasoning",
+                "summary": [],
+                "content": [],
+                "status": "in_progress",
+            }
+            self.thought = self._open("reasoning_text", item)
+        self._delta(self.thought, text)
+
+    def _close_reasoning(self) -> None:
+        self._close(self.thought)
+        self.thought = None
+
+    def _text(self, text: str) -> None:
+        self._close_reasoning()
+        if self.open is None:
+            self._open_message()
+        self._delta(self.open, text)
+
     def _open_message(self) -> None:
-        self.open = {
+        item = {
             "id": new_id("msg"),
             "type": "message",
             "role": "assistant",
             "status": "in_progress",
             "content": [],
         }
-        self.output.append(self.open)
-        self.send(
-            {
-                "type": "response.output_item.added",
-                "output_index": len(self.output) - 1,
-                "item": dict(self.open, content=[]),
-            }
-        )
-        part = {"type": "output_text", "text": "", "annotations": []}
-        self.open["content"].append(part)
-        self.send(
-            {
-                "type": "response.content_part.added",
-                **self._where(self.open),
-                "content_index": 0,
-                "part": dict(part),
-            }
-        )
-
-    def _text(self, text: str) -> None:
-        if self.open is None:
-            self._open_message()
-        self.open["content"][0]["text"] += text
-        self.send(
-            {
-                "type": "response.output_text.delta",
-                **self._where(self.open),
-                "content_index": 0,
-                "delta": text,
-                "logprobs": [],
-            }
-        )
+        self.open = self._open("output_text", item)
 
     def _close_message(self) -> None:
-        item, self.open = self.open, None
-        if item is None:
-            return
-        part, where = item["content"][0], self._where(item)
-        self.send(
-            {
-                "type": "response.output_text.done",
-                **where,
-                "content_index": 0,
-                "text": part["text"],
-                "logprobs": [],
-            }
-        )
-        self.send(
-            {"type": "response.content_part.done", **where, "content_index": 0, "part": dict(part)}
-        )
-        item["status"] = "completed"
-        self._done(item)
+        self._close(self.open)
+        self.open = None
 
     def _call(self, call) -> None:
         """A whole tool call (``tools.ToolCall``) as a ``function_call`` item."""
+        self._close_reasoning()
         self._close_message()
-        item = {
-            "id": new_id("fc"),
-            "type": "function_call",
-            "status": "in_progress",
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": "",
-        }
-        self.output.append(item)
-        self.send(
+        item = self._add(
             {
-                "type": "response.output_item.added",
-                "output_index": len(self.output) - 1,
-                "item": dict(item),
+                "id": new_id("fc"),
+                "type": "function_call",
+                "status": "in_progress",
+                "call_id": call.id,
+                "name": call.name,
+                "arguments": "",
             }
         )
         item["arguments"] = call.arguments
@@ -235,17 +288,14 @@ class Answer:
                 "arguments": call.arguments,
             }
         )
-        item["status"] = "completed"
         self._done(item)
 
-    def _done(self, item: dict) -> None:
-        self.send(
-            {
-                "type": "response.output_item.done",
-                "output_index": self.output.index(item),
-                "item": json.loads(json.dumps(item)),
-            }
-        )
+    def _reasoning_tokens(self) -> int:
+        """Tokens of the thinking section: up to its closing marker (all when unclosed)."""
+        if self.marks is None or not self.think.saw_reasoning:
+            return 0
+        close = reasoning.marker_ids(self.h.server.engine.tokenizer, self.marks)[1]
+        return self.tokens.index(close) + 1 if close in self.tokens else len(self.tokens)
 
     # ------------------------------------------------------------------ the object
     def response(self, last, finished: bool = True) -> dict:
@@ -283,5 +333,8 @@ class Answer:
         if finished:
             out["completed_at"] = int(time.time())
             block = gen.block_size or self.h.server.engine.model.block_size
-            out.update(usage=usage(last), dflash=dflash_stats(last, self.accepted, block))
+            out.update(
+                usage=usage(last, self._reasoning_tokens()),
+                dflash=dflash_stats(last, self.accepted, block),
+            )
         return out

@@ -3,7 +3,8 @@ chat request the server speaks, errors naming this API's fields, and the bounded
 
 import pytest
 
-from dflash_mlx.server.responses import Store, respell, to_chat
+from dflash_mlx.server.responses import respell, to_chat
+from dflash_mlx.server.responses_store import Store
 from dflash_mlx.server.schema import APIError, bad
 
 CALL = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"a": 1}'}

@@ -1,0 +1,89 @@
+"""Reasoning items of the Responses API on a thinking model: a server on a tiny qwen3 pair
+whose tokenizer has ``<think>`` / ``</think>`` and a Qwen3-style template (the generation
+prompt opens ``<think>\\n``). The random model never closes its reasoning, so its whole
+answer is reasoning: the expected text is the in-process greedy answer, split by
+``reasoning.split``."""
+
+import pytest
+from test_server import KEY, _start, _stop
+from tiny_models import thinking_pair
+
+from dflash_mlx import generate, load
+from dflash_mlx.server.reasoning import markers, split
+
+openai = pytest.importorskip("openai")
+
+ASK = "What is the weather in Paris?"
+NO_EOS = {"3": -100}  # <|im_end|>: the answer runs to max_output_tokens
+
+
+@pytest.fixture(scope="module")
+def think_dirs(tmp_path_factory):
+    return thinking_pair(tmp_path_factory.mktemp("thinking"))
+
+
+@pytest.fixture(scope="module")
+def client(think_dirs, tmp_path_factory):
+    proc, url, _ = _start(tmp_path_factory.mktemp("think_resp"), *think_dirs, "--api-key", KEY)
+    yield openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+    _stop(proc)
+
+
+def _create(client, **kw):
+    kw.setdefault("input", ASK)
+    return client.responses.create(
+        model="think_t", temperature=0, max_output_tokens=8, extra_body={"logit_bias": NO_EOS}, **kw
+    )
+
+
+def test_an_unclosed_thinking_answer_is_one_reasoning_item_equal_to_the_split(client, think_dirs):
+    r = _create(client)
+    model, tok = load(str(think_dirs[0]), drafter=str(think_dirs[1]))
+    want = generate(
+        model,
+        tok,
+        [{"role": "user", "content": ASK}],
+        max_tokens=8,
+        temperature=0,
+        logit_bias={3: -100},
+    )
+    reasoning, content = split(want, markers(tok), True)
+    assert content == "" and reasoning
+    assert [o.type for o in r.output] == ["reasoning"] and r.output_text == ""
+    item = r.output[0]
+    assert item.id.startswith("rs_") and item.summary == []
+    assert [(c.type, c.text) for c in item.content] == [("reasoning_text", reasoning)]
+    assert r.usage.output_tokens_details.reasoning_tokens == r.usage.output_tokens == 8
+
+
+def test_streamed_reasoning_deltas_join_to_the_whole_item(client):
+    whole = _create(client).output[0].content[0].text
+    events = list(_create(client, stream=True))
+    assert len(events) < 1_000
+    types = [e.type for e in events]
+    assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert events[2].item.type == "reasoning" and events[3].part.type == "reasoning_text"
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    done = [e for e in events if e.type == "response.reasoning_text.done"]
+    assert deltas == done[0].text == whole
+    assert types[-2:] == ["response.output_item.done", "response.incomplete"]
+    assert events[-1].response.output[0].content[0].text == whole
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_reasoning_input_items_are_dropped_from_the_prompt(client):
+    turn = [
+        {"role": "user", "content": ASK},
+        {
+            "type": "reasoning",
+            "id": "rs_1",
+            "summary": [{"type": "summary_text", "text": "hm"}],
+            "content": [{"type": "reasoning_text", "text": "a long thought " * 20}],
+        },
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "And Rome?"},
+    ]
+    without = [t for t in turn if t.get("type") != "reasoning"]
+    a, b = _create(client, input=turn), _create(client, input=without)
+    assert a.usage.input_tokens == b.usage.input_tokens
+    assert a.output[0].content[0].text == b.output[0].content[0].text
