@@ -121,6 +121,7 @@ class _Recorder(_Wrapper):
         super().__init__(mixer)
         object.__setattr__(self, "_armed", armed)
         object.__setattr__(self, "_taped", tape.known(mixer))
+        object.__setattr__(self, "_own", tape.own_steps(mixer))
         object.__setattr__(self, "_last", None)
 
     def __call__(self, x, mask=None, cache=None):
@@ -140,7 +141,7 @@ class _Recorder(_Wrapper):
         last = self._last
         object.__setattr__(self, "_last", None)
         if isinstance(last, tape.Tape):
-            tape.rewind(self.inner, last, cache, snap, keep)
+            tape.rewind(self.inner, last, cache, snap, keep, self._own)
             return
         cache.cache = list(snap)
         x, mask = last

@@ -6,6 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen3_5, qwen3_next
 from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 from tiny_models import target_config
 
 from dflash_mlx.model import tape
@@ -41,9 +42,41 @@ def test_taped_forward_gives_the_mixers_own_outputs_and_states(kind):
     assert t.q.shape[1] == 3 and t.conv_input.shape[1] == 3 + m.conv_kernel_size - 1
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("heads", [(2, 4), (2, 2)])
+def test_own_recurrence_gives_mlx_lms_state_bit_for_bit(dtype, heads):
+    """``_steps`` (the rollback's recurrence off the Metal kernel) against mlx-lm's
+    op-by-op ``gated_delta_ops`` fed one step at a time, GQA-style heads included."""
+    hk, hv = heads
+    ks = mx.random.split(mx.random.key(4), 6)
+    q = mx.random.normal((1, 7, hk, 16), key=ks[0]).astype(dtype)
+    k = (0.3 * mx.random.normal((1, 7, hk, 16), key=ks[1])).astype(dtype)
+    v = mx.random.normal((1, 7, hv, 16), key=ks[2]).astype(dtype)
+    g = compute_g(mx.zeros(hv), mx.random.normal((1, 7, hv), key=ks[3]).astype(dtype), 1.0)
+    beta = mx.sigmoid(mx.random.normal((1, 7, hv), key=ks[4]).astype(dtype))
+    state = want = mx.random.normal((1, hv, 16, 16), key=ks[5])
+    for t in range(7):
+        s = slice(t, t + 1)
+        want = gated_delta_ops(q[:, s], k[:, s], v[:, s], g[:, s], beta[:, s], want)[1]
+    assert _equal(tape._compiled_steps(k, v, g, beta, state), want)
+    assert _equal(tape._steps(k, v, g, beta, state), want)
+
+
+def test_a_recurrence_that_differs_on_the_probe_is_not_used(monkeypatch):
+    """If ``_steps`` stopped giving mlx-lm's bits, the probe sees it and the rollback calls
+    mlx-lm's ``gated_delta_update`` instead (a wrong gate stands in for the change)."""
+    monkeypatch.setattr(
+        tape, "_compiled_steps", lambda k, v, g, b, s: tape._steps(k, v, g, b, s * 1.5)
+    )
+    monkeypatch.setattr(tape, "_checked", {})
+    m = _mixer("qwen3_5")
+    assert tape.known(m) and not tape.own_steps(m)
+
+
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("keep", [0, 1, 3, 4])
-def test_rewind_equals_feeding_the_kept_steps_one_at_a_time(kind, keep):
+@pytest.mark.parametrize("own", [True, False])
+def test_rewind_equals_feeding_the_kept_steps_one_at_a_time(kind, keep, own):
     m = _mixer(kind)
     x = mx.random.normal((1, 9, 64), key=mx.random.key(1))
     taped, single = ArraysCache(2), ArraysCache(2)
@@ -51,7 +84,7 @@ def test_rewind_equals_feeding_the_kept_steps_one_at_a_time(kind, keep):
     m(x[:, :4], None, single)
     snap = list(taped.cache)
     _, t = tape.forward(m, x[:, 4:], None, taped)  # a verify of 5 steps
-    tape.rewind(m, t, taped, snap, keep)
+    tape.rewind(m, t, taped, snap, keep, own)
     for i in range(keep):
         m(x[:, 4 + i : 5 + i], None, single)
     assert all(_equal(a, b) for a, b in zip(taped.cache, single.cache))
