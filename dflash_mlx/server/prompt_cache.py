@@ -5,8 +5,11 @@ do not evict each other.
 A request takes the entry whose prefix it can reuse longest out of the pool (no array is
 copied: ``PromptCache.reuse`` trims it in place) and gives it back when its caches are done
 with, keyed by the tokens it holds then. While an entry is out, a second request sharing its
-prefix takes the next best entry or starts fresh. A request whose prompt diverges from an
-entry's (a branch) trims that entry to the shared prefix: the cut tail is lost. Entries past
+prefix takes the next best entry or starts fresh. A request whose prompt branches off an
+entry's (another conversation after the same system prompt) gets a copy of the shared prefix
+when the branch would cut more than ``fork_min`` tokens, and the entry stays whole; a
+shorter cut (an agent's next turn re-rendering the end of its last answer) trims the entry
+in place. Hybrid entries are never copied: they go back to their checkpoint. Entries past
 ``max_bytes`` go, least recently used first, to the disk tier when there is one
 (``prompt_cache_disk.DiskTier``), else away.
 
@@ -16,10 +19,13 @@ an entry here also holds the drafter's context and a hybrid's checkpoint.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 
-from mlx.utils import tree_flatten
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ..decoding.state import PromptCache
 from ..errors import DFlashError
@@ -29,6 +35,7 @@ logger = logging.getLogger("dflash_mlx.server")
 GB = 10**9
 DEFAULT_SHARE = 0.25  # of the memory the budget leaves beside the pair's weights
 FALLBACK_BYTES = 2 * GB  # when the budget cannot be measured
+FORK_MIN = 256  # a branch cutting more cached tokens than this copies the shared prefix
 
 
 def default_bytes(model) -> int:
@@ -68,16 +75,48 @@ def check_gb(value) -> float | None:
     return gb
 
 
+def fork(model, cache: PromptCache, n: int) -> PromptCache | None:
+    """A copy of the first n tokens of cache (which is left whole), or None when its layers
+    cannot be copied so (a hybrid's recurrent state).
+
+    Args:
+        model: the loaded pair. cache: an entry. n: tokens to keep (at most its length).
+    """
+    kinds = (KVCache, QuantizedKVCache)
+    if not all(type(c) in kinds and not c.empty() for c in cache.target):
+        return None
+    model.drafter.flush_context(cache.drafter)  # project pending rows once, in the original
+    target = []
+    for c in cache.target:
+        new = copy.copy(c)  # its settings (a quantized cache's bits and group size)
+        # keys / values [1, n_kv, capacity, head_dim] (quantized: tuples) -> their first n rows
+        new.keys, new.values = tree_map(lambda a: copy.deepcopy(a[..., :n, :]), (c.keys, c.values))
+        new.offset = n
+        target.append(new)
+    drafter = []
+    for c in cache.drafter:
+        arrays, meta = c.save_state()
+        d = type(c).load_state({k: copy.deepcopy(a) for k, a in arrays.items()}, meta)
+        d.trim(len(cache.tokens) - n)
+        drafter.append(d)
+    out = PromptCache(target, drafter, list(cache.tokens[:n]), kv=cache.kv)
+    mx.eval(out.state)  # own buffers now: the entry may be evicted without pinning them
+    return out
+
+
 class PromptPool:
     """Prompt caches keyed by their tokens, least recently used evicted past a byte budget.
 
     Args:
         model: the loaded pair. max_bytes: the budget (0: nothing is kept between requests).
         disk: where evicted entries go and come back from (``DiskTier``), or None.
+        fork_min: a branch cutting more cached tokens than this copies the shared prefix.
     """
 
-    def __init__(self, model, max_bytes: int, disk=None):
+    def __init__(self, model, max_bytes: int, disk=None, fork_min: int = FORK_MIN):
         self.model, self.max_bytes, self.disk = model, max(0, int(max_bytes)), disk
+        self.fork_min = fork_min
+        self.forks = 0
         self.entries: list[list] = []  # [cache, bytes], least recently used first
         self.lock = threading.Lock()  # /health reads the counters from another thread
         self.lookups = self.hits = self.cached = self.prompted = self.evicted = 0
@@ -96,7 +135,7 @@ class PromptPool:
                 k = cache.usable(prompt)
                 if k > n:
                     best, n = i, k
-            best = None if best is None else self.entries.pop(best)[0]
+            best = None if best is None else self._lend(best, n)
         if self.disk is not None and len(prompt) - 1 > n:
             restored = self.disk.take(self.model, prompt, n)
             if restored is not None:
@@ -112,6 +151,19 @@ class PromptPool:
         cache = best if best is not None else self.model.make_cache()
         cache.interrupt = threading.Event()
         return cache
+
+    def _lend(self, i: int, n: int) -> PromptCache:
+        """Entry i for a request reusing n of its tokens: itself, out of the pool, or a
+        copy of its first n tokens when the cut would be long (the entry stays, now the
+        most recently used)."""
+        cache = self.entries[i][0]
+        if len(cache.tokens) - n > self.fork_min:
+            copied = fork(self.model, cache, n)
+            if copied is not None:
+                self.forks += 1
+                self.entries.append(self.entries.pop(i))
+                return copied
+        return self.entries.pop(i)[0]
 
     def give(self, cache: PromptCache, keep: bool = True) -> None:
         """Put a cache back, keyed by the tokens it holds now (most recently used).
@@ -163,6 +215,7 @@ class PromptPool:
                 "cached_tokens": self.cached,
                 "prompt_tokens": self.prompted,
                 "evicted": self.evicted,
+                "forks": self.forks,
             }
         out["disk"] = None if self.disk is None else self.disk.stats()
         return out

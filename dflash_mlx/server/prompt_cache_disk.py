@@ -78,24 +78,9 @@ def identity(model) -> dict[str, str]:
     return out
 
 
-def _context_state(c) -> tuple[dict, dict]:
-    save = getattr(c, "save_state", None)
-    if save is not None:
-        return save()
-    keys, values = c.held()  # a ContextCache without save_state: its rows and position
-    arrays = {} if keys is None else {"keys": keys, "values": values}
-    return arrays, {"window": str(c.window), "offset": str(c.offset)}
-
-
 def _context_load(fresh, arrays: dict, meta: dict):
-    load = getattr(type(fresh), "load_state", None)
-    if load is not None:
-        c = load(arrays, meta)
-    else:
-        c = fresh
-        if "keys" in arrays:
-            c.append(arrays["keys"], arrays["values"])
-        c.offset = int(meta["offset"])
+    """A drafter context cache saved with ``save_state``, checked against this pair's."""
+    c = type(fresh).load_state(arrays, meta)
     if c.window != fresh.window:
         raise ValueError("a context cache of another window")
     return c
@@ -241,7 +226,7 @@ class DiskTier:
         )
         arrays, layers = {}, []
         for i, c in enumerate(cache.drafter):
-            own, m = _context_state(c)
+            own, m = c.save_state()
             arrays.update({f"c{i}/{k}": a for k, a in own.items()})
             layers.append(m)
         info = {"layers": json.dumps(layers), "checkpoint": "null"}

@@ -117,6 +117,27 @@ def test_an_entry_holding_a_prefix_of_another_is_dropped(pairs):
     assert pool.stats()["entries"] == 1 and pool.entries[0][0] is long_
 
 
+def test_a_long_branch_gets_a_copy_and_the_entry_stays_whole(pairs):
+    model, tok = pairs("qwen3", "d2")
+    pool = PromptPool(model, 10**9, fork_min=32)
+    system, first = ids(1, 50), ids(2, 60)
+    filled(pool, model, tok, system + first)  # a conversation after the system prompt
+    (held,) = [e[0] for e in pool.entries]
+    before = list(held.tokens)
+    other = system + ids(3, 10)  # another conversation after the same system prompt
+    cache = pool.take(other)
+    assert cache is not held and held.tokens == before  # a copy of the shared prefix
+    text, reused = run(model, tok, other, cache)
+    assert reused == 50 and text == run(model, tok, other)[0]
+    pool.give(cache)
+    assert pool.stats()["forks"] == 1 and pool.stats()["entries"] == 2
+    follow = before + ids(4, 5)  # the first conversation goes on: its entry is whole
+    cache = pool.take(follow)
+    assert cache is held
+    text, reused = run(model, tok, follow, cache)
+    assert reused == len(before) and text == run(model, tok, follow)[0]
+
+
 def test_a_hybrid_targets_entries_restore_exactly(pairs):
     model, tok = pairs("qwen3_5", "d2")
     pool = PromptPool(model, 10**9)
