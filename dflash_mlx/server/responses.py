@@ -66,7 +66,11 @@ SPELLING = _Spelling("openai")
 
 
 def respell(e: APIError) -> APIError:
-    """The chat request's error in this API's field names."""
+    """The chat request's error in this API's field names.
+
+    Args:
+        e: an error of the chat request's parsing or checks (``param`` a chat field).
+    """
     msg = e.message
     for old, new in RESPELL:
         msg = msg.replace(old, new)
@@ -165,7 +169,14 @@ def _item(item: Any, where: str, out: list) -> None:
 
 
 def input_items(body: dict) -> list:
-    """The request's ``input`` as a list of items (a string is one user message)."""
+    """The request's ``input`` as a list of items (a string is one user message).
+
+    Args:
+        body: the Responses request.
+
+    Raises:
+        APIError: 400 when ``input`` is neither a string nor a list.
+    """
     inp = body.get("input")
     if isinstance(inp, str):
         return [{"type": "message", "role": "user", "content": inp}]
@@ -176,6 +187,9 @@ def input_items(body: dict) -> list:
 
 def messages(items: list, where: str = "input") -> list[dict]:
     """The chat messages of Responses items.
+
+    Args:
+        items: input items (and held output items). where: the field errors name.
 
     Raises:
         APIError: 400 naming the item at fault.
@@ -271,6 +285,9 @@ def to_chat(body: Any, store: Store) -> tuple[dict, list]:
     """(the OpenAI chat body of a Responses request, the conversation items it continues
     plus its own input: what a later ``previous_response_id`` resumes).
 
+    Args:
+        body: the parsed request body. store: the responses held (``previous_response_id``).
+
     Raises:
         APIError: 400 naming the field, 404 for a ``previous_response_id`` not held.
     """
@@ -326,7 +343,15 @@ def _load(raw: bytes) -> Any:
 
 
 def handle(h, path: str) -> None:
-    """Answer ``POST /v1/responses`` on the handler ``h`` (``http.Handler``)."""
+    """Answer ``POST /v1/responses`` and hold the finished response (unless ``store`` is
+    false).
+
+    Args:
+        h: the ``http.Handler``. path: the route.
+
+    Raises:
+        APIError: the request's 4xx (in this API's field names), before any answer is sent.
+    """
     if not h._authorized():
         raise h._unauthorized()
     srv, store = h.server, store_of(h.server)
@@ -346,7 +371,14 @@ def handle(h, path: str) -> None:
 
 
 def get(h, path: str) -> None:
-    """Answer ``GET /v1/responses/{id}`` with a held response, or 404."""
+    """Answer ``GET /v1/responses/{id}`` with a held response.
+
+    Args:
+        h: the ``http.Handler``. path: ``/v1/responses/{id}``.
+
+    Raises:
+        APIError: 404 when the id is not held.
+    """
     rid = path[len(RESPONSES) + 1 :]
     held = store_of(h.server).get(rid)
     if held is None:

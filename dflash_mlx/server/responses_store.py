@@ -25,7 +25,11 @@ class Store:
         self.lock = threading.Lock()
 
     def put(self, response: dict, items: list) -> None:
-        """Hold ``response`` (its ``id``) with its conversation ``items``."""
+        """Hold a response; one larger than ``max_bytes`` alone is not held.
+
+        Args:
+            response: the response object (its ``id`` is the key). items: its conversation.
+        """
         size = len(json.dumps(response)) + len(json.dumps(items))
         if size > self.max_bytes:  # larger than the whole store: not held
             return
@@ -38,7 +42,11 @@ class Store:
                 self.bytes -= self.held.popitem(last=False)[1][2]
 
     def get(self, rid: str) -> tuple[dict, list] | None:
-        """(response, conversation items) of a held id, or None."""
+        """(response, conversation items) of a held id, or None.
+
+        Args:
+            rid: the response id.
+        """
         with self.lock:
             got = self.held.get(rid)
         return None if got is None else got[:2]
@@ -48,7 +56,11 @@ _STORE_LOCK = threading.Lock()
 
 
 def store_of(server) -> Store:
-    """The server's store, made on first use."""
+    """The server's store, made on first use.
+
+    Args:
+        server: the ``app.DFlashHTTPServer`` (the store lives on it).
+    """
     with _STORE_LOCK:
         if getattr(server, "responses_store", None) is None:
             server.responses_store = Store()

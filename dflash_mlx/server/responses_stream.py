@@ -22,12 +22,21 @@ from .tools import HERMES, CallStream
 
 
 def new_id(prefix: str = "resp") -> str:
+    """A fresh id: ``resp_``, ``msg_``, ``fc_`` or ``rs_`` and 24 hex digits.
+
+    Args:
+        prefix: the kind of object.
+    """
     return f"{prefix}_" + uuid.uuid4().hex[:24]
 
 
 def usage(last, reasoning_tokens: int = 0) -> dict:
-    """The Responses ``usage`` of the last GenerationResponse (``reasoning_tokens``: those
-    of the answer's thinking section, markers included)."""
+    """The Responses ``usage`` of a generation.
+
+    Args:
+        last: the last GenerationResponse. reasoning_tokens: those of the answer's thinking
+            section, markers included.
+    """
     return {
         "input_tokens": last.prompt_tokens,
         "input_tokens_details": {
@@ -109,7 +118,11 @@ class Answer:
             self.send({"type": f"response.{kind}", "response": self.response(last, False)})
 
     def send(self, event: dict) -> None:
-        """One server-sent event (numbered) when streaming."""
+        """One server-sent event, numbered, when streaming (nothing otherwise).
+
+        Args:
+            event: the event object; its ``type`` names the event.
+        """
         if not self.sending:
             return
         event["sequence_number"] = self.seq
@@ -299,7 +312,12 @@ class Answer:
 
     # ------------------------------------------------------------------ the object
     def response(self, last, finished: bool = True) -> dict:
-        """The response object: in progress (no output yet) or finished from ``last``."""
+        """The response object.
+
+        Args:
+            last: the last GenerationResponse. finished: False for the object of
+                ``response.created`` / ``in_progress`` (no output, no usage yet).
+        """
         b, gen, spec = self.body, self.req.gen, self.req.tools
         status = "in_progress"
         if finished:
