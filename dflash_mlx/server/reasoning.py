@@ -9,12 +9,22 @@ reasoning back, the newlines around the reasoning and those opening the content 
 
 from __future__ import annotations
 
+import weakref
+
+from .schema import bad
 from .tools import template_text
 
 # (open, close) marker pairs a template may use; each is one token of the vocabulary
 PAIRS = (("<think>", "</think>"),)
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning_effort
+# apply_chat_template's own parameters: a chat_template_kwargs key may not override them
+RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+            "add_generation_prompt", "continue_final_message", "padding", "truncation",
+            "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+            "tokenizer_kwargs"}  # fmt: skip
 
 Marks = tuple[str, str]
+_found: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _vocab(tokenizer) -> dict:
@@ -28,10 +38,21 @@ def _vocab(tokenizer) -> dict:
 def markers(tokenizer) -> Marks | None:
     """The (open, close) thinking markers of a tokenizer whose vocabulary holds both as
     tokens and whose chat template mentions them; None for models without thinking.
+    Found once per tokenizer (reading a large vocabulary takes milliseconds).
 
     Args:
         tokenizer: mlx-lm TokenizerWrapper or a Hugging Face tokenizer.
     """
+    try:
+        if tokenizer in _found:
+            return _found[tokenizer]
+        _found[tokenizer] = found = _markers(tokenizer)
+        return found
+    except TypeError:  # not weakly referenceable: look each time
+        return _markers(tokenizer)
+
+
+def _markers(tokenizer) -> Marks | None:
     template = template_text(tokenizer)
     if not template:
         return None
@@ -182,3 +203,45 @@ def _merged(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
         else:
             out.append((kind, s))
     return out
+
+
+def request_options(body: dict) -> tuple[dict | None, int | None]:
+    """(the chat template's extra variables, the thinking budget in tokens) of an OpenAI chat
+    request: ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``),
+    ``reasoning_effort`` ("none" turns thinking off; the others keep the template's
+    default) and ``thinking_budget`` (reasoning tokens before the closing marker is forced).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    kw = body.get("chat_template_kwargs")
+    if kw is not None:
+        if not isinstance(kw, dict):
+            raise bad("'chat_template_kwargs' must be an object, e.g. {\"enable_thinking\": false}",
+                      "chat_template_kwargs")  # fmt: skip
+        for k in kw:
+            if not k.isidentifier() or k in RESERVED:
+                raise bad(f"'chat_template_kwargs' cannot set {k!r}; give template variables "
+                          "such as 'enable_thinking'", "chat_template_kwargs")  # fmt: skip
+        if not isinstance(kw.get("enable_thinking", True), bool):
+            raise bad("'chat_template_kwargs.enable_thinking' must be true or false",
+                      "chat_template_kwargs")  # fmt: skip
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in EFFORTS:
+        raise bad(f"'reasoning_effort' must be one of {list(EFFORTS)}", "reasoning_effort")
+    if effort == "none":  # the explicit template variable wins
+        kw = {"enable_thinking": False, **(kw or {})}
+    return kw or None, budget(body.get("thinking_budget"), "thinking_budget")
+
+
+def budget(value, field: str) -> int | None:
+    """A thinking budget: None, or a whole number of tokens >= 0.
+
+    Raises:
+        APIError: 400 naming ``field``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad(f"'{field}' must be a whole number of tokens >= 0 (got {value!r})", field)
+    return value
