@@ -222,3 +222,18 @@ def test_malformed_json_and_a_missing_key_are_refused(served):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=30)
     assert e.value.code == 401
+
+
+def test_responses_parse_returns_the_clients_pydantic_object(client):
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Shirt(BaseModel):
+        ok: bool
+        size: Literal["s", "m", "l"]
+
+    r = client.responses.parse(
+        model="qwen3", input=ASK, text_format=Shirt, temperature=0, max_output_tokens=200
+    )
+    assert isinstance(r.output_parsed, Shirt) and r.status == "completed"
