@@ -93,15 +93,24 @@ def fork(model, cache: PromptCache, n: int) -> PromptCache | None:
         new.keys, new.values = tree_map(lambda a: copy.deepcopy(a[..., :n, :]), (c.keys, c.values))
         new.offset = n
         target.append(new)
-    drafter = []
-    for c in cache.drafter:
-        arrays, meta = c.save_state()
-        d = type(c).load_state({k: copy.deepcopy(a) for k, a in arrays.items()}, meta)
-        d.trim(len(cache.tokens) - n)
-        drafter.append(d)
+    drafter = [_context_prefix(c, len(cache.tokens) - n) for c in cache.drafter]
     out = PromptCache(target, drafter, list(cache.tokens[:n]), kv=cache.kv)
     mx.eval(out.state)  # own buffers now: the entry may be evicted without pinning them
     return out
+
+
+def _context_prefix(c, drop: int):
+    """A copy of a drafter context cache (no pending rows) without its last ``drop``
+    positions, as ``PromptCache.reuse`` trims it: its held rows [1, n_kv, size, head_dim]
+    end at ``offset``; those before the new offset are kept."""
+    arrays, meta = c.save_state()
+    end = max(0, int(meta["offset"]) - drop)
+    if "keys" in arrays:
+        size = arrays["keys"].shape[2]
+        keep = max(0, min(size, end - (int(meta["offset"]) - size)))
+        arrays = {k: copy.deepcopy(arrays[k][..., :keep, :]) for k in ("keys", "values")}
+        arrays = arrays if keep else {}
+    return type(c).load_state(arrays, {**meta, "offset": str(end)})
 
 
 class PromptPool:

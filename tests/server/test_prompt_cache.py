@@ -138,6 +138,26 @@ def test_a_long_branch_gets_a_copy_and_the_entry_stays_whole(pairs):
     assert reused == len(before) and text == run(model, tok, follow)[0]
 
 
+@pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.parametrize("drop", [0, 3, 12, 20])
+def test_a_copied_context_equals_the_context_trimmed(window, drop):
+    import mlx.core as mx
+
+    from dflash_mlx.model.context import ContextCache
+    from dflash_mlx.server.prompt_cache import _context_prefix
+
+    c = ContextCache(window)
+    for n in (7, 6, 7):  # 20 rows [1, n_kv, n, head_dim]
+        c.append(mx.random.normal((1, 2, n, 4)), mx.random.normal((1, 2, n, 4)))
+    copied = _context_prefix(c, drop)
+    trimmed = ContextCache.load_state(*c.save_state())
+    trimmed.trim(drop)
+    assert copied.offset == trimmed.offset == 20 - drop and c.offset == 20
+    assert copied.size == trimmed.size
+    for a, b in zip(copied.held(), trimmed.held()):
+        assert (a is None and b is None) or mx.array_equal(a, b).item()
+
+
 def test_a_hybrid_targets_entries_restore_exactly(pairs):
     model, tok = pairs("qwen3_5", "d2")
     pool = PromptPool(model, 10**9)
