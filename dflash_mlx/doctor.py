@@ -140,7 +140,7 @@ def cpu_backend() -> Check:
         why = "DFLASH_CPU=0" if sys.platform.startswith("linux") else "not Linux"
         return Check("cpu backend", f"not applicable ({why}: plain MLX)")
     st = ops.backend_status()
-    parts, ok = [f"BLAS {st['blas'] or 'bundled with MLX'}"], True
+    parts, ok = [f"BLAS: {st.get('blas_in_use') or st['blas'] or 'bundled with MLX'}"], True
     for key, label in (("small_gemm", "few-row kernel"), ("exact_ops", "exact ops")):
         part = st[key]
         if part.get("error"):

@@ -5,7 +5,8 @@ functions :func:`install` replaces with this package's twins, and the loader cal
 :func:`install` once per loaded pair. A Mac never imports a compiler path: :func:`enabled`
 is false there and nothing below is loaded.
 
-- ``blas``: the system OpenBLAS, loaded before MLX (:func:`preload`);
+- ``blas``: the system OpenBLAS (else the scipy-openblas32 wheel's), loaded before MLX
+  (:func:`preload`);
 - ``small_gemm``: the few-row matmul in front of it (with the host selector's C code);
 - ``exact_ops``: exact vectorised SiLU, softmax and attention (a nanobind extension);
 - ``half_weights``: exact 16-bit copies of float32 weights for the few-row kernel;
@@ -15,7 +16,7 @@ is false there and nothing below is loaded.
   ``sharedlib``: a library checked on disk before it is mapped, MLX's compile cache swept.
 
 Switches (``env.switch``): ``DFLASH_CPU=0`` turns the whole backend off (plain MLX, as on a
-Mac); ``DFLASH_SYSTEM_BLAS``, ``DFLASH_SMALL_GEMM``, ``DFLASH_EXACT_OPS``,
+Mac); ``DFLASH_SYSTEM_BLAS``, ``DFLASH_SCIPY_OPENBLAS``, ``DFLASH_SMALL_GEMM``, ``DFLASH_EXACT_OPS``,
 ``DFLASH_HOST_SELECT`` turn off one part each.
 """
 
@@ -125,6 +126,7 @@ def status() -> dict:
     return {
         "enabled": enabled(),
         "blas": blas.loaded_path(),
+        "blas_in_use": blas.in_use(),
         "small_gemm": small_gemm.status(),
         "exact_ops": exact_ops.status(),
         "host_select": select_host.enabled(),

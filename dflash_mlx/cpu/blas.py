@@ -9,8 +9,14 @@ MLX's ``cblas_sgemm`` calls resolve to it: about 9x faster, no LD_PRELOAD, no re
 In front of whichever BLAS MLX gets, the few-row kernel (``small_gemm.py``) is loaded
 first, so decoding's 1-16-row matmuls are its own and every other call goes to that BLAS.
 
-``DFLASH_SYSTEM_BLAS=0`` turns the OpenBLAS loading off. Nothing here imports MLX except
-:func:`measure`, which reports the BLAS actually in use by timing a matmul.
+Without a system OpenBLAS, the OpenBLAS of PyPI's ``scipy-openblas32`` wheel (a dependency
+on Linux; DYNAMIC_ARCH, its symbols prefixed ``scipy_``) takes the calls the kernel hands
+on: MLX still binds the kernel's ``cblas_sgemm``, which forwards to ``scipy_cblas_sgemm``.
+Only when neither is there does the wheel's reference BLAS remain.
+
+``DFLASH_SYSTEM_BLAS=0`` turns the system OpenBLAS loading off, ``DFLASH_SCIPY_OPENBLAS=0``
+the wheel's. Nothing here imports MLX except :func:`measure`, which reports the BLAS
+actually in use by timing a matmul.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from pathlib import Path
 from .. import env
 
 ENV = "DFLASH_SYSTEM_BLAS"
+WHEEL_ENV = "DFLASH_SCIPY_OPENBLAS"
+WHEEL_PREFIX = "scipy_"  # scipy-openblas32's symbols: scipy_cblas_sgemm, ...
 CANDIDATES = (
     "/usr/lib/{arch}-linux-gnu/openblas-pthread/libopenblas.so.0",
     "/usr/lib/{arch}-linux-gnu/libopenblas.so.0",
@@ -38,7 +46,8 @@ CANDIDATES = (
 # BLAS reads the weights once (~1.5x). A ratio under this marks a fast BLAS, on any CPU.
 FAST_RATIO = 4.0
 
-_loaded: dict = {"path": None, "error": None, "tried": False}
+# path: the OpenBLAS loaded; kind: "system" or "scipy-openblas32" (None: the reference BLAS)
+_loaded: dict = {"path": None, "kind": None, "error": None, "tried": False}
 
 
 def _arch() -> str:
@@ -57,10 +66,11 @@ def candidates() -> list[str]:
 
 def load_system_blas() -> str | None:
     """Load the first system OpenBLAS found with RTLD_GLOBAL (Linux only, once), with the
-    few-row kernel in front of it (or of the wheel's BLAS when there is none).
+    few-row kernel in front of it; without one, the kernel in front of scipy-openblas32's
+    OpenBLAS, else of the wheel's reference BLAS.
 
     Returns:
-        the path loaded, or None (not Linux, turned off, none installed, or MLX was
+        the OpenBLAS loaded, or None (not Linux, turned off, none installed, or MLX was
         imported first and already bound its BLAS).
     """
     if _loaded["tried"]:
@@ -70,9 +80,15 @@ def load_system_blas() -> str | None:
         return None
     from . import small_gemm
 
-    if not env.switch(ENV):
+    path = _load_system(small_gemm) if env.switch(ENV) else None
+    if path is None and env.switch(WHEEL_ENV):
+        path = _load_wheel_openblas(small_gemm)
+    if path is None:
         _front_bundled_blas(small_gemm)
-        return None
+    return path
+
+
+def _load_system(small_gemm) -> str | None:
     for path in candidates():
         if path.startswith("/") and not Path(path).exists():
             continue
@@ -83,15 +99,56 @@ def load_system_blas() -> str | None:
             continue
         small_gemm.load(path)
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        _loaded["path"] = path
+        _loaded.update(path=path, kind="system")
         return path
-    _front_bundled_blas(small_gemm)
     return None
 
 
+def wheel_openblas() -> str | None:
+    """The OpenBLAS of the ``scipy-openblas32`` wheel (``scipy_openblas32/lib/``), found
+    without importing it; None when the wheel is not installed."""
+    spec = importlib.util.find_spec("scipy_openblas32")
+    for d in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted((Path(d) / "lib").glob("libscipy_openblas*.so*"))
+        if found:
+            return str(found[0])
+    return None
+
+
+def _load_wheel_openblas(small_gemm) -> str | None:
+    """The few-row kernel in front of scipy-openblas32's OpenBLAS. MLX never sees its
+    prefixed symbols, so without the kernel (no compiler, ``DFLASH_SMALL_GEMM=0``) it
+    cannot serve and None is returned."""
+    path = wheel_openblas()
+    if path is None:
+        return None
+    try:
+        ctypes.CDLL(path)
+    except OSError as e:
+        _loaded["error"] = f"{path}: {e}"
+        return None
+    if small_gemm.load(path, prefix=WHEEL_PREFIX) is None:
+        _loaded["error"] = f"{path}: no few-row kernel to call it ({small_gemm.status()['error']})"
+        return None
+    _loaded.update(path=path, kind="scipy-openblas32")
+    return path
+
+
 def loaded_path() -> str | None:
-    """The system OpenBLAS loaded by :func:`load_system_blas`, or None."""
+    """The OpenBLAS (system or scipy-openblas32) loaded by :func:`load_system_blas`, or None."""
     return _loaded["path"]
+
+
+def in_use() -> str:
+    """Which BLAS MLX's large matmuls reach, in words (``dflash doctor``), from what was
+    loaded (not timed: :func:`measure` times it)."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    if _loaded["kind"] == "system":
+        return f"system OpenBLAS ({_loaded['path']})"
+    if _loaded["kind"]:
+        return f"OpenBLAS of the scipy-openblas32 wheel ({_loaded['path']})"
+    return "reference BLAS bundled with MLX (slow prefill: pip install scipy-openblas32)"
 
 
 def bundled_blas() -> str | None:
@@ -150,12 +207,14 @@ def measure(repeats: int = 5) -> dict:
     kernel = small_gemm.status()["path"]
     if sys.platform == "darwin":
         name = "Accelerate"
+    elif fast and _loaded["kind"] == "scipy-openblas32":
+        name = f"OpenBLAS of scipy-openblas32 ({path})"
     elif fast:
         name = f"OpenBLAS ({path})" if path else "fast BLAS (loaded outside dflash)"
     elif path:
         name = f"reference BLAS (mlx wheel): {path} was loaded after mlx; import dflash_mlx first"
     else:
-        name = "reference BLAS (mlx wheel); install libopenblas0-pthread for ~9x faster matmuls"
+        name = "reference BLAS (mlx wheel); pip install scipy-openblas32 (or libopenblas0-pthread) for ~9x faster matmuls"
     if kernel:
         name += " + dflash few-row kernel"
     if exact_ops.active():

@@ -90,15 +90,20 @@ def build(out_dir: Path | None = None) -> Path:
     return builder.compile_once(lib, commands, src.name, EXPORTS, {"compiler": cc})
 
 
-def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str | None:
+def load(
+    blas_path: str, max_rows: int = MAX_ROWS, split: bool = False, prefix: str = ""
+) -> str | None:
     """Build and load the kernel in front of the BLAS at ``blas_path`` (before MLX loads).
 
     Args:
-        blas_path: the system OpenBLAS; the kernel loads it and forwards to its
+        blas_path: the BLAS to forward to: the system OpenBLAS, the scipy-openblas32
+            wheel's, or MLX's reference BLAS; the kernel loads it and binds its
             ``cblas_sgemm``.
-        max_rows: products with more rows than this go to OpenBLAS.
+        max_rows: products with more rows than this go to that BLAS.
         split: instead, multiply ``A @ B^T`` products of more rows in ``max_rows``-row
             pieces (for the wheel's reference BLAS, which costs ~M one-row products).
+        prefix: what the BLAS's symbol names start with (``scipy_`` for scipy-openblas32's
+            ``scipy_cblas_sgemm``; MLX, bound to the kernel's ``cblas_sgemm``, never sees it).
 
     Returns:
         the kernel's path, or None (turned off, or it could not be built: see :func:`status`).
@@ -110,12 +115,12 @@ def load(blas_path: str, max_rows: int = MAX_ROWS, split: bool = False) -> str |
         return None
     try:
         path, lib = builder.open_built(build, _open, "the few-row kernel")
-        rc = lib.dflash_small_gemm_init(blas_path.encode(), int(max_rows))
+        rc = lib.dflash_small_gemm_init(blas_path.encode(), prefix.encode(), int(max_rows))
     except (OSError, RuntimeError, FileNotFoundError, subprocess.SubprocessError) as e:
         _state["error"] = str(e)
         return None
     if rc != 0:
-        _state["error"] = f"could not bind cblas_sgemm in {blas_path} (code {rc})"
+        _state["error"] = f"could not bind {prefix}cblas_sgemm in {blas_path} (code {rc})"
         return None
     lib.dflash_small_gemm_counter.restype = ctypes.c_long
     lib.dflash_small_gemm_half_calls.restype = ctypes.c_long

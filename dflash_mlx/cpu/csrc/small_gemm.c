@@ -13,6 +13,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stddef.h>
+#include <string.h>
 #include <time.h>
 #include <immintrin.h>
 
@@ -331,14 +332,22 @@ void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
     calls_forwarded++;
 }
 
-/* Bind the real BLAS (already loaded with RTLD_GLOBAL); 0 on success. */
-int dflash_small_gemm_init(const char *blas_path, int rows) {
+/* dlsym of prefix + base: the scipy-openblas32 wheel's OpenBLAS names its symbols
+ * scipy_cblas_sgemm etc. (no plain cblas_sgemm); a system OpenBLAS has prefix "". */
+static void *sym(void *h, const char *prefix, const char *base) {
+    char name[128];
+    return strlen(prefix) + strlen(base) < sizeof name
+               ? dlsym(h, strcat(strcpy(name, prefix), base)) : 0;
+}
+
+/* Bind the real BLAS; 0 on success. */
+int dflash_small_gemm_init(const char *blas_path, const char *prefix, int rows) {
     void *h = dlopen(blas_path, RTLD_NOW | RTLD_GLOBAL);
     if (!h) return 1;
-    real_sgemm = (sgemm_fn)dlsym(h, "cblas_sgemm");
+    real_sgemm = (sgemm_fn)sym(h, prefix, "cblas_sgemm");
     if (!real_sgemm) return 2;
-    set_threads = (set_threads_fn)dlsym(h, "openblas_set_num_threads");
-    int (*get_threads)(void) = (int (*)(void))dlsym(h, "openblas_get_num_threads");
+    set_threads = (set_threads_fn)sym(h, prefix, "openblas_set_num_threads");
+    int (*get_threads)(void) = (int (*)(void))sym(h, prefix, "openblas_get_num_threads");
     if (!get_threads) set_threads = 0;
     if (set_threads) blas_threads = cur_threads = get_threads();
     max_rows = rows;
