@@ -1,4 +1,4 @@
-"""The ``dflash`` command line: run, chat, models, serve, bench and doctor.
+"""The ``dflash`` command line: run, chat, models, serve, bench, doctor, convert, roofline.
 
 Only typer and light modules are imported at start-up: MLX, mlx-lm, huggingface_hub and the
 engine are imported inside the commands, so ``dflash --help`` stays instant. Every bad input
@@ -21,8 +21,10 @@ from .. import __version__
 from ..errors import DFlashError
 from .bench import bench
 from .chat import chat
+from .convert import convert
 from .doctor import doctor
 from .models import models
+from .roofline import roofline
 from .run import run
 from .serve import serve
 from .streams import WRITE_ERRNOS, reopen_closed, write_error
@@ -114,7 +116,7 @@ def _main(
     """
 
 
-for _command in (run, chat, models, serve, bench, doctor):
+for _command in (run, chat, models, serve, bench, doctor, convert, roofline):
     app.command()(_command)
 
 

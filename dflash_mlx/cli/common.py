@@ -23,7 +23,8 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
     """(model, tokenizer) through ``dflash_mlx.load``.
 
     Args:
-        src: ``--model``, ``--drafter``, ``--draft-vocab``, ``--quant``, ``--offline``.
+        src: ``--model``, ``--drafter``, ``--draft-vocab``, ``--draft-quant``, ``--quant``,
+            ``--offline``.
         quiet: no download notices. verbose: print the loaded paths to stderr.
         cfg: the command's settings; its block size is checked against the drafter's.
     """
@@ -44,6 +45,7 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
         offline=src.offline or None,
         quiet=quiet,
         draft_vocab=vocab,
+        draft_quant=src.draft_quant,
         max_memory=src.max_memory,
         max_context=src.max_context,
         kv=kv,

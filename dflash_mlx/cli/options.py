@@ -28,6 +28,7 @@ class ModelOptions:
     Attributes:
         model: ``--model``. drafter: ``--drafter`` (None: the registry's).
         draft_vocab: ``--draft-vocab`` (None: the drafter's own). quant: ``--quant``.
+        draft_quant: ``--draft-quant`` as bits (None: auto, 0: none, 8, 4).
         offline: ``--offline``. max_memory: ``--max-memory`` in GB (None: the device's).
         max_context: ``--max-context`` in tokens (None: the model's, at most 32768).
     """
@@ -36,6 +37,7 @@ class ModelOptions:
     drafter: str | None = None
     draft_vocab: int | None = None
     quant: str | None = None
+    draft_quant: int | None = None
     offline: bool = False
     max_memory: float | None = None
     max_context: int | None = None
@@ -44,8 +46,10 @@ class ModelOptions:
 def _model_options(values: dict) -> ModelOptions:
     """The ``ModelOptions`` of the typed values, their limits checked (flags named)."""
     from ..loading.memory import check_limits
+    from ..model.config import parse_draft_quant
 
     check_limits(values.get("max_memory"), values.get("max_context"), flags=True)
+    values["draft_quant"] = parse_draft_quant(values.get("draft_quant"), "--draft-quant")
     return ModelOptions(**values)
 
 
@@ -150,6 +154,17 @@ MODEL = Group(
                 None,
                 "--quant",
                 help="Target quantisation for a registry alias: 4bit (default), 8bit, bf16, mxfp8.",
+            ),
+        ),
+        (
+            "draft_quant",
+            str,
+            typer.Option(
+                "auto",
+                "--draft-quant",
+                help="The drafter's layers at load: 4 or 8 bits (MLX's quantization, group 64), "
+                "none (dense), auto (4 on a GPU beside a quantized target, else none). The "
+                "output is unchanged: the drafter only proposes.",
             ),
         ),
         ("offline", bool, typer.Option(False, "--offline", help=OFFLINE_HELP)),

@@ -1,0 +1,182 @@
+"""``dflash roofline``'s cost model: the bytes one verify cycle of block B reads, part by
+part, and the time each takes at a chip's memory bandwidth (decoding on a Mac is bound by
+bytes read). From configs alone: no weight is read and nothing runs. Estimates.
+
+Per cycle: the target's verify (every weight but the embedding, the attention KV cache at
+the context, a hybrid's recurrent states), the drafter (its layers at ``draft_quant``, its
+dense fc / conv / selector projections, the target's LM head over the full or a draft
+vocabulary, its context K/V) and, on a hybrid target, the rollback of the Gated DeltaNet
+state after a rejection: *replay* (the mixers' input projections again over the kept
+tokens) or *tape* (only the recurrence, from inputs the verify kept).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..loading.footprint import config_int
+from . import roofline_data as data
+
+GROUP = 64  # the drafter's quantization group (model/quantize.py)
+
+
+@dataclass
+class Inputs:
+    """What the model is asked about.
+
+    Attributes:
+        target, drafter: config dicts (``text_config`` merged). quant: the target's
+            (``roofline_data.QUANT_BYTES``). draft_quant: the drafter's layers' bits (0:
+            bf16). draft_vocab: its draft vocabulary (0: the full one). block: B rows per
+            verify. context: tokens in the caches. rollback: "tape" or "replay".
+    """
+
+    target: dict
+    drafter: dict
+    quant: str = "4bit"
+    draft_quant: int = 4
+    draft_vocab: int = 0
+    block: int = 8
+    context: int = 4096
+    rollback: str = "tape"
+
+
+@dataclass
+class Report:
+    """Bytes per part (name -> bytes, in order), the chunks MLX's fused attention allows,
+    and the totals the command prints."""
+
+    parts: dict[str, float] = field(default_factory=dict)
+    chunks: int = 1
+    rows_per_chunk: int = 0
+    hybrid: bool = False
+    plain: float = 0.0  # bytes of one plain decoding step (B = 1)
+    other: tuple[str, float] | None = None  # (kind, bytes) of the rollback not counted
+
+    def group(self, prefix: str) -> float:
+        """Bytes of the parts whose name starts with ``prefix``."""
+        return sum(v for k, v in self.parts.items() if k.startswith(prefix))
+
+
+def _attention(cfg: dict) -> tuple[int, int, int, int]:
+    """(attention layers, heads, KV heads, head dim) of a target config."""
+    layers = config_int(cfg, "num_hidden_layers")
+    heads = config_int(cfg, "num_attention_heads", 1)
+    kv = config_int(cfg, "num_key_value_heads", heads)
+    hd = config_int(cfg, "head_dim", config_int(cfg, "hidden_size") // heads)
+    if "linear_num_value_heads" in cfg:
+        layers //= config_int(cfg, "full_attention_interval", 4)
+    return layers, heads, kv, hd
+
+
+def _deltanet(cfg: dict) -> tuple[int, int, int, int]:
+    """(Gated DeltaNet layers, input-projection width, state bytes per layer, one kept
+    token's recurrence inputs in elements) of a hybrid target; zeros for a dense one."""
+    if "linear_num_value_heads" not in cfg:
+        return 0, 0, 0, 0
+    layers = config_int(cfg, "num_hidden_layers")
+    layers -= layers // config_int(cfg, "full_attention_interval", 4)
+    hv, hk = config_int(cfg, "linear_num_value_heads"), config_int(cfg, "linear_num_key_heads")
+    dk, dv = config_int(cfg, "linear_key_head_dim"), config_int(cfg, "linear_value_head_dim")
+    qkv = 2 * hk * dk + hv * dv
+    conv = (config_int(cfg, "linear_conv_kernel_dim", 4) - 1) * qkv * 2  # 16-bit window
+    state = hv * dk * dv * 4 + conv  # the float32 recurrence and the conv window
+    return layers, qkv + hv * dv + 2 * hv, state, qkv + 2 * hv  # in: q, k, v, z, b, a
+
+
+def target_weights(cfg: dict) -> float:
+    """Weights a verify reads (all but the embedding, whose B rows are gathered), in
+    parameters."""
+    H, V = config_int(cfg, "hidden_size"), config_int(cfg, "vocab_size")
+    inter, n = config_int(cfg, "intermediate_size", 4 * H), config_int(cfg, "num_hidden_layers")
+    att, heads, kv, hd = _attention(cfg)
+    gated = cfg.get("attn_output_gate", "linear_num_value_heads" in cfg)  # qwen3_5's q is gated
+    q = heads * hd * (2 if gated else 1)
+    attention = att * H * (q + 2 * kv * hd + heads * hd)
+    dn, width, _, tape_in = _deltanet(cfg)
+    hv, dv = config_int(cfg, "linear_num_value_heads"), config_int(cfg, "linear_value_head_dim")
+    conv = (tape_in - 2 * hv) * config_int(cfg, "linear_conv_kernel_dim", 4)  # conv1d taps
+    mixers = dn * (H * (width + hv * dv) + conv)  # input, output projections and the conv
+    return n * 3 * H * inter + attention + mixers + V * H  # + the LM head
+
+
+def drafter_parts(inp: Inputs, head_bytes: float) -> dict[str, float]:
+    """The drafter's bytes per cycle: layers, dense projections, head, context K/V."""
+    d = inp.drafter
+    dc = d.get("dflash_config", {})
+    H, inter = config_int(d, "hidden_size"), config_int(d, "intermediate_size")
+    heads, kv = config_int(d, "num_attention_heads", 1), config_int(d, "num_key_value_heads", 1)
+    hd, n = config_int(d, "head_dim", H // heads), config_int(d, "num_hidden_layers")
+    layer = H * (2 * heads * hd + 2 * kv * hd) + 3 * H * inter
+    per = inp.draft_quant / 8 + 4 / GROUP if inp.draft_quant else 2.0
+    taps = len(dc.get("target_layer_ids", [])) or 5
+    conv = 0
+    if "DFlash2DraftModel" in d.get("architectures", ["DFlash2DraftModel"]):
+        groups = H // (dc.get("conv_group_size") or 16)
+        conv = n * 2 * H * 2 * (dc.get("conv_kernel_size") or 2) * groups
+        conv += H * (dc.get("selector_rank") or 256)
+    V = inp.draft_vocab or config_int(d, "vocab_size")
+    window = d.get("sliding_window") or inp.context
+    ctx = min(inp.context, window) * n * 2 * kv * hd * 2
+    return {
+        f"drafter layers ({inp.draft_quant or 16}-bit)": n * layer * per,
+        "drafter fc, conv, selector (16-bit)": (taps * H * H + conv) * 2.0,
+        f"drafter head ({V:,} rows)": V * H * head_bytes,
+        "drafter context K/V": ctx,
+    }
+
+
+def estimate(inp: Inputs) -> Report:
+    """The bytes of one verify cycle, part by part.
+
+    Args:
+        inp: the pair, quantizations, block, context and rollback kind.
+    """
+    t = inp.target
+    per = data.QUANT_BYTES[inp.quant]
+    rep = Report()
+    rep.parts["target weights (verify)"] = target_weights(t) * per
+    att, heads, kv, hd = _attention(t)
+    gqa = max(heads // kv, 1)
+    rep.rows_per_chunk = max(data.FUSED_ROWS // gqa, 1)
+    rep.chunks = math.ceil(inp.block / rep.rows_per_chunk)
+    kv_bytes = att * 2 * kv * hd * inp.context * 2  # 16-bit K and V
+    rep.parts[f"target KV ({inp.context:,} tokens x {rep.chunks} chunks)"] = kv_bytes * rep.chunks
+    dn, width, state, tape_in = _deltanet(t)
+    rep.hybrid = dn > 0
+    if dn:
+        rep.parts["target recurrent states (read, write)"] = dn * 2 * state
+    rep.plain = rep.group("target") - kv_bytes * (rep.chunks - 1)
+    rep.parts.update(drafter_parts(inp, per))
+    if dn:
+        H = config_int(t, "hidden_size")
+        replay = dn * (H * width * per + 2 * state)
+        tape = dn * (2 * state + inp.block * tape_in * 2)
+        both = {"tape": tape, "replay": replay}
+        rep.parts[f"rollback ({inp.rollback})"] = both.pop(inp.rollback)
+        rep.other = next(iter(both.items()))  # the rollback not chosen, for comparison
+    return rep
+
+
+def summary(rep: Report, bandwidth: float) -> dict:
+    """Totals: the target's verify, the drafter, the rollback, the cycle, the drafter and
+    rollback as a share of the verify, and the seconds each takes at ``bandwidth`` GB/s."""
+    verify = rep.group("target")
+    drafter = rep.group("drafter")
+    rollback = rep.group("rollback")
+    cycle = verify + drafter + rollback
+    sec = 1e9 * bandwidth
+    return {
+        "target_verify_bytes": verify,
+        "drafter_bytes": drafter,
+        "rollback_bytes": rollback,
+        "cycle_bytes": cycle,
+        "drafter_and_rollback_share": (drafter + rollback) / verify if verify else 0.0,
+        "plain_step_bytes": rep.plain,
+        "break_even_tau": cycle / rep.plain if rep.plain else 0.0,
+        "cycle_seconds": cycle / sec,
+        "verify_seconds": verify / sec,
+        "fused_attention_rows_per_chunk": rep.rows_per_chunk,
+        "fused_attention_chunks": rep.chunks,
+    }

@@ -1,0 +1,145 @@
+"""``dflash roofline``: offline, the bytes one verify cycle reads, part by part, and what
+each costs at an Apple chip's memory bandwidth (``bench/roofline.py``; estimates)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from ..errors import DFlashError
+
+ROLLBACKS = ("tape", "replay")
+
+
+def _configs(model: str, drafter: str | None) -> tuple[str, dict, dict, str | None]:
+    """(name, target config, drafter config, the target's stored quantization or None):
+    the registry's table for an alias, else the configs of a local or cached pair."""
+    from ..bench import roofline_data as data
+    from ..loading import footprint, memory
+    from ..loading.loader import resolve
+
+    for alias, arch in data.ARCHS.items():
+        if alias.lower() == model.strip().lower():
+            return alias, arch["target"], arch["drafter"], None
+    res = resolve(model, drafter)
+    tpath, dpath = memory.offline_path(res.target), memory.offline_path(res.drafters[0])
+    if tpath is None or dpath is None:
+        known = ", ".join(data.ARCHS)
+        raise DFlashError(
+            f"--model {model}: its shapes are not known offline (aliases with built-in shapes: "
+            f"{known}); download the pair first (dflash run --model {model}) or give a directory"
+        )
+    try:
+        _, tcfg, _, _ = footprint.target_size(Path(tpath), cpu=False)
+        dcfg = json.loads((Path(dpath) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"--model {model}: cannot read its configs ({e}); re-download it")
+    bits = (tcfg.get("quantization") or {}).get("bits")
+    return res.display_name, tcfg, dcfg, {4: "4bit", 8: "8bit"}.get(bits)
+
+
+def _check(quant: str | None, context: int, block: int | None, draft_vocab: int, rollback: str):
+    from ..bench.roofline_data import QUANT_BYTES
+
+    if quant is not None and quant.lower() not in QUANT_BYTES:
+        choices = ", ".join(QUANT_BYTES)
+        raise DFlashError(f"--quant {quant} is not one of {choices}; pick one of them")
+    if context < 1:
+        raise DFlashError(f"--context must be at least 1 token (got {context})")
+    if block is not None and not 2 <= block <= 64:
+        raise DFlashError(f"--block must be in 2..64 (got {block})")
+    if draft_vocab < 0:
+        raise DFlashError(
+            f"--draft-vocab must be 0 (the full vocabulary) or a size (got {draft_vocab})"
+        )
+    if rollback not in ROLLBACKS:
+        raise DFlashError(f"--rollback must be tape or replay (got {rollback!r})")
+
+
+def roofline(
+    model: str = typer.Option(
+        ..., "--model", help="Registry alias, local pair or cached Hub id.", show_default=False
+    ),
+    drafter: str = typer.Option(None, "--drafter", help="Drafter directory (default: the pair's)."),
+    quant: str = typer.Option(
+        None, "--quant", help="The target's: 4bit (default), 8bit, bf16, mxfp8."
+    ),
+    chip: str = typer.Option("M4 Pro", "--chip", help='Apple chip, e.g. "M4 Pro", "M3 Max".'),
+    context: int = typer.Option(4096, "--context", help="Tokens in the caches."),
+    block: int = typer.Option(None, "--block", help="Rows per verify (default: the drafter's)."),
+    draft_quant: str = typer.Option(
+        "4", "--draft-quant", help="The drafter's layers: 4, 8 or none."
+    ),
+    draft_vocab: int = typer.Option(0, "--draft-vocab", help="Draft vocabulary size (0: full)."),
+    rollback: str = typer.Option("tape", "--rollback", help="A hybrid's rollback: tape or replay."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead."),
+):
+    """Offline cost model of a verify cycle: the bytes the target's verify, the drafter and
+    the rollback read, and their time at the chip's bandwidth (estimated; nothing runs)."""
+    from ..bench import roofline as rl
+    from ..bench import roofline_data as data
+    from ..model.config import parse_draft_quant
+
+    _check(quant, context, block, draft_vocab, rollback)
+    bits = parse_draft_quant(draft_quant, "--draft-quant")
+    try:
+        chip_name, bandwidth, note = data.chip(chip)
+    except KeyError:
+        raise DFlashError(f"--chip {chip!r} is unknown; use one of: {', '.join(data.CHIPS)}")
+    name, tcfg, dcfg, stored = _configs(model, drafter)
+    dc = dcfg.get("dflash_config", {})
+    inp = rl.Inputs(
+        target=tcfg,
+        drafter=dcfg,
+        quant=(quant or stored or "4bit").lower(),
+        draft_quant=4 if bits is None else bits,
+        draft_vocab=draft_vocab,
+        block=block or dc.get("block_size") or dcfg.get("block_size") or 8,
+        context=context,
+        rollback=rollback,
+    )
+    rep = rl.estimate(inp)
+    total = rl.summary(rep, bandwidth)
+    head = {"model": name, "quant": inp.quant, "chip": chip_name, "bandwidth_gb_s": bandwidth}
+    head |= {"block": inp.block, "context": context, "draft_quant": inp.draft_quant}
+    head |= {"draft_vocab": draft_vocab, "rollback": rollback if rep.hybrid else None}
+    if json_out:
+        parts = {k: {"bytes": v, "seconds": v / (bandwidth * 1e9)} for k, v in rep.parts.items()}
+        other = None if rep.other is None else {"kind": rep.other[0], "bytes": rep.other[1]}
+        print(
+            json.dumps(
+                {**head, "estimated": True, "parts": parts, **total, "other_rollback": other}
+            )
+        )
+        return
+    _print(head, rep, total, bandwidth, note)
+
+
+def _print(head: dict, rep, total: dict, bandwidth: float, note: str) -> None:
+    """The table: one row per part, GB and ms at the chip's bandwidth, then the totals."""
+    ms = 1e3 / (bandwidth * 1e9)
+    print(
+        f"{head['model']} {head['quant']}, block {head['block']}, context {head['context']:,}, "
+        f"drafter {head['draft_quant'] or 16}-bit, on {head['chip']} ({bandwidth:g} GB/s, "
+        "estimated)"
+    )
+    print(f"{'part':<48}{'GB':>8}{'ms':>9}")
+    for k, v in rep.parts.items():
+        print(f"{k:<48}{v / 1e9:>8.3f}{v * ms:>9.2f}")
+    print(f"{'cycle total':<48}{total['cycle_bytes'] / 1e9:>8.3f}{total['cycle_bytes'] * ms:>9.2f}")
+    print(
+        f"drafter + rollback: {total['drafter_and_rollback_share']:.1%} of the target's verify; "
+        f"a cycle must commit {total['break_even_tau']:.2f} tokens to match plain decoding "
+        f"({total['plain_step_bytes'] / 1e9:.2f} GB a step)"
+    )
+    print(
+        f"fused vector attention: {rep.rows_per_chunk} rows a chunk, {rep.chunks} chunk(s) "
+        f"per verify (q_len x heads / KV heads <= {32})"
+    )
+    if rep.other is not None:
+        kind, v = rep.other
+        print(f"rollback by {kind} instead: {v / 1e9:.3f} GB ({v * ms:.2f} ms)")
+    if note:
+        print(f"note: {note}")
