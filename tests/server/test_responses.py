@@ -158,6 +158,8 @@ def test_a_streamed_function_call_has_argument_events_and_equals_the_whole_call(
     assert done.type == "function_call" and done.arguments == whole.arguments
     assert events[3].delta == events[4].arguments == whole.arguments
     assert events[-1].response.output[0].call_id == done.call_id
+    held = client.responses.retrieve(events[-1].response.id)  # a streamed response is held too
+    assert held.output[0].arguments == whole.arguments
 
 
 def test_a_held_response_is_retrieved_by_id_and_an_unknown_one_is_a_404(client, served):
