@@ -139,6 +139,7 @@ def test_a_function_call_output_continues_by_previous_response_id_as_by_history(
     assert by_id.usage.input_tokens == by_items.usage.input_tokens > r.usage.input_tokens
     assert by_id.output_text == by_items.output_text
     assert by_id.previous_response_id == r.id
+    assert by_items.usage.input_tokens_details.cached_tokens > 0  # the same prompt again
 
 
 def test_a_streamed_function_call_has_argument_events_and_equals_the_whole_call(client):
