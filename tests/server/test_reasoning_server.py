@@ -188,3 +188,84 @@ def test_bad_reasoning_options_are_400_in_openais_shape(served, extra, words):
     assert got["error"]["type"] == "invalid_request_error" and words in got["error"]["message"]
     ok, _ = _http(served + "/v1/chat/completions", {"messages": ASK, "max_tokens": 2})
     assert ok == 200  # the server keeps serving
+
+
+# ----------------------------------------------------------------------------- Anthropic
+
+
+def _messages(served, stream=False, **kw):
+    """Anthropic's Messages answer: the whole message, or (thinking, text, event types)."""
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=served, api_key=KEY, timeout=120, max_retries=0)
+    kw = {"model": "think_t", "messages": ASK, "max_tokens": 12, **kw}  # greedy: the default
+    if not stream:
+        return client.messages.create(**kw)
+    thinking, text, kinds = "", "", []
+    with client.messages.stream(**kw) as s:
+        for ev in s:
+            kinds.append(ev.type)
+            if ev.type == "content_block_delta" and ev.delta.type == "thinking_delta":
+                thinking += ev.delta.thinking
+            elif ev.type == "content_block_delta" and ev.delta.type == "text_delta":
+                text += ev.delta.text
+    return thinking, text, kinds
+
+
+def _openai(client, **kw):
+    r = client.chat.completions.create(model="think_t", messages=ASK, max_tokens=12, **kw)
+    return r.choices[0].message
+
+
+def test_anthropic_thinking_blocks_hold_the_reasoning_whole_and_streamed(served, client):
+    on = {"type": "enabled", "budget_tokens": 4}
+    msg = _messages(served, thinking=on)
+    want = _openai(client, temperature=0, extra_body={"thinking_budget": 4})
+    assert [b.type for b in msg.content][:1] == ["thinking"]
+    assert msg.content[0].thinking == want.reasoning_content
+    text = "".join(b.text for b in msg.content if b.type == "text")
+    assert text == want.content
+    thinking, streamed, kinds = _messages(served, stream=True, thinking=on)
+    assert (thinking, streamed) == (want.reasoning_content, want.content)
+    assert "content_block_start" in kinds and kinds[-1] == "message_stop"
+
+
+@pytest.mark.parametrize("thinking", [None, {"type": "disabled"}])
+def test_anthropic_without_thinking_enabled_has_no_thinking_block(served, client, thinking):
+    kw = {} if thinking is None else {"thinking": thinking}
+    msg = _messages(served, **kw)
+    off = _openai(
+        client, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert all(b.type != "thinking" for b in msg.content)
+    assert "".join(b.text for b in msg.content if b.type == "text") == off.content
+    thinking_text, _, kinds = _messages(served, stream=True, **kw)
+    assert thinking_text == "" and kinds[-1] == "message_stop"
+
+
+def test_anthropic_takes_earlier_thinking_blocks_as_input(served):
+    turn = [
+        {"type": "thinking", "thinking": "Paris is sunny.", "signature": "x"},
+        {"type": "text", "text": "Sunny."},
+    ]
+    history = ASK + [{"role": "assistant", "content": turn}, {"role": "user", "content": "Rome?"}]
+    msg = _messages(served, messages=history, thinking={"type": "enabled", "budget_tokens": 2})
+    assert msg.content[0].type == "thinking"
+
+
+@pytest.mark.parametrize(
+    "thinking, words",
+    [
+        ({"type": "enabled", "budget_tokens": -1}, "budget_tokens"),
+        ({"type": "enabled"}, "budget_tokens"),
+        ({"type": "sometimes"}, "thinking.type"),
+        ("on", "thinking.type"),
+    ],
+)
+def test_anthropic_bad_thinking_is_400_in_anthropics_shape(served, thinking, words):
+    body = {"model": "m", "messages": ASK, "max_tokens": 4, "thinking": thinking}
+    status, got = _http(served + "/v1/messages", body)
+    assert status == 400, got
+    assert got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
+    assert words in got["error"]["message"]
+    ok, _ = _http(served + "/v1/messages", {"model": "m", "messages": ASK, "max_tokens": 2})
+    assert ok == 200
