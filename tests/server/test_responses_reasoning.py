@@ -29,10 +29,25 @@ def client(think_dirs, tmp_path_factory):
     _stop(proc)
 
 
-def _create(client, **kw):
+def _create(client, extra=None, **kw):
     kw.setdefault("input", ASK)
-    return client.responses.create(
-        model="think_t", temperature=0, max_output_tokens=8, extra_body={"logit_bias": NO_EOS}, **kw
+    kw.setdefault("max_output_tokens", 8)
+    extra = {"logit_bias": NO_EOS, **(extra or {})}
+    return client.responses.create(model="think_t", temperature=0, extra_body=extra, **kw)
+
+
+def _chat(client, max_tokens, **kw):
+    return (
+        client.chat.completions.create(
+            model="think_t",
+            messages=[{"role": "user", "content": ASK}],
+            max_tokens=max_tokens,
+            temperature=0,
+            logit_bias=NO_EOS,
+            **kw,
+        )
+        .choices[0]
+        .message
     )
 
 
@@ -87,3 +102,27 @@ def test_reasoning_input_items_are_dropped_from_the_prompt(client):
     a, b = _create(client, input=turn), _create(client, input=without)
     assert a.usage.input_tokens == b.usage.input_tokens
     assert a.output[0].content[0].text == b.output[0].content[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_thinking_budget_ends_the_reasoning_item_and_a_message_follows(client, stream):
+    want = _chat(client, 14, extra_body={"thinking_budget": 5})
+    kw = {"max_output_tokens": 14, "extra": {"thinking_budget": 5}}
+    if stream:
+        events = list(_create(client, stream=True, **kw))
+        r = events[-1].response
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert deltas == want.content
+    else:
+        r = _create(client, **kw)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == want.reasoning_content
+    assert r.output[1].content[0].text == want.content and want.content
+    assert r.usage.output_tokens_details.reasoning_tokens == 6  # 5 and the closing marker
+
+
+def test_reasoning_effort_none_answers_without_a_reasoning_item(client):
+    want = _chat(client, 8, reasoning_effort="none")
+    r = _create(client, reasoning={"effort": "none"})
+    assert [o.type for o in r.output] == ["message"] and r.output_text == want.content
+    assert r.usage.output_tokens_details.reasoning_tokens == 0
