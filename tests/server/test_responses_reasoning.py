@@ -1,8 +1,9 @@
 """Reasoning items of the Responses API on a thinking model: a server on a tiny qwen3 pair
 whose tokenizer has ``<think>`` / ``</think>`` and a Qwen3-style template (the generation
-prompt opens ``<think>\\n``). The random model never closes its reasoning, so its whole
-answer is reasoning: the expected text is the in-process greedy answer, split by
-``reasoning.split``."""
+prompt opens ``<think>\\n``). The random model never closes its reasoning by itself: then its
+whole answer is reasoning (expected: the in-process greedy answer, split by
+``reasoning.split``); a ``thinking_budget`` closes it, and the chat route's
+``reasoning_content`` / ``content`` are the expected items."""
 
 import pytest
 from test_server import KEY, _start, _stop
