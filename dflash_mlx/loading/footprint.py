@@ -20,13 +20,14 @@ _GGUF_METAL = {0: 2.0, 1: 2.0, 2: 0.625, 3: 0.625, 8: 1.125}
 _ST_HEADER_MAX = 100 << 20  # a header's JSON table; a damaged file's first bytes say more
 
 
-def _safetensors(files) -> tuple[int, int, str | None]:
-    """(bytes of all tensors, float elements, the embedding's dtype) from safetensors
-    headers: an 8-byte length and a JSON table of byte ranges; no weight is read."""
+def _safetensors(files) -> tuple[int, int, str | None, int]:
+    """(bytes of all tensors, float elements, the embedding's dtype, bytes of the other
+    tensors: packed quantized words, ids) from safetensors headers: an 8-byte length and a
+    JSON table of byte ranges; no weight is read."""
     import json
     import struct
 
-    total = floats = 0
+    total = floats = other = 0
     embed = None
     for f in files:
         with open(f, "rb") as fh:
@@ -44,7 +45,9 @@ def _safetensors(files) -> tuple[int, int, str | None]:
                 floats += (b - a) // _ST_BYTES.get(t["dtype"], 2)  # F16, BF16, F8: 2 or less
                 if "embed_tokens" in name and embed is None or name.endswith("embed_tokens.scales"):
                     embed = t["dtype"]
-    return total, floats, embed
+            else:
+                other += b - a
+    return total, floats, embed, other
 
 
 def _gguf(path, cpu: bool) -> tuple[int, dict]:
@@ -155,7 +158,7 @@ def target_size(path, cpu: bool) -> tuple[int, dict, int, int]:
         size, cfg = _gguf(path, cpu)
         return size, cfg, 4 if cpu else 2, size // 2 if cpu else 0
     cfg = text_config(json.loads((path / "config.json").read_text()))
-    size, _, embed = _safetensors(_weight_files(path))
+    size, _, embed, _ = _safetensors(_weight_files(path))
     return size, cfg, _ST_BYTES.get(embed or "BF16", 2), 0
 
 
@@ -177,22 +180,47 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def drafter_size(path, context: int, dtype_bytes: int, cpu: bool) -> tuple[int, int]:
-    """(weight bytes, context cache bytes) of a drafter loaded in the target's dtype."""
+def drafter_size(path, context: int, dtype_bytes: int, cpu: bool, bits: int = 0) -> tuple[int, int]:
+    """(weight bytes, context cache bytes) of a drafter loaded in the target's dtype.
+
+    Args:
+        path: its directory, or a ``Remote``. context: tokens its cache holds at most.
+        dtype_bytes: the compute dtype's. cpu: MLX's CPU backend (exact 16-bit copies).
+        bits: 4 / 8 when a dense checkpoint's layers are quantized at load
+            (``load(draft_quant=)``, ``model/quantize.py``); a pre-quantized checkpoint
+            counts its packed words and scales as stored.
+    """
     import json
 
     from ..model.config import DrafterArgs
 
     if isinstance(path, Remote):
-        args, floats = DrafterArgs.from_dict(path.cfg), path.weights // path.dtype_bytes
+        args, floats, packed = DrafterArgs.from_dict(path.cfg), path.weights // path.dtype_bytes, 0
     else:
         args = DrafterArgs.from_dict(json.loads((path / "config.json").read_text()))
-        _, floats, _ = _safetensors(_weight_files(path))
-    weights = floats * (dtype_bytes + (2 if cpu else 0))  # the CPU's exact 16-bit copies
+        _, floats, _, packed = _safetensors(_weight_files(path))
+    quantized = quantizable(args) if bits and not packed else 0
+    per = dtype_bytes + (2 if cpu else 0)  # the CPU's exact 16-bit copies
+    weights = (floats - quantized) * per + packed
+    weights += quantized * (bits / 8 + 2 * dtype_bytes / 64)  # words, a scale and bias per 64
     weights += (args.draft_vocab_size or 0) * args.hidden_size * dtype_bytes  # draft head
     head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
     rows = sum(min(context, args.window(i) or context) for i in range(args.num_hidden_layers))
-    return weights, rows * 2 * args.num_key_value_heads * head_dim * dtype_bytes
+    return int(weights), rows * 2 * args.num_key_value_heads * head_dim * dtype_bytes
+
+
+def quantizable(args) -> int:
+    """Weights of a drafter's attention and MLP projections whose input width a group of 64
+    divides: those ``model/quantize.py`` quantizes.
+
+    Args:
+        args: its ``DrafterArgs``.
+    """
+    H, inter = args.hidden_size, args.intermediate_size
+    q, kv = args.num_attention_heads * args.head_dim, args.num_key_value_heads * args.head_dim
+    per = (H * (q + 2 * kv) + 2 * H * inter if H % 64 == 0 else 0) + (q * H if q % 64 == 0 else 0)
+    per += H * inter if inter % 64 == 0 else 0
+    return args.num_hidden_layers * per
 
 
 @dataclass

@@ -144,3 +144,19 @@ def test_the_offered_draft_quants_parse_to_bits():
 
 def _config(tiny_dir) -> dict:
     return json.loads((tiny_dir / "d2_qwen3" / "config.json").read_text())
+
+
+def test_the_memory_plan_counts_a_quantized_drafters_bytes_as_mlx_holds_them(tiny_dir, tmp_path):
+    from dflash_mlx.loading.footprint import drafter_size
+
+    def held(d) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(d.parameters()))
+
+    src = tiny_dir / "d2_qwen3"
+    dense = load_drafter(src, mx.float32)
+    assert drafter_size(src, 16, 4, cpu=False)[0] == held(dense)
+    qz.quantize(dense, 4)  # quantized at load (draft_quant=4)
+    assert drafter_size(src, 16, 4, cpu=False, bits=4)[0] == held(dense)
+    out = save_drafter(tmp_path / "q8", load_drafter(src), _config(tiny_dir), quantize=8)
+    pre = load_drafter(out, mx.float32)  # pre-quantized: packed words as stored
+    assert qz.bits_of(pre) == 8 and drafter_size(out, 16, 4, cpu=False)[0] == held(pre)
