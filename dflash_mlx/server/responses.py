@@ -89,6 +89,7 @@ def _text(content: Any, where: str) -> str:
     parts = []
     for j, p in enumerate(content):
         kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+        kind = kind if isinstance(kind, str) else None  # a list or object is no type
         if kind == "refusal" and isinstance(p.get("refusal"), str):
             parts.append(p["refusal"])
         elif kind in TEXT_PARTS and isinstance(p.get("text"), str):
