@@ -106,9 +106,9 @@ def test_a_cycle_interrupted_mid_verify_leaves_a_usable_cache(pairs, monkeypatch
     calls = {"n": 0}
     real_call = type(model.adapter).__call__
 
-    def flaky(self, ids, c):
+    def flaky(self, ids, c, **kw):
         calls["n"] += 1
-        out = real_call(self, ids, c)
+        out = real_call(self, ids, c, **kw)
         if calls["n"] == 3:  # the verify already wrote into the caches
             mx.eval(out)
             raise KeyboardInterrupt

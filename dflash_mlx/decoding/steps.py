@@ -78,10 +78,11 @@ class _Clock:
 
 
 def prefill_chunk(step_size: int) -> int:
-    """Prompt tokens per target forward: at most step_size, and small enough that a stop
-    request (checked between chunks; MLX cannot stop inside an evaluation) is honoured
-    within about a second on the CPU (256 tokens) and on a GPU (512)."""
-    cap = 256 if mx.default_device() == mx.cpu else 512
+    """Prompt tokens per target forward: at most step_size; on the CPU at most 256, small
+    enough that a stop request (checked between chunks; MLX cannot stop inside an
+    evaluation) is honoured within about a second, and measured no slower than larger
+    chunks there. A GPU takes mlx-lm's whole ``prefill_step_size`` (2048 by default)."""
+    cap = 256 if mx.default_device() == mx.cpu else step_size
     return max(1, min(step_size, cap))
 
 
@@ -98,7 +99,8 @@ def prefill(
     drafter's context, and choose the first token.
 
     The prompt runs in chunks (``prefill_chunk``); after each one the caches hold exactly
-    ``cache.tokens``, so stopping between chunks leaves them consistent.
+    ``cache.tokens``, so stopping between chunks leaves them consistent. The target's head
+    runs on the last prompt row only: a chunk evaluates the caches and the features.
 
     Args:
         model: the loaded pair. prompt: token ids (at least one). cache: reused if it holds
@@ -122,10 +124,10 @@ def prefill(
             raise Interrupted(f"stopped after {done - start} of {len(prompt) - start} tokens")
         end = done + cache.room(min(step, len(prompt) - done))  # stops at a KV conversion
         cache.busy = True  # caches and cache.tokens disagree until this chunk is evaluated
-        logits, feats = adapter(mx.array(prompt[done:end])[None], cache.target)
+        logits, feats = adapter(mx.array(prompt[done:end])[None], cache.target, last=True)
         drafter.append_context(feats, cache.drafter)
         cache.quantize()
-        mx.eval(logits[:, -1], cache.state)
+        mx.eval(cache.state, feats, *([logits[:, -1]] if end == len(prompt) else []))
         cache.tokens = list(prompt[:end])
         cache.busy = False
         done = end

@@ -148,6 +148,21 @@ class _Recorder(_Wrapper):
         self.inner(x[:, :keep], None if mask is None else mask[:, :keep], cache)
 
 
+class _LastRow(_Wrapper):
+    """Wraps the model's final norm: while ``state["last"]`` is set it normalises only the
+    last row, so the head that follows runs on that row alone (a prefill chunk's [L, V]
+    product, and its temporary, are not built). The norm is row-wise: the same bits."""
+
+    def __init__(self, inner: nn.Module, state: dict):
+        super().__init__(inner)
+        object.__setattr__(self, "_state", state)
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        if self._state.get("last") and x.ndim == 3:
+            x = x[:, -1:]  # [B, L, H] -> [B, 1, H]
+        return self.inner(x, *args, **kwargs)
+
+
 def _parts(x) -> list:
     """A cache's keys or values as a list of arrays (quantized ones are a tuple)."""
     return list(x) if isinstance(x, (tuple, list)) else [x]
@@ -192,7 +207,11 @@ class TargetAdapter:
             self.recorders.append(mixer)
         self.is_hybrid = any(r is not None for r in self.recorders)
         ops.prepare_target(layers)  # the CPU backend compiles the block-only modules
-        self._tree: dict = {}
+        self._tree: dict = {}  # this forward's: a tree's positions, the last-row head
+        norm = getattr(inner, "norm", None)
+        if isinstance(norm, (nn.RMSNorm, nn.LayerNorm)):  # row-wise: the last row alone
+            inner.norm = _LastRow(norm, self._tree)
+        self.last_only = isinstance(inner.norm, _LastRow)
         windowed = getattr(inner, "swa_idx", None) is not None or any(
             getattr(x, "use_sliding", False) for x in layers
         )
@@ -255,16 +274,19 @@ class TargetAdapter:
         return [KVCache() if isinstance(c, RotatingKVCache) and c.keep == 0 else c for c in caches]
 
     def __call__(
-        self, ids: mx.array, cache: list, chain: int | None = None
+        self, ids: mx.array, cache: list, chain: int | None = None, last: bool = False
     ) -> tuple[mx.array, mx.array]:
         """Run the target on ids [1, n]; return (logits [1, n, V], features [1, n, nT*H]).
 
         Args:
             chain: verify a tree (``tree.py``, needs ``tree_ok``): the first ``chain`` ids
                 are the anchor and its path, the rest siblings of the path's first draft.
+            last: the head on the last row only (a prefill): logits [1, 1, V] where the
+                final norm is a known row-wise one (``last_only``), else [1, n, V].
         """
         self._store.clear()
         self._store["on"] = True
+        self._tree["last"] = last
         if chain is not None and ids.shape[1] > chain:
             o, n = cache[0].offset, ids.shape[1]
             m = tree.mask(o, chain, n)

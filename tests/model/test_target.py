@@ -3,12 +3,14 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx import nn
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from oracle import OracleDrafter
 from references import reference
 
 from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.loop import DecodeOptions, decode
+from dflash_mlx.decoding.steps import prefill
 from dflash_mlx.errors import UnsupportedModelError
 from dflash_mlx.model.target import TargetAdapter
 
@@ -92,3 +94,49 @@ def test_compiled_target_modules_give_mlx_lms_bits(tiny_dir, kind):
         wrapped.model.layers[0].input_layernorm.inner.weight *= 2.0  # updates are seen
         plain.model.layers[0].input_layernorm.weight *= 2.0
         assert mx.array_equal(plain(ids), wrapped(ids)).item()
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
+def test_last_row_head_gives_the_last_row_of_the_full_logits(pairs, kind):
+    model, tok = pairs(kind, "d2")
+    adapter = model.adapter
+    assert adapter.last_only
+    ids = mx.array(tok.encode("def parse_args(argv):\n    parser = "))[None]
+    full, f_full = adapter(ids, adapter.make_cache())
+    last, f_last = adapter(ids, adapter.make_cache(), last=True)
+    assert last.shape == (1, 1, full.shape[-1])
+    assert mx.allclose(last[:, 0], full[:, -1], atol=1e-5).item()
+    assert mx.argmax(last[:, 0]).item() == mx.argmax(full[:, -1]).item()
+    assert mx.array_equal(f_last, f_full).item()  # the features are every row's
+    again, _ = adapter(ids, adapter.make_cache())  # the flag lasts one forward
+    assert again.shape == full.shape
+
+
+class _Spy(nn.Module):
+    """The target's final norm, recording how many rows each call passes to the head."""
+
+    def __init__(self, norm, rows):
+        super().__init__()
+        self.norm = norm
+        object.__setattr__(self, "rows", rows)
+
+    def __call__(self, x):
+        self.rows.append(x.shape[1])
+        return self.norm(x)
+
+
+def test_prefill_runs_the_head_on_the_last_prompt_row_only(pairs):
+    """A 600-token prompt in three chunks: no chunk builds a [chunk, vocab] product."""
+    model = pairs("qwen3", "d2")[0]
+    prompt = [5 + (i * 7) % 300 for i in range(600)]
+    rows: list[int] = []
+    last_row = model.adapter.inner.norm  # the head multiplies what the final norm returns
+    norm = last_row.inner
+    last_row.inner = _Spy(norm, rows)
+    try:
+        cycle, _ = prefill(model, prompt, model.make_cache(), SamplingParams(), mx.random.key(0))
+    finally:
+        last_row.inner = norm
+    assert rows == [1, 1, 1]
+    want = model.target(mx.array(prompt)[None])[0, -1]
+    assert cycle.tokens == [mx.argmax(want).item()]
