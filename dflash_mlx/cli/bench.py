@@ -40,6 +40,8 @@ def _check_args(args: dict) -> None:
         raise DFlashError(f"--max-tokens must be at least 2 (got {args['max_tokens']})")
     if args["dataset"] is not None and not args["dataset"].strip():
         raise DFlashError("--dataset is empty; name a built-in set or a JSONL file")
+    if args["context"] is not None and args["context"] < 1:
+        raise DFlashError(f"--context must be a prompt length in tokens (got {args['context']})")
 
 
 @expand(first=_check_args)
@@ -54,6 +56,11 @@ def bench(
     field: str = typer.Option("prompt", "--field", help="JSONL field holding the prompt."),
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="A single prompt."),
     max_samples: int = typer.Option(20, "--max-samples", "-n", help="Prompts to run."),
+    context: int | None = typer.Option(
+        None,
+        "--context",
+        help="Make every prompt N tokens long: standard-library source, then the prompt.",
+    ),
     cfg: GenerationConfig = SETTINGS,
     chat_template: bool = typer.Option(
         True,
@@ -65,7 +72,7 @@ def bench(
 ):
     """Benchmark autoregressive vs DFlash 1 vs DFlash 2 (also with copied drafts) vs auto:
     tau, speedup, Recall@k, latency."""
-    from ..bench.runner import load_prompts
+    from ..bench.datasets import load_prompts
 
     prompts = load_prompts(dataset, max_samples, prompt, field)
     json_path = json_path if json_path is None else check_output(json_path, "--json")
@@ -73,6 +80,8 @@ def bench(
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'")
     m, tok = c.load_pair(src, False, False, cfg)
+    if context is not None:
+        prompts, cfg = with_context(m, tok, prompts, context, cfg, raw=not chat_template)
     block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
     if cfg.max_tokens < block:  # Recall@k needs a continuation of at least one block
         raise DFlashError(
@@ -90,6 +99,36 @@ def bench(
 
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def with_context(m, tok, prompts: list[str], tokens: int, cfg: GenerationConfig, raw: bool):
+    """(prompts, cfg) for ``--context``: each prompt made ``tokens`` long, refused when the
+    model's context cannot hold it and a generated token, ``--max-tokens`` clamped (with a
+    note) to the room it leaves, as ``dflash run`` clamps it.
+
+    Raises:
+        DFlashError: ``tokens`` does not fit the context, or leaves no room for source.
+    """
+    from dataclasses import replace
+
+    from ..bench.long_prompts import with_context as lengthen
+    from ..decoding.prompt import context_length, room
+
+    ctx = context_length(m)
+    if ctx is not None and tokens >= ctx:
+        raise DFlashError(
+            f"--context {tokens} is beyond this model's context ({ctx} tokens); pass "
+            f"--context {max(1, ctx - cfg.max_tokens)} or less"
+        )
+    fitted = room(tokens, cfg.max_tokens, ctx)
+    if fitted < cfg.max_tokens:
+        print(
+            f"note: --max-tokens {cfg.max_tokens} lowered to {fitted}: --context {tokens} "
+            f"takes {tokens} of this model's {ctx}-token context",
+            file=sys.stderr,
+        )
+        cfg = replace(cfg, max_tokens=fitted)
+    return lengthen(tok, prompts, tokens, raw), cfg
 
 
 def check_output(path: str, flag: str, suffixes=None) -> str:
@@ -164,7 +203,8 @@ def print_report(rep: dict, console) -> None:
 
     c = rep["config"]
     t = Table(
-        title=f"dflash bench — {c['prompts']} prompts, block {c['block_size']}, "
+        title=f"dflash bench — {c['prompts']} prompts (~{c.get('prompt_tokens', '?')} tokens), "
+        f"block {c['block_size']}, "
         f"T={c['temperature']}, BLAS: {rep['blas']}"
     )
     for col in ("method", "tau", "tok/s", "speedup", "blocks (plain share)"):

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from dflash_mlx import DFlashError
-from dflash_mlx.bench.runner import latency_split, load_prompts, run_bench
+from dflash_mlx.bench.datasets import load_prompts
+from dflash_mlx.bench.runner import latency_split, run_bench
 from dflash_mlx.cli.bench import print_report, write_json, write_plot
 
 
