@@ -242,8 +242,11 @@ def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Path | N
 
 
 def _costs_path(pair) -> Path | None:
-    head = getattr(pair, "draft_head", None)
-    return costs_file(pair.target_path, pair.drafter_path, "" if head is None else str(head.size))
+    from ..model.quantize import bits_of  # a quantized drafter costs otherwise
+
+    head, bits = getattr(pair, "draft_head", None), bits_of(pair.drafter)
+    vocab = ("" if head is None else str(head.size)) + (f" bits={bits}" if bits else "")
+    return costs_file(pair.target_path, pair.drafter_path, vocab)
 
 
 def _number(x) -> float | None:

@@ -38,7 +38,9 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def bits_of(drafter: nn.Module) -> int:
-    """The bits of the drafter's quantized layers, 0 when none is."""
+    """The bits of the drafter's quantized layers, 0 when none is (or it is not a module)."""
+    if not isinstance(drafter, nn.Module):
+        return 0
     for _, m in drafter.named_modules():
         if isinstance(m, nn.QuantizedLinear):
             return int(m.bits)
