@@ -232,5 +232,6 @@ def run_server(
         engine._drain()
         httpd.shutdown()
         httpd.server_close()
+        engine.pool.close()  # the prompt caches in memory go to --prompt-cache-dir
         if old is not None:
             signal.signal(signal.SIGTERM, old)

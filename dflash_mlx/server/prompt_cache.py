@@ -205,6 +205,18 @@ class PromptPool:
             if self.disk is not None:
                 self.disk.put(old)
 
+    def close(self) -> None:
+        """Write the entries held in memory to the disk tier, so a later server restores
+        them (least recently used first: the tier keeps the newest); nothing without one."""
+        if self.disk is None:
+            return
+        with self.lock:
+            entries, self.entries = [e[0] for e in self.entries], []
+        if entries:
+            logger.info("saving %d prompt caches to %s", len(entries), self.disk.folder)
+        for cache in entries:
+            self.disk.put(cache)
+
     @property
     def nbytes(self) -> int:
         """Bytes held by the entries in the pool (not those taken)."""

@@ -192,6 +192,18 @@ def test_the_disk_tier_restores_an_evicted_entry_exactly(pairs, tmp_path, kind):
     assert again.stats()["disk"]["restored"] == 1
 
 
+def test_closing_the_pool_writes_its_entries_to_disk(pairs, tmp_path):
+    model, tok = pairs("qwen3", "d2")
+    pool = PromptPool(model, 10**9, DiskTier.open(str(tmp_path), model))
+    filled(pool, model, tok, ids(1, 30))
+    filled(pool, model, tok, ids(2, 30))
+    assert pool.stats()["disk"]["entries"] == 0  # nothing evicted yet
+    pool.close()  # the server stopping
+    again = PromptPool(model, 10**9, DiskTier.open(str(tmp_path), model))
+    assert again.stats()["disk"]["entries"] == 2
+    assert filled(again, model, tok, ids(2, 30) + [11]) == 30
+
+
 def _saved_entry(model, tok, tmp_path):
     pool = PromptPool(model, 0, DiskTier.open(str(tmp_path), model))
     filled(pool, model, tok, ids(1, 40))
