@@ -120,6 +120,20 @@ def convert_at(start: int, n_prompt: int, step: int) -> int:
     return max(start, n_prompt)
 
 
+def common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """How many leading tokens a and b share, at most ``limit``.
+
+    Args:
+        a, b: token ids. limit: the most to count.
+    """
+    limit, n = min(len(a), len(b), limit), 0
+    while n + 256 <= limit and a[n : n + 256] == b[n : n + 256]:
+        n += 256  # whole slices first: a long shared system prompt compares in C
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 class Interrupted(Exception):
     """A prefill stopped because its ``PromptCache.interrupt`` was set; the cache is
     consistent and holds the prompt tokens that were run."""
@@ -218,12 +232,7 @@ class PromptCache:
     def common(self, prompt: list[int]) -> int:
         """The length of the longest common prefix of ``tokens`` and prompt, leaving at least
         one prompt token to run."""
-        limit, n = min(len(self.tokens), len(prompt) - 1), 0
-        while n + 256 <= limit and self.tokens[n : n + 256] == prompt[n : n + 256]:
-            n += 256  # whole slices first: a long shared system prompt compares in C
-        while n < limit and self.tokens[n] == prompt[n]:
-            n += 1
-        return n
+        return common_prefix(self.tokens, prompt, len(prompt) - 1)
 
     def trimmable(self) -> bool:
         """Whether every target layer can drop cached tokens (no recurrent state)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from ..decoding.state import PromptCache
+from ..decoding.state import PromptCache, common_prefix
 from ..errors import DFlashError
 from ..loading import cachedir
 
@@ -127,9 +127,7 @@ class DiskTier:
     @staticmethod
     def _usable(meta: dict, prompt: list[int]) -> int:
         tokens = meta["tokens"]
-        limit, n = min(len(tokens), len(prompt) - 1), 0
-        while n < limit and tokens[n] == prompt[n]:
-            n += 1
+        n = common_prefix(tokens, prompt, len(prompt) - 1)
         if n == len(tokens) or meta.get("trimmable"):
             return n
         ck = meta.get("checkpoint")

@@ -284,3 +284,19 @@ def test_a_bad_prompt_cache_gb_is_one_error_line_and_exit_2(value):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "--prompt-cache-gb" in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_common_prefix_counts_shared_tokens_across_slice_boundaries():
+    import random
+
+    from dflash_mlx.decoding.state import common_prefix
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a = [rng.randint(0, 2) for _ in range(rng.randint(0, 700))]
+        b = a[: rng.randint(0, len(a))] + [rng.randint(0, 2) for _ in range(rng.randint(0, 600))]
+        limit = rng.randint(0, 900)
+        want = 0
+        while want < min(len(a), len(b), limit) and a[want] == b[want]:
+            want += 1
+        assert common_prefix(a, b, limit) == want
