@@ -73,3 +73,24 @@ def test_bench_context_leaving_less_than_max_tokens_clamps_them(short_pair, tmp_
     assert res.exit_code == 0, res.output
     assert "--max-tokens 32 lowered to 10" in res.stderr
     assert json.loads(out.read_text())["config"]["max_tokens"] == 10
+
+
+def test_the_long_context_sweep_reports_every_length(tiny_dir, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "long_context.py"
+    spec = importlib.util.spec_from_file_location("long_context", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "sweep.json"
+    model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
+    args = ["--lengths", "200,400", "-n", "1", "-m", "12", "--block", "4", "--json", str(out)]
+    assert script.main(model + args) == 0
+    rep = json.loads(out.read_text())["lengths"]
+    assert [rep[n]["config"]["prompt_tokens"] for n in ("200", "400")] == [200, 400]
+    for r in rep.values():
+        assert {"autoregressive", "dflash2", "auto"} == set(r["methods"])
+        assert len(r["positions"]["acceptance_dflash2"]) == 3 and r["latency_split"]["cycle_ms"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[0] == "200" and lines[2].split()[-1] == "yes"
