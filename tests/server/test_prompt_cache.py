@@ -275,15 +275,25 @@ def test_the_batched_worker_takes_from_the_pool_and_gives_back(pairs):
     assert stats["entries"] == 1  # the first prompt's entry, trimmed and refilled
 
 
-@pytest.mark.parametrize("value", ["-1", "abc", "nan"])
-def test_a_bad_prompt_cache_gb_is_one_error_line_and_exit_2(value):
+def _refused(args: list[str], flag: str) -> None:
     from dflash_mlx.cli import app
 
-    r = CliRunner().invoke(app, ["serve", "--model", "demo", "--prompt-cache-gb", value])
+    r = CliRunner().invoke(app, ["serve", "--model", "demo", *args])
     assert r.exit_code == 2
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and "--prompt-cache-gb" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0]
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "nan"])
+def test_a_bad_prompt_cache_gb_is_one_error_line_and_exit_2(value):
+    _refused(["--prompt-cache-gb", value], "--prompt-cache-gb")
+
+
+def test_a_prompt_cache_dir_that_is_a_file_is_one_error_line_and_exit_2(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    _refused(["--prompt-cache-dir", str(f)], "--prompt-cache-dir")
 
 
 def test_common_prefix_counts_shared_tokens_across_slice_boundaries():
