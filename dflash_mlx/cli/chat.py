@@ -21,27 +21,32 @@ from ..errors import DFlashError
 from ..settings import GenerationConfig
 from . import common as c
 from . import streams
+from .chat_context import Conversation
 from .options import MODEL, ModelOptions, decoding, expand
 from .stats import answer_stats
 from .terminal import StopFlag, rerender_markdown
+from .thinking import NO_THINK, THINKING_BUDGET, check_budget
 
 HELP = """commands:
   /help            this list
   /reset           forget the conversation (keeps the system prompt)
   /system <text>   set the system prompt and start over (/system alone clears it)
   /stats           statistics of the last answer and the session
+  /think [on|off]  thinking models: reason before answering or not (alone: switch)
   /exit            leave (also Ctrl-D)
 a line ending in \\ continues on the next line; pasted multi-line text is one message.
 Ctrl-C stops the current answer."""
 
 
-class ChatSession:
+class ChatSession(Conversation):
     """One terminal conversation over a loaded model.
 
     Args:
         model, tokenizer: from ``load``. name: shown in the banner.
         gen: the decoding settings of every answer. system: system prompt.
-        show_stats: print a stats line after each answer.
+        show_stats: print a stats line after each answer. think: a thinking model's
+            reasoning on or off (None: the template's default). thinking_budget: reasoning
+            tokens before the template's closing marker is forced (None: no limit).
     """
 
     def __init__(
@@ -55,6 +60,8 @@ class ChatSession:
         stdin=None,
         stdout=None,
         markdown: bool = True,
+        think: bool | None = None,
+        thinking_budget: int | None = None,
     ):
         from rich.console import Console
 
@@ -65,6 +72,7 @@ class ChatSession:
         self.context = context_length(model)
         self.system = system
         self.show_stats = show_stats
+        self.think, self.budget = think, thinking_budget
         self.markdown = markdown
         self.stdin = stdin or sys.stdin
         self.out = stdout or sys.stdout
@@ -131,31 +139,6 @@ class ChatSession:
         self.cache = self.model.make_cache()
         self.prev_text, self.prev_ids = None, []
 
-    def prompt_ids(self) -> tuple:
-        """(template text, ids) of the whole conversation so far, ready for an answer.
-
-        The ids are the previous transcript's ids followed by the tokens of the new
-        template text only; when the template rewrites earlier turns (some strip reasoning
-        from old answers) the whole text is tokenized afresh.
-        """
-        from ..generation import encode_prompt, template_errors
-
-        msgs = self.messages()
-        if getattr(self.tok, "chat_template", None) is None:  # the default chat format
-            return None, encode_prompt(self.tok, msgs)
-        try:
-            full = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except template_errors():
-            return None, encode_prompt(self.tok, msgs)
-        if self.prev_text is not None and isinstance(full, str) and full.startswith(self.prev_text):
-            tail = self.tok.encode(full[len(self.prev_text) :], add_special_tokens=False)
-            return full, self.prev_ids + list(tail)
-        return full, encode_prompt(self.tok, msgs)
-
-    def messages(self) -> list[dict[str, str]]:
-        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
-        return sys_msg + self.history
-
     def stats_text(self) -> str:
         r = self.last
         if r is None:
@@ -194,9 +177,25 @@ class ChatSession:
             )
         elif cmd == "/stats":
             self.con.print(self.stats_text(), markup=False)
+        elif cmd == "/think":
+            self._think(arg.strip().lower())
         else:
             self.con.print(f"unknown command {cmd}; /help lists the commands", markup=False)
         return True
+
+    def _think(self, arg: str) -> None:
+        """/think [on|off]: reasoning on or off from the next answer."""
+        from ..server.reasoning import markers
+
+        if arg not in ("", "on", "off"):
+            self.con.print("usage: /think, /think on or /think off", markup=False)
+            return
+        self.think = (self.think is False) if arg == "" else arg == "on"
+        state = "on" if self.think else "off"
+        if markers(self.tok) is None:
+            self.con.print(f"[dim]thinking {state}; this model has no thinking markers[/dim]")
+        else:
+            self.con.print(f"[dim]thinking {state} from the next answer[/dim]")
 
     # -- one turn
     def answer(self, text: str) -> None:
@@ -219,7 +218,8 @@ class ChatSession:
         if fitted is None:
             return
         full, ids = fitted
-        last, pieces, answer_ids, stopped = self._stream(ids)
+        last, shown, answer_ids, stopped = self._stream(ids)
+        pieces = shown.content
         if last is None:  # stopped before the first token: the message was never answered
             self.history.pop()
             self.con.print(
@@ -231,7 +231,12 @@ class ChatSession:
         if self.markdown and not stopped and not self._more_pending():
             rerender_markdown(self.out, self.con, "".join(pieces))
         reply = self.tok.decode(answer_ids) if answer_ids else "".join(pieces)
-        self.history.append({"role": "assistant", "content": reply})
+        said = {"role": "assistant", "content": reply}
+        if shown.split is not None:  # the answer apart from its reasoning, as the API has it
+            said["content"] = "".join(pieces)
+            if shown.reasoning:
+                said["reasoning_content"] = "".join(shown.reasoning)
+        self.history.append(said)
         if full is not None:
             self.prev_text, self.prev_ids = full + reply, ids + answer_ids
         self.last = last
@@ -253,74 +258,40 @@ class ChatSession:
         self.out.flush()
         print(f"error: {message}", file=sys.stderr, flush=True)
 
-    def _fit(self):
-        """(template text, ids) of the conversation, its oldest turns dropped while it and
-        room for an answer do not fit in the context; None (message dropped) when the
-        message alone does not fit."""
-        full, ids = self.prompt_ids()
-        ctx = self.context
-        if ctx is None:
-            return full, ids
-        reserve = min(self.gen.max_tokens, ctx // 2)
-        saved, dropped = list(self.history), 0
-        while len(ids) + reserve > ctx and len(self.history) > 1:
-            pair = len(self.history) > 2 and self.history[1]["role"] == "assistant"
-            del self.history[: 2 if pair else 1]
-            dropped += 1
-            # The conversation no longer starts as the cache does: re-tokenize it whole;
-            # the cache keeps only the common prefix (the system prompt) and prefills the rest.
-            self.prev_text, self.prev_ids = None, []
-            full, ids = self.prompt_ids()
-        if len(ids) >= ctx:  # even alone it does not fit: keep the conversation as it was
-            self.history = saved[:-1]
-            self._error(self._too_long(len(ids), ctx, saved[-1]))
-            return None
-        if dropped:
-            turns = "turn" if dropped == 1 else "turns"
-            self.con.print(
-                f"[dim]dropped the {dropped} oldest {turns} to fit the {ctx}-token context[/dim]"
-            )
-        return full, ids
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
 
-    def _too_long(self, n: int, ctx: int, message: dict) -> str:
-        """Why a message that is the whole conversation (n tokens) does not fit: the system
-        prompt's fault when the message alone would."""
-        from ..decoding.prompt import conversation_tokens
-
-        alone = conversation_tokens(self.tok, [message])
-        if self.system and alone is not None and alone < ctx:
-            return (
-                f"this message and the system prompt make a prompt of {n} tokens (the "
-                f"message alone: {alone}); this model's context is {ctx} tokens; shorten "
-                "the system prompt (/system) or the message"
-            )
-        return (
-            f"this message makes a prompt of {n} tokens; this model's context is {ctx} "
-            "tokens; shorten the message"
-        )
+    def _dim(self, text: str) -> None:
+        self.con.print(text, style="dim", end="", markup=False, highlight=False)
+        self.out.flush()
 
     def _stream(self, ids: list[int]):
-        """Stream one answer: (last response or None, text pieces, ids, stopped)."""
+        """Stream one answer (a thinking model's reasoning dim, before it): (last response
+        or None, the ``thinking.Shown`` answer, ids, stopped)."""
         from ..decoding.state import Interrupted
         from ..generation import stream_generate
+        from .thinking import Shown, processors
 
-        pieces: list[str] = []
+        shown = Shown(self.tok, ids, self._write, self._dim)
         answer_ids: list[int] = []
         last, stopped = None, False
         self.cache.interrupt.clear()
-        gen = stream_generate(self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache)
+        procs = processors(self.tok, ids, self.budget)
+        gen = stream_generate(
+            self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache,
+            logits_processors=procs,
+        )  # fmt: skip
         try:
             with StopFlag(on_first=self.cache.interrupt.set) as flag:
                 for r in gen:
                     last = r
                     answer_ids.extend(r.tokens)
-                    if r.text:
-                        pieces.append(r.text)
-                        self.out.write(r.text)
-                        self.out.flush()
+                    shown.feed(r.text)
                     if flag.hit:
                         stopped = True
                         break
+            shown.close()
         except Interrupted:  # the first Ctrl-C, during the prefill: the cache is consistent
             stopped = True
         except KeyboardInterrupt:
@@ -331,7 +302,7 @@ class ChatSession:
             gen.close()
         self.out.write("\n")
         self.out.flush()
-        return last, pieces, answer_ids, stopped
+        return last, shown, answer_ids, stopped
 
     def loop(self) -> None:
         self.con.print(
@@ -376,9 +347,12 @@ def chat(
     no_markdown: bool = typer.Option(
         False, "--no-markdown", help="Keep answers as streamed (no markdown rendering)."
     ),
+    no_think: bool = NO_THINK,
+    thinking_budget: int | None = THINKING_BUDGET,
 ):
     """Chat in the terminal; caches persist across turns. /help lists the commands."""
     streams.require_stdout("chat")
+    budget = check_budget(thinking_budget)
     if streams.stdin_closed():
         raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")
     m, tok = c.load_pair(src, False, verbose, cfg)
@@ -386,8 +360,9 @@ def chat(
 
     notice_default_format(tok)  # no chat template: say once which format stands in
     session = ChatSession(
-        m, tok, m.name, cfg, system=system, show_stats=not quiet, markdown=not no_markdown
-    )
+        m, tok, m.name, cfg, system=system, show_stats=not quiet, markdown=not no_markdown,
+        think=False if no_think else None, thinking_budget=budget,
+    )  # fmt: skip
     if system:
         check_system_prompt(tok, system, session.context, "the --system text")
     session.loop()

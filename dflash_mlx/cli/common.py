@@ -80,20 +80,23 @@ def print_plan(src: ModelOptions, kv: tuple[int, int, int] | None) -> None:
     print(f"{plan.line()}; budget {budget / 1e9:.2f} GB ({where})", file=sys.stderr, flush=True)
 
 
-def fit_prompt(m, tok, text: str, cfg: GenerationConfig, raw: bool, system, quiet: bool):
+def fit_prompt(
+    m, tok, text: str, cfg: GenerationConfig, raw: bool, system, quiet: bool, template_kwargs=None
+):
     """(ids, settings) of a prompt checked against the model's context, ``max_tokens``
     clamped to the room left; the clamp is said in one line on stderr (unless quiet).
 
     Args:
         m, tok: the loaded pair. text: the prompt. cfg: the command's settings.
         raw: ``--ignore-chat-template``. system: ``--system``. quiet: ``--quiet``.
+        template_kwargs: chat template variables (``--no-think``: enable_thinking false).
 
     Raises:
         DFlashError: the prompt does not fit (``ContextLengthError``) or is not valid text.
     """
     from ..generation import fit_prompt as fit
 
-    ids, fitted = fit(m, tok, text, cfg, raw=raw, system=system)
+    ids, fitted = fit(m, tok, text, cfg, raw=raw, system=system, template_kwargs=template_kwargs)
     if fitted.max_tokens < cfg.max_tokens and not quiet:
         ctx = len(ids) + fitted.max_tokens
         print(

@@ -13,6 +13,7 @@ from . import common as c
 from .options import MODEL, ModelOptions, decoding, expand
 from .stats import stats_dict, stats_lines, stderr_console
 from .streams import require_stdout
+from .thinking import NO_THINK, THINKING_BUDGET, Shown, check_budget, processors, template_kwargs
 
 # the decoding options, with this command's defaults
 SETTINGS = decoding("run")
@@ -35,15 +36,21 @@ def run(
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Paths and the time split."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the text: no stats, no notices."),
+    no_think: bool = NO_THINK,
+    thinking_budget: int | None = THINKING_BUDGET,
 ):
-    """Generate a completion: stream the text to stdout, then stats to stderr."""
+    """Generate a completion: stream the text to stdout, then stats to stderr. A thinking
+    model's reasoning goes to stderr (dim; not with --quiet), its answer to stdout."""
     require_stdout("run")
     if system is not None and ignore_chat_template:
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")
+    budget = check_budget(thinking_budget)
     text = c.read_prompt(prompt, prompt_opt)
     m, tok = c.load_pair(src, quiet, verbose, cfg)
-    ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet)
-    last, pieces = _generate(m, tok, ids, cfg, {"profile": verbose}, as_json)
+    kw = template_kwargs(False if no_think else None)
+    ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
+    opts = {"profile": verbose, "logits_processors": processors(tok, ids, budget)}
+    last, shown = _generate(m, tok, ids, cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
     extra = None
@@ -52,7 +59,8 @@ def run(
 
         extra = {"schedule": last.schedule, "blas": ops.backend_name()}
     if as_json:
-        print(json.dumps({"text": "".join(pieces), **s}, ensure_ascii=False))
+        thought = {"reasoning": "".join(shown.reasoning)} if shown.reasoning else {}
+        print(json.dumps({"text": "".join(shown.content), **thought, **s}, ensure_ascii=False))
         return
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -62,22 +70,33 @@ def run(
             con.print(line)
 
 
-def _generate(m, tok, prompt, cfg, opts: dict, as_json: bool):
-    """Stream the completion to stdout (or collect it for --json): (last response, pieces)."""
+def _dim(text: str) -> None:
+    """Reasoning on stderr: dim on a terminal."""
+    err = sys.stderr
+    err.write(f"\x1b[2m{text}\x1b[0m" if err.isatty() else text)
+    err.flush()
+
+
+def _out(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _generate(m, tok, prompt, cfg, opts: dict, as_json: bool, quiet: bool):
+    """Stream the completion, its answer to stdout and its reasoning to stderr (--json:
+    kept for the object; --quiet: no reasoning); (last response, the ``Shown`` answer)."""
     from ..generation import stream_generate
 
-    last, pieces, out = None, [], sys.stdout
+    last = None
+    write = (lambda s: None) if as_json else _out
+    shown = Shown(tok, prompt, write, None if as_json or quiet else _dim)
     try:
         for r in stream_generate(m, tok, prompt, config=cfg, **opts):
             last = r
-            if as_json:
-                pieces.append(r.text)
-            elif r.text:
-                out.write(r.text)
-                out.flush()
+            shown.feed(r.text)
+        shown.close()
     except KeyboardInterrupt:
         if not as_json:
-            out.write("\n")
-            out.flush()
+            _out("\n")
         raise
-    return last, pieces
+    return last, shown

@@ -43,6 +43,11 @@ def markers(tokenizer) -> Marks | None:
     Args:
         tokenizer: mlx-lm TokenizerWrapper or a Hugging Face tokenizer.
     """
+    return _lookup(tokenizer)[0]
+
+
+def _lookup(tokenizer) -> tuple[Marks | None, tuple[int, int] | None]:
+    """(markers, their ids), once per tokenizer."""
     try:
         if tokenizer in _found:
             return _found[tokenizer]
@@ -52,19 +57,22 @@ def markers(tokenizer) -> Marks | None:
         return _markers(tokenizer)
 
 
-def _markers(tokenizer) -> Marks | None:
+def _markers(tokenizer) -> tuple[Marks | None, tuple[int, int] | None]:
     template = template_text(tokenizer)
     if not template:
-        return None
+        return None, None
     vocab = _vocab(tokenizer)
     for pair in PAIRS:
         if all(m in vocab for m in pair) and any(m in template for m in pair):
-            return pair
-    return None
+            return pair, (vocab[pair[0]], vocab[pair[1]])
+    return None, None
 
 
 def marker_ids(tokenizer, marks: Marks) -> tuple[int, int]:
     """The token ids of the (open, close) markers (``markers`` checked both are tokens)."""
+    found, ids = _lookup(tokenizer)
+    if found == marks and ids is not None:
+        return ids
     vocab = _vocab(tokenizer)
     return vocab[marks[0]], vocab[marks[1]]
 
@@ -82,10 +90,11 @@ def starts_open(tokenizer, prompt, marks: Marks | None = None) -> bool:
         return False
     if isinstance(prompt, str):
         return prompt.rfind(marks[0]) > prompt.rfind(marks[1])
-    ids = [int(t) for t in prompt]
     opened, closed = marker_ids(tokenizer, marks)
-    last = {t: i for i, t in enumerate(ids)}  # a token's last position
-    return last.get(opened, -1) > last.get(closed, -1)
+    for t in reversed(list(prompt)):  # the last marker decides
+        if int(t) in (opened, closed):
+            return int(t) == opened
+    return False
 
 
 def split(text: str, marks: Marks | None, started_open: bool) -> tuple[str | None, str]:
