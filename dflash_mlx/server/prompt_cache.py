@@ -139,17 +139,18 @@ class PromptPool:
             prompt: the request's token ids.
         """
         with self.lock:
-            best, n = None, 0
+            best, n, copied = None, 0, False
             for i, (cache, _) in enumerate(self.entries):
                 k = cache.usable(prompt)
                 if k > n:
                     best, n = i, k
-            best = None if best is None else self._lend(best, n)
+            if best is not None:
+                best, copied = self._lend(best, n)
         if self.disk is not None and len(prompt) - 1 > n:
             restored = self.disk.take(self.model, prompt, n)
             if restored is not None:
-                if best is not None:
-                    self._put(best)  # untouched: back as it was
+                if best is not None and not copied:
+                    self._put(best)  # untouched: back as it was (a copy just goes)
                 best, n = restored, restored.usable(prompt)
         with self.lock:
             self.lookups += 1
@@ -161,18 +162,18 @@ class PromptPool:
         cache.interrupt = threading.Event()
         return cache
 
-    def _lend(self, i: int, n: int) -> PromptCache:
-        """Entry i for a request reusing n of its tokens: itself, out of the pool, or a
-        copy of its first n tokens when the cut would be long (the entry stays, now the
-        most recently used)."""
+    def _lend(self, i: int, n: int) -> tuple[PromptCache, bool]:
+        """Entry i for a request reusing n of its tokens, and whether it is a copy: the
+        entry itself, out of the pool, or a copy of its first n tokens when the cut would be
+        long (the entry stays, now the most recently used)."""
         cache = self.entries[i][0]
         if len(cache.tokens) - n > self.fork_min:
             copied = fork(self.model, cache, n)
             if copied is not None:
                 self.forks += 1
                 self.entries.append(self.entries.pop(i))
-                return copied
-        return self.entries.pop(i)[0]
+                return copied, True
+        return self.entries.pop(i)[0], False
 
     def give(self, cache: PromptCache, keep: bool = True) -> None:
         """Put a cache back, keyed by the tokens it holds now (most recently used).
