@@ -261,14 +261,7 @@ class PromptCache:
         """Bytes held: the target's caches, the drafter's context (rows and pending
         features) and a hybrid's checkpoint."""
         total = sum(c.nbytes for c in self.target if not c.empty())
-        for c in self.drafter:
-            own = getattr(c, "nbytes", None)
-            if own is not None:
-                total += own
-                continue
-            k, v = c.held()
-            total += 0 if k is None else k.nbytes + v.nbytes
-            total += sum(f.nbytes for f in c.pending)
+        total += sum(a.nbytes for c in self.drafter for a in c.state)  # buffers and pending
         if self.checkpoint is not None:
             for layer in self.checkpoint[1]:
                 total += sum(a.nbytes for a in layer or () if a is not None)
