@@ -51,7 +51,15 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
         kv=kv,
     )
     if verbose:
-        print(f"target  {m.target_path}\ndrafter {m.drafter_path}", file=sys.stderr, flush=True)
+        from ..model.quantize import bits_of
+
+        bits = bits_of(m.drafter)
+        layers = f" ({bits}-bit layers)" if bits else ""
+        print(
+            f"target  {m.target_path}\ndrafter {m.drafter_path}{layers}",
+            file=sys.stderr,
+            flush=True,
+        )
     if cfg is not None:
         cfg.validate(m.block_size, flags=True)
     return m, tok

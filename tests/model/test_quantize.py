@@ -160,3 +160,18 @@ def test_the_memory_plan_counts_a_quantized_drafters_bytes_as_mlx_holds_them(tin
     out = save_drafter(tmp_path / "q8", load_drafter(src), _config(tiny_dir), quantize=8)
     pre = load_drafter(out, mx.float32)  # pre-quantized: packed words as stored
     assert qz.bits_of(pre) == 8 and drafter_size(out, 16, 4, cpu=False)[0] == held(pre)
+
+
+def test_batched_rows_with_a_quantized_drafter_equal_each_request_alone(tiny_dir):
+    from dflash_mlx import batch_generate, generate
+
+    model, tok = load(
+        str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"), draft_quant=4, warmup=False
+    )
+    dense, _ = load(
+        str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"), draft_quant=0, warmup=False
+    )
+    out = batch_generate(model, tok, PROMPTS, max_tokens=24, block_size=4, raw=True)
+    for prompt, text in zip(PROMPTS, out.texts, strict=True):
+        assert text == generate(model, tok, prompt, max_tokens=24, block_size=4, raw=True)
+        assert text == generate(dense, tok, prompt, max_tokens=24, block_size=4, raw=True)
