@@ -17,7 +17,6 @@ from mlx.utils import tree_map_with_path
 from ..errors import DFlashError
 
 GROUP_SIZE = 64  # mlx-lm's default for affine quantization
-BITS = (4, 8)  # what --draft-quant offers; a checkpoint may hold any bits MLX supports
 CHECKPOINT_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 # The layers that hold a drafter's bytes: attention and MLP projections. fc stays dense (its
@@ -28,7 +27,7 @@ _QUANTIZED = re.compile(r"^layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|do
 
 def default_bits(target_quantized: bool, on_gpu: bool) -> int:
     """What ``auto`` means: 4 bits on a GPU beside a quantized target, else none (the CPU
-    backend's quantized matmuls are 6-20x slower than its float ones, docs/linux-cpu.md)."""
+    backend's quantized matmuls are many times slower than its float ones, format.md §2.5)."""
     return 4 if on_gpu and target_quantized else 0
 
 
