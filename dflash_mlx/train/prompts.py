@@ -188,6 +188,43 @@ def build_prompts(split: str = "train", seed: int = 0) -> list[str]:
     return out
 
 
+LONG_REQUESTS = (
+    "Explain what the code above does, function by function.",
+    "Write unit tests for the first class or function in the code above.",
+    "Find a bug or a weakness in the code above and show how to fix it.",
+    "Summarize the code above in five bullet points.",
+)
+
+
+def long_prompts(
+    split: str = "heldout", lengths=(2048, 4096, 7000), per_length: int = 2, root=None
+) -> list[str]:
+    """Long-context prompts: standard-library sources cut at a line to about ``n`` tokens
+    (3.5 characters a token), then a request; per_length per length, from the files of
+    ``split`` (a hash of each file's path, as ``is_heldout``), so training on the train
+    files never sees a held-out one. Kept apart from ``pool`` (the ledger's held-out tau
+    stays comparable across rounds).
+
+    Args:
+        split: "train" or "heldout". lengths: approximate prompt lengths in tokens.
+        per_length: prompts per length. root: the standard library (default: this one's).
+    """
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    want = split == "heldout"
+    files = [f for f in _stdlib_files(root) if is_heldout(str(f.relative_to(root))) == want]
+    out, k = [], 0
+    for n in lengths:
+        for _ in range(per_length):
+            text, chars = "", int(3.5 * n)
+            while len(text) < chars and files:
+                text += files[k % len(files)].read_text(encoding="utf-8", errors="replace")
+                k += 1
+            text = text[:chars].rsplit("\n", 1)[0]
+            ask = LONG_REQUESTS[len(out) % len(LONG_REQUESTS)]
+            out.append(f"```python\n{text}\n```\n\n{ask}")
+    return out
+
+
 def pool(split: str = "train", tokenizer=None) -> list:
     """Every prompt of a split in a fixed order that only ever grows at its end, so the
     slices that training rounds reserve (``rounds.round_prompts``) never move: the
