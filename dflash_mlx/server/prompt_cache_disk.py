@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 from ..decoding.state import PromptCache, common_prefix
 from ..errors import DFlashError
@@ -84,6 +84,14 @@ def _context_load(fresh, arrays: dict, meta: dict):
     if c.window != fresh.window:
         raise ValueError("a context cache of another window")
     return c
+
+
+def _same_kind(saved, fresh) -> bool:
+    """Whether a loaded target layer cache fits where this pair makes ``fresh`` (an attention
+    cache may have been quantized by ``--kv-bits``)."""
+    return type(saved) is type(fresh) or (
+        type(fresh) is KVCache and type(saved) is QuantizedKVCache
+    )
 
 
 class DiskTier:
@@ -167,7 +175,7 @@ class DiskTier:
         fresh = self.model.make_cache()
         target = load_prompt_cache(str(entry / "target.safetensors"))
         n = len(meta["tokens"])
-        if [type(c) for c in target] != [type(c) for c in fresh.target]:
+        if not all(_same_kind(a, b) for a, b in zip(target, fresh.target, strict=True)):
             raise ValueError("other cache layers")
         if any(getattr(c, "offset", n) != n for c in target):
             raise ValueError("caches of another length")

@@ -204,6 +204,56 @@ def test_closing_the_pool_writes_its_entries_to_disk(pairs, tmp_path):
     assert filled(again, model, tok, ids(2, 30) + [11]) == 30
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The tiny qwen3 target with head_dim 32 (16 is below mlx-lm's group sizes), loaded
+    with a drafter."""
+    from tiny_models import build_drafter, build_target
+
+    from dflash_mlx import load
+
+    root = tmp_path_factory.mktemp("wide")
+    build_target(root / "qwen3", "qwen3", hidden=128)
+    build_drafter(root / "d", root / "qwen3", block_size=16)
+    return load(str(root / "qwen3"), drafter=str(root / "d"))
+
+
+def test_the_disk_tier_restores_a_quantized_kv_cache_exactly(wide, tmp_path):
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    model, tok = wide
+    kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    prompt, follow = ids(1, 40), ids(1, 40) + ids(2, 5)
+    pool = PromptPool(model, 0, DiskTier.open(str(tmp_path), model))
+    cache = pool.take(prompt)
+    list(stream_generate(model, tok, prompt, prompt_cache=cache, **GREEDY, **kv))
+    assert all(isinstance(c, QuantizedKVCache) for c in cache.target)
+    pool.give(cache)
+    again = PromptPool(model, 10**9, DiskTier.open(str(tmp_path), model))
+    cache = again.take(follow)
+    assert all(isinstance(c, QuantizedKVCache) for c in cache.target)
+    out = list(stream_generate(model, tok, follow, prompt_cache=cache, **GREEDY, **kv))
+    fresh = list(stream_generate(model, tok, follow, **GREEDY, **kv))
+    assert out[-1].prompt_tokens - out[-1].prompt_processed == 40
+    assert "".join(r.text for r in out) == "".join(r.text for r in fresh)
+
+
+def test_a_branch_of_a_quantized_kv_cache_gets_an_exact_copy(wide):
+    model, tok = wide
+    kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+    pool = PromptPool(model, 10**9, fork_min=16)
+    cache = pool.take(ids(1, 60))
+    list(stream_generate(model, tok, ids(1, 60), prompt_cache=cache, **GREEDY, **kv))
+    pool.give(cache)
+    branch = ids(1, 30) + ids(5, 6)
+    copied = pool.take(branch)
+    assert copied is not cache and pool.stats()["forks"] == 1
+    out = list(stream_generate(model, tok, branch, prompt_cache=copied, **GREEDY, **kv))
+    fresh = list(stream_generate(model, tok, branch, **GREEDY, **kv))
+    assert out[-1].prompt_tokens - out[-1].prompt_processed == 30
+    assert "".join(r.text for r in out) == "".join(r.text for r in fresh)
+
+
 def _saved_entry(model, tok, tmp_path):
     pool = PromptPool(model, 0, DiskTier.open(str(tmp_path), model))
     filled(pool, model, tok, ids(1, 40))
