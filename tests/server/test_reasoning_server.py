@@ -269,3 +269,26 @@ def test_anthropic_bad_thinking_is_400_in_anthropics_shape(served, thinking, wor
     assert words in got["error"]["message"]
     ok, _ = _http(served + "/v1/messages", {"model": "m", "messages": ASK, "max_tokens": 2})
     assert ok == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_tool_use_after_thinking(served, stream):
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    body = {
+        "model": "m", "messages": ASK, "max_tokens": 120, "tools": [tool],
+        "tool_choice": {"type": "any"}, "thinking": {"type": "enabled", "budget_tokens": 3},
+    }  # fmt: skip
+    if not stream:
+        status, msg = _http(served + "/v1/messages", body)
+        assert status == 200, msg
+        kinds = [b["type"] for b in msg["content"]]
+        use = msg["content"][-1]
+        assert kinds[0] == "thinking" and kinds[-1] == "tool_use"
+        assert msg["stop_reason"] == "tool_use" and use["input"]["city"] in ("Paris", "Rome")
+        return
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=served, api_key=KEY, timeout=120, max_retries=0)
+    with client.messages.stream(**body) as s:
+        final = s.get_final_message()
+    assert final.content[0].type == "thinking"
+    assert final.content[-1].type == "tool_use" and final.stop_reason == "tool_use"
