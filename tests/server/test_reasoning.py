@@ -94,3 +94,30 @@ def test_an_answer_that_does_not_open_the_reasoning_streams_as_content_at_once()
     assert s.feed("  ") == []  # might still open with <think>
     assert s.feed("Hello") == [("content", "  Hello")]
     assert s.feed(" <think>") == [("content", " <think>")]
+
+
+def test_tool_calls_are_parsed_after_the_reasoning_only():
+    from dflash_mlx.server.structured import DeltaStream, message
+    from dflash_mlx.server.tool_request import ToolSpec
+
+    spec = ToolSpec(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
+    call = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    text = f"\nmaybe {call}?\n</think>\n\n{call}"
+    msg, finish = message(text, spec, "stop", M, True)
+    assert msg["reasoning_content"] == f"maybe {call}?"  # a call while reasoning is not one
+    assert msg["content"] is None and len(msg["tool_calls"]) == 1 and finish == "tool_calls"
+    stream, deltas = DeltaStream(spec, M, True), []
+    for i in range(0, len(text), 5):
+        deltas += stream.deltas(text[i : i + 5], i + 5 >= len(text))
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == msg["reasoning_content"]
+    calls = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert [c["function"]["arguments"] for c in calls] == ['{"x": 1}']
+    assert stream.finish("stop") == "tool_calls"
+
+
+def test_a_model_without_markers_keeps_its_answer_as_content():
+    from dflash_mlx.server.structured import DeltaStream, message
+
+    msg, _ = message("<think>a</think>b", None, "stop")
+    assert msg == {"role": "assistant", "content": "<think>a</think>b"}
+    assert DeltaStream(None).deltas("<think>a", False) == [{"content": "<think>a"}]
