@@ -240,6 +240,7 @@ def load_drafter(path, dtype: mx.Dtype | None = None, quant: tuple | None = None
     model.load_weights(
         [(k, w if w.dtype == mx.uint32 else w.astype(dtype)) for k, w in weights.items()]
     )
+    model.fc = qz.dense(model.fc)  # a quantized fc dense again: its dtype is the compute dtype
     if quant is not None:
         qz.settle_beside(model, *quant)
     mx.eval(model.parameters())

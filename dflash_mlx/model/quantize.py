@@ -133,8 +133,8 @@ def _check_quant(quant, where: str) -> tuple[int, int]:
 
 
 def settle(drafter: nn.Module, bits: int | None, target_quantized: bool, on_gpu: bool) -> int:
-    """Bring a loaded drafter to the quantization asked for, and dequantize ``fc`` if a
-    checkpoint quantized it (its dtype is the drafter's compute dtype).
+    """Bring a loaded drafter to the quantization asked for (``fc`` stays dense: its dtype
+    is the drafter's compute dtype).
 
     Args:
         drafter: the loaded drafter (dense or pre-quantized). bits: None (auto), 0, 4 or 8.
@@ -143,7 +143,6 @@ def settle(drafter: nn.Module, bits: int | None, target_quantized: bool, on_gpu:
     Returns:
         the bits the drafter's layers now hold (0: dense).
     """
-    drafter.fc = dense(drafter.fc)
     have = bits_of(drafter)
     want = (have or default_bits(target_quantized, on_gpu)) if bits is None else bits
     if bits is None and have and not on_gpu:  # a pre-quantized checkpoint on the CPU

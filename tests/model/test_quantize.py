@@ -175,3 +175,20 @@ def test_batched_rows_with_a_quantized_drafter_equal_each_request_alone(tiny_dir
     for prompt, text in zip(PROMPTS, out.texts, strict=True):
         assert text == generate(model, tok, prompt, max_tokens=24, block_size=4, raw=True)
         assert text == generate(dense, tok, prompt, max_tokens=24, block_size=4, raw=True)
+
+
+def test_a_checkpoint_quantized_the_mlx_lm_way_loads_with_fc_dense_again(tiny_dir, tmp_path):
+    d = load_drafter(tiny_dir / "d2_qwen3")
+    nn.quantize(d, group_size=64, bits=4)  # every Linear whose width allows, fc included
+    assert isinstance(d.fc, nn.QuantizedLinear)
+    f32 = [d.fc.scales.astype(mx.float32), d.fc.biases.astype(mx.float32)]
+    exact = mx.dequantize(d.fc.weight, *f32, 64, 4)  # as loaded in float32
+    out = save_drafter(tmp_path / "all4", d, _config(tiny_dir))
+    back = load_drafter(out, mx.float32)
+    assert isinstance(back.fc, nn.Linear) and back.fc.weight.dtype == mx.float32
+    assert mx.array_equal(back.fc.weight, exact.astype(mx.float32)).item()
+    assert qz.bits_of(back) == 4 and len(quantized_paths(back)) > 14  # conv, selector too
+    model, tok = load(str(tiny_dir / "qwen3"), drafter=str(out), draft_quant=4, warmup=False)
+    ids = tok.encode(PROMPTS[0])
+    toks = [t for r in stream_generate(model, tok, ids, max_tokens=24) for t in r.tokens]
+    assert toks == reference(model, ids, 24)[: len(toks)] and toks
