@@ -272,13 +272,16 @@ def respond(stats: RequestStats, text: _TextStream, cyc: Cycle, eos: set, max_to
     return _response(stats, piece, tokens, cyc.accepted, finish)
 
 
-def _scheduler(model, cfg: GenerationConfig, params):
-    """The ``block_size="auto"`` scheduler of one request; the first one sets the pair's
-    step costs (``warmup.ensure``: stored and spot-checked, or measured)."""
+def _scheduler(model, cfg: GenerationConfig, params, context: int):
+    """The ``block_size="auto"`` scheduler of one request of ``context`` prompt tokens; the
+    first one sets the pair's step costs (``warmup.ensure``: stored and spot-checked, or
+    measured)."""
     tuning = ensure_tuning(model)
     selector = cfg.use_selector and model.drafter.has_selector
     seeded = cfg.seed is not None
-    return tuning.scheduler(params.greedy, selector, seeded=seeded, lookup=cfg.lookup)
+    return tuning.scheduler(
+        params.greedy, selector, seeded=seeded, lookup=cfg.lookup, context=context
+    )
 
 
 def stream_generate(
@@ -323,7 +326,7 @@ def stream_generate(
     with model.lock:  # the tokenizer and the pair's tuning are shared with other threads
         ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
         params = sampling_params(cfg, logits_processors or ())
-        sched = _scheduler(model, cfg, params) if cfg.block_size == AUTO else None
+        sched = _scheduler(model, cfg, params, len(ids)) if cfg.block_size == AUTO else None
     block_size = model.block_size if cfg.block_size in (None, AUTO) else cfg.block_size
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
     stats = RequestStats(len(ids), block_size)

@@ -76,7 +76,10 @@ def _dflash(
     key = mx.random.key(seed if seed is not None else 0)
     stats, out, t_first = CycleStats(block), [], None
     sel = selector and model.drafter.has_selector
-    sched = ensure(model).scheduler(temp == 0, sel, lookup=lookup) if name == "auto" else None
+    auto = name == "auto"
+    sched = (
+        ensure(model).scheduler(temp == 0, sel, lookup=lookup, context=len(ids)) if auto else None
+    )
     for c in decode(
         model,
         ids,

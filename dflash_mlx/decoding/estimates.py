@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass, field
 
 PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each position
+# behind a prior carried from a shorter context band: the drafter may never have seen such
+# positions, and a drop in acceptance must show within a few cycles
+BORROWED_WEIGHT = 3.0
 FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
 
 
@@ -18,11 +21,13 @@ class Acceptance:
     Attributes:
         prior: acceptance per position carried from earlier requests.
         hits, seen: decayed counts of accepted / reached drafts per position.
+        weight: pseudo-observations behind the prior.
     """
 
     prior: list[float]
     hits: list[float] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)
+    weight: float = PRIOR_WEIGHT
 
     def __post_init__(self):
         n = len(self.prior)
@@ -50,8 +55,8 @@ class Acceptance:
         """
         out = []
         for p, h, s in zip(self.prior, self.hits, self.seen):
-            n = s + PRIOR_WEIGHT
-            r = (h + PRIOR_WEIGHT * p) / n
+            n = s + self.weight
+            r = (h + self.weight * p) / n
             if optimistic:
                 r = min(1.0, r + math.sqrt(max(r * (1 - r), 0.05) / n))
             out.append(r)

@@ -24,72 +24,18 @@ from __future__ import annotations
 from collections import Counter
 
 from . import lookup
-from .estimates import Acceptance, Catches, caught, expected_tokens
+from .costs import Bands, CostTable, band
+from .estimates import BORROWED_WEIGHT, Acceptance, Catches, caught, expected_tokens
 from .policy import Choice
 from .tree import MAX_SIBLINGS, SIBLING_PRIOR
 
-EMA = 0.25  # weight of a new cost observation
 PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to the max
 PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
 # Speculate only when the expected speedup clears this: estimates near 1.0x are coin flips
 # that cost more in the losers than they win in the winners.
 GAIN_MARGIN = 1.05
 DEFAULT_PRIOR = 0.25  # acceptance assumed per position before a model has decoded anything
-
-
-class CostTable:
-    """Seconds per cycle for each block size 1..max_block, measured and interpolated.
-
-    Args:
-        max_block: the checkpoint's block size.
-    """
-
-    def __init__(self, max_block: int):
-        self.max_block = max_block
-        self.seconds: dict[int, float] = {}
-
-    def observe(self, b: int, seconds: float) -> float:
-        """Fold in one measured cycle of block b (b = 1: a plain step).
-
-        A plain step, observed far more often than any block, also rescales every block's
-        cost: the machine's speed drifts (1.1-1.5x within minutes here) and moves all widths
-        alike, so a block's cost is kept as a ratio to the plain step's. A block timed an
-        hour ago (or stored from an earlier run) then still compares right.
-
-        Returns:
-            the factor the plain step's cost moved by (1.0 for a block).
-        """
-        old = self.seconds.get(b)
-        self.seconds[b] = seconds if old is None else (1 - EMA) * old + EMA * seconds
-        if b != 1 or not old:
-            return 1.0
-        scale = self.seconds[1] / old
-        self.rescale(scale)
-        return scale
-
-    def rescale(self, scale: float) -> None:
-        """Multiply every block's cost (not the plain step's) by ``scale``."""
-        for k in self.seconds:
-            if k != 1:
-                self.seconds[k] *= scale
-
-    def __call__(self, b: int) -> float:
-        """Cost of block b: measured, else linear between the nearest measured sizes."""
-        if b in self.seconds:
-            return self.seconds[b]
-        known = sorted(self.seconds)
-        if not known:
-            return float(b)  # nothing measured: assume a cost proportional to the tokens
-        lo = [k for k in known if k < b]
-        hi = [k for k in known if k > b]
-        if lo and hi:
-            k0, k1 = lo[-1], hi[0]
-        elif len(known) >= 2:  # extrapolate from the two nearest points
-            k0, k1 = (known[-2], known[-1]) if lo else (known[0], known[1])
-        else:
-            return self.seconds[known[0]] * b / known[0]
-        c0, c1 = self.seconds[k0], self.seconds[k1]
-        return max(c0 + (c1 - c0) * (b - k0) / (k1 - k0), 1e-9)
+CALIBRATE_RUN = 8  # plain steps that time a plain step in a band whose blocks are timed
 
 
 class Scheduler:
@@ -103,6 +49,10 @@ class Scheduler:
             timings taken during it).
         lookup_costs: seconds per lookup cycle by block (None: lookup drafts are never
             chosen). lookup_priors: acceptance per position for each ``lookup.match_class``.
+        catch_prior: sibling catch rates by rank. bands: callable(band) -> (drafted,
+            copied) cost tables of a context band (``costs.Bands``); None: ``costs`` and
+            ``lookup_costs`` at every length. context: tokens in the cache at the start.
+        prior_weight: pseudo-observations behind ``prior`` (default ``PRIOR_WEIGHT``).
     """
 
     def __init__(
@@ -114,9 +64,16 @@ class Scheduler:
         lookup_costs: CostTable | None = None,
         lookup_priors: dict[int, list[float]] | None = None,
         catch_prior: list[float] | None = None,
+        bands=None,
+        context: int = 0,
+        prior_weight: float | None = None,
     ):
         self.costs, self.frozen = costs, frozen
         self.lookup_costs = lookup_costs
+        # bands(b) -> (drafted, copied) tables of context band b; None: these tables only
+        self.bands, self.band, self.context = bands, band(0), 0
+        self._calibrating = False
+        self.at_context(context)
         if lookup_costs is not None and lookup_priors is None:
             lookup_priors = lookup.priors(costs.max_block - 1)
         self.lookup_acc = {c: Acceptance(list(p)) for c, p in (lookup_priors or {}).items()}
@@ -124,6 +81,8 @@ class Scheduler:
         self.max_block = costs.max_block
         self.min_block = min_block
         self.acc = Acceptance(list(prior))
+        if prior_weight is not None:  # a prior from another context band: held lightly
+            self.acc.weight = prior_weight
         self.catches = Catches(list(catch_prior or [SIBLING_PRIOR] * MAX_SIBLINGS))
         self.tree = False  # set by the decode loop when it can verify siblings
         self.since_spec = 0
@@ -133,6 +92,15 @@ class Scheduler:
         self.notes: list[str] = []  # why and when decoding switched to / from plain
         self._plain = False
         self.last_reason = ""
+
+    def at_context(self, context: int) -> None:
+        """The request's context is now ``context`` tokens: past a band's edge that band's
+        cost tables weigh the choices."""
+        self.context = context
+        b = band(context)
+        if self.bands is not None and b != self.band:
+            self.band = b
+            self.costs, self.lookup_costs = self.bands(b)
 
     def _best(self, rates: list[float], top: int, costs: CostTable | None = None):
         """The speculative block (<= top) with the highest expected speedup over plain,
@@ -173,6 +141,11 @@ class Scheduler:
         top = self.max_block if budget is None else max(1, min(self.max_block, budget))
         if top < self.min_block:
             return Choice(1, 1.0, reason="one token left")
+        if self.costs.fresh == {"plain"}:  # blocks timed at this context, plain steps not
+            self._calibrating = True
+            choice = Choice(1, 1.0, reason=f"plain: timing a plain step at {self.context} tokens")
+            self._note(choice)
+            return choice
         b, s, n_sib = self._best(self.acc.rates(), top)
         lb, ls = self._lookup_best(match, top)
         if ls > max(s, GAIN_MARGIN):
@@ -218,6 +191,9 @@ class Scheduler:
         ``PLAIN_RUN_MAX`` once it is due but was refused (no block can pay even
         optimistically). Short runs would cost the pipelining: a run's first step is not
         overlapped with the previous one (a ~5% loss when every run was one step)."""
+        if self._calibrating:
+            self._calibrating = False
+            return CALIBRATE_RUN
         left = self.probe_after - self.since_spec
         return min(PLAIN_RUN_MAX, left) if left > 0 else PLAIN_RUN_MAX
 
@@ -229,6 +205,7 @@ class Scheduler:
                 lookup match its drafts were copied after, its siblings and the one taken).
             seconds: the cycle's wall time, or None if unknown.
         """
+        self.at_context(self.context + len(step.tokens))
         if step.lookup:
             self.lookup_history[b] += 1
             if seconds is not None and seconds > 0 and not self.frozen:
@@ -251,8 +228,8 @@ class Scheduler:
         rescales the copied blocks' costs: the machine's drift moves them too)."""
         if seconds > 0 and not self.frozen:
             scale = self.costs.observe(b, seconds)
-            if self.lookup_costs is not None:
-                self.lookup_costs.rescale(scale)
+            if self.lookup_costs is not None and b == 1:
+                self.lookup_costs.follow(scale)
 
     def posterior(self) -> list[float]:
         """Acceptance per position after this request (the next request's prior)."""
@@ -281,9 +258,9 @@ class Tuning:
     def __init__(self, measured: CostTable, measured_lookup: CostTable | None = None):
         self.max_block = measured.max_block
         self.measured, self.measured_lookup = measured, measured_lookup
-        self.costs: dict[str, CostTable] = {}
-        self.lookup_costs: dict[str, CostTable] = {}
-        self.priors: dict[tuple, list[float]] = {}
+        self.costs: dict[str, Bands] = {}  # per mode, by context band
+        self.lookup_costs: dict[str, Bands] = {}
+        self.priors: dict[tuple, list[float]] = {}  # by (mode, selector, band)
         self.lookup_priors: dict[str, dict[int, list[float]]] = {}  # per mode
         self.catch_priors: dict[tuple, list[float]] = {}  # sibling catch rates, by key
         # (probe_after, plain steps since the last speculative cycle) per (mode, selector):
@@ -311,13 +288,27 @@ class Tuning:
         return {"seconds": dict(self.measured.seconds), "lookup_seconds": dict(lookup)}
 
     def _copy(self, measured: CostTable | None = None) -> CostTable:
-        measured = self.measured if measured is None else measured
-        table = CostTable(self.max_block)
-        table.seconds = dict(measured.seconds)
-        return table
+        return (self.measured if measured is None else measured).copy()
+
+    def _prior(self, mode: str, selector: bool, b: int) -> tuple[list[float], float | None]:
+        """The acceptance prior of context band b and its weight: the band's own, else the
+        nearest band's below (held lightly: acceptance may drop at long context), else the
+        default."""
+        own = self.priors.get((mode, selector, b))
+        if own is not None:
+            return own, None
+        below = [k[2] for k in self.priors if k[:2] == (mode, selector) and k[2] < b]
+        if below:
+            return self.priors[mode, selector, max(below)], BORROWED_WEIGHT
+        return [DEFAULT_PRIOR] * (self.max_block - 1), None
 
     def scheduler(
-        self, greedy: bool, selector: bool, seeded: bool = False, lookup: bool = False
+        self,
+        greedy: bool,
+        selector: bool,
+        seeded: bool = False,
+        lookup: bool = False,
+        context: int = 0,
     ) -> Scheduler:
         """A scheduler for one request.
 
@@ -327,6 +318,7 @@ class Tuning:
             seeded: seeded sampling: the schedule must depend on the seed alone, so it uses
                 the costs measured at load, frozen, and the default prior (two runs with the
                 same seed on the same loaded model then draw the same sample).
+            context: the prompt's tokens: costs and priors are kept per context band.
         """
         mode = "greedy" if greedy else "sampled"
         default = [DEFAULT_PRIOR] * (self.max_block - 1)
@@ -335,16 +327,25 @@ class Tuning:
             lk = self._copy(self.measured_lookup) if lookup else None
             sched = Scheduler(self._copy(), default, frozen=True, lookup_costs=lk)
         else:
-            table = self.costs.setdefault(mode, self._copy())
-            lk = None
+            drafted = self.costs.setdefault(mode, Bands(self.measured))
+            copied = None
             if lookup:
-                lk = self.lookup_costs.setdefault(mode, self._copy(self.measured_lookup))
+                copied = self.lookup_costs.setdefault(mode, Bands(self.measured_lookup))
+
+            def bands(b: int) -> tuple[CostTable, CostTable | None]:
+                return drafted.at(b), None if copied is None else copied.at(b)
+
+            prior, weight = self._prior(mode, selector, band(context))
+            costs, lk = bands(0)
             sched = Scheduler(
-                table,
-                self.priors.get((mode, selector), default),
+                costs,
+                prior,
                 lookup_costs=lk,
                 lookup_priors=self.lookup_priors.get(mode) if lookup else None,
                 catch_prior=self.catch_priors.get((mode, selector)),
+                bands=bands,
+                context=context,
+                prior_weight=weight,
             )
             sched.probe_after, sched.since_spec = self.backoff.get(
                 (mode, selector), (PROBE_START, 0)
@@ -355,7 +356,7 @@ class Tuning:
     def finish(self, sched: Scheduler) -> None:
         """Carry a finished request's acceptance into the prior of its mode."""
         if not sched.key[2]:
-            self.priors[sched.key[:2]] = sched.posterior()
+            self.priors[(*sched.key[:2], sched.band)] = sched.posterior()
             self.catch_priors[sched.key[:2]] = sched.catches.rates()
             if sched.lookup_acc:
                 rates = {c: a.rates() for c, a in sched.lookup_acc.items()}

@@ -126,7 +126,7 @@ def test_probe_backoff_carries_across_requests_on_the_same_model():
     from dflash_mlx.decoding.schedule import Tuning
 
     tuning = Tuning(costs([1.0] + [1.2 + 0.1 * b for b in range(2, 9)]))
-    tuning.priors[("greedy", True)] = [0.3] * 7
+    tuning.priors[("greedy", True, 0)] = [0.3] * 7
     probes = []
     for request in range(6):  # six short requests of 20 steps each
         sched = tuning.scheduler(greedy=True, selector=True)
