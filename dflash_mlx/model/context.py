@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-SLACK = 256  # rows a sliding buffer has past its window at least
+SLACK = 256  # rows a sliding buffer has past its window at least (and its smallest size)
 
 
 class GrowingRows:
@@ -46,14 +46,15 @@ class GrowingRows:
 
 
 class WindowRows:
-    """The last ``window`` context rows, in order, in a buffer of ``window + slack`` rows
-    written in place (a sliding layer's context, docs/algorithm.md §2.3).
+    """The last ``window`` context rows, in order, in a buffer of at most ``window + slack``
+    rows written in place (a sliding layer's context, docs/algorithm.md §2.3).
 
     Rows and blocks are written past the held ones; the window's start moves forward. Only
     when the buffer is full are the held rows copied to its front: one window-sized copy
-    every ``slack`` rows, where a concatenation would copy the window on every append and
-    every draft. The rows keep their order, so attention sees the bits the concatenation
-    gave.
+    every ``slack`` rows (a quarter window, at least ``SLACK``), where a concatenation would
+    copy the window on every append and every draft. A short context gets a buffer twice
+    its size, doubled as it grows. The rows keep their order, so attention sees the bits
+    the concatenation gave.
 
     Args:
         window: rows to keep.
@@ -61,7 +62,7 @@ class WindowRows:
 
     def __init__(self, window: int):
         self.window = window
-        self.slack = max(window, SLACK)
+        self.slack = max(window // 4, SLACK)
         self._k: mx.array | None = None  # [1, n_kv, capacity, head_dim]
         self._v: mx.array | None = None
         self._start = self._end = 0  # the held rows are _start .. _end - 1
@@ -82,10 +83,10 @@ class WindowRows:
         when the current one lacks it (keys, values give the shapes and dtypes)."""
         if self._k is not None and self._end + n <= self._k.shape[2]:
             return
-        cap = self.window + max(self.slack, n)
+        size = self.size
+        cap = min(self.window + max(self.slack, n), max(2 * (size + n), SLACK))
         k = mx.zeros(keys.shape[:2] + (cap, keys.shape[3]), keys.dtype)
         v = mx.zeros(values.shape[:2] + (cap, values.shape[3]), values.dtype)
-        size = self.size
         if size:
             k[:, :, :size], v[:, :, :size] = self.held()
         self._k, self._v, self._start, self._end = k, v, 0, size

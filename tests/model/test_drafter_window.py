@@ -80,6 +80,22 @@ def test_a_window_buffer_is_written_in_place_between_compactions():
     assert cache.size == 64 and cache.offset == 70
 
 
+def test_a_long_stream_copies_its_window_rarely_and_never_outgrows_it(monkeypatch):
+    copies, room = [], context_mod.WindowRows._room
+
+    def counted(self, n, keys, values):
+        copies.append(self._k is None or self._end + n > self._k.shape[2])
+        room(self, n, keys, values)
+
+    monkeypatch.setattr(context_mod.WindowRows, "_room", counted)
+    cache = ContextCache(1024)  # slack 256
+    for i in range(700):  # 2,100 rows in cycles of a block of 8 and 3 rows kept
+        cache.with_block(*rows(8, i))
+        cache.append(*rows(3, i))
+        assert cache._rows._k.shape[2] <= 1024 + 256
+    assert cache.size == 1024 and sum(copies) <= 2 + 4 + (2100 - 1024) // 240 + 1
+
+
 def test_drafts_with_a_window_cache_equal_drafts_over_concatenated_context(pairs):
     model, _ = pairs("qwen3", "d2")
     d = model.drafter
