@@ -40,7 +40,7 @@ def _configs(model: str, drafter: str | None) -> tuple[str, dict, dict, str | No
     return res.display_name, tcfg, dcfg, {4: "4bit", 8: "8bit"}.get(bits)
 
 
-def _check(quant: str | None, context: int, block: int | None, draft_vocab: int, rollback: str):
+def _check(quant, context: int, block: int | None, draft_vocab: int | None, rollback: str):
     from ..bench.roofline_data import QUANT_BYTES
 
     if quant is not None and quant.lower() not in QUANT_BYTES:
@@ -50,7 +50,7 @@ def _check(quant: str | None, context: int, block: int | None, draft_vocab: int,
         raise DFlashError(f"--context must be at least 1 token (got {context})")
     if block is not None and not 2 <= block <= 64:
         raise DFlashError(f"--block must be in 2..64 (got {block})")
-    if draft_vocab < 0:
+    if draft_vocab is not None and draft_vocab < 0:
         raise DFlashError(
             f"--draft-vocab must be 0 (the full vocabulary) or a size (got {draft_vocab})"
         )
@@ -72,7 +72,9 @@ def roofline(
     draft_quant: str = typer.Option(
         "4", "--draft-quant", help="The drafter's layers: 4, 8 or none."
     ),
-    draft_vocab: int = typer.Option(0, "--draft-vocab", help="Draft vocabulary size (0: full)."),
+    draft_vocab: int = typer.Option(
+        None, "--draft-vocab", help="Draft vocabulary size (0: full; default: the drafter's own)."
+    ),
     rollback: str = typer.Option("tape", "--rollback", help="A hybrid's rollback: tape or replay."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead."),
 ):
@@ -90,6 +92,7 @@ def roofline(
         raise DFlashError(f"--chip {chip!r} is unknown; use one of: {', '.join(data.CHIPS)}")
     name, tcfg, dcfg, stored = _configs(model, drafter)
     dc = dcfg.get("dflash_config", {})
+    draft_vocab = dc.get("draft_vocab_size") or 0 if draft_vocab is None else draft_vocab
     inp = rl.Inputs(
         target=tcfg,
         drafter=dcfg,

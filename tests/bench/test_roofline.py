@@ -113,3 +113,16 @@ def test_the_command_prints_a_table_and_json(capsys):
     roofline(model="Qwen3.8-27B", draft_vocab=0, rollback="replay", json_out=False, **args)
     text = capsys.readouterr().out
     assert "rollback (replay)" in text and "on M4 Pro (273 GB/s, estimated)" in text
+
+
+def test_the_demo_is_read_from_its_files_with_its_own_draft_vocabulary(capsys):
+    from dflash_mlx.cli.roofline import roofline
+
+    args = {"quant": None, "chip": "M1", "context": 1024, "block": None, "drafter": None}
+    roofline(
+        model="demo", draft_quant="none", draft_vocab=None, rollback="tape", json_out=True, **args
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["draft_vocab"] == 8192 and out["block"] == 8 and out["rollback"] is None
+    assert out["parts"]["drafter head (8,192 rows)"]["bytes"] == 8192 * 576 * (0.5 + 4 / 64)
+    assert out["fused_attention_chunks"] == 1  # 9 heads over 3 KV heads: 10 rows a chunk
