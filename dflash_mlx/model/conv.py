@@ -53,26 +53,36 @@ def two_tap_conv_kernel(
 ) -> mx.array:
     """Launch the fused kernel (``metal/two_tap_conv.metal``) for one side.
 
+    The rows are viewed as one block per batch entry of the launch ([B * L / W, W, H], W the
+    block width, or L itself for a single partial block), so the kernel reads the width from
+    its input's shape: no width is a template argument, and one compiled Metal library
+    serves every block width.
+
     Args:
         kernel: object returned by ``metal_kernel.build(KERNEL, ...)``.
-        x: [B, L, H]; base: [taps, H]; dyn: [B, L, taps, G]; block_size: rows per block.
+        x: [B, L, H]; base: [taps, H]; dyn: [B, L, taps, G]; block_size: rows per block;
+            L is a multiple of it or a single partial block.
 
     Returns:
         [B, L, H] in x's dtype.
     """
     Bsz, L, H = x.shape
     taps, G = dyn.shape[-2], dyn.shape[-1]
-    if base.shape != (taps, H) or dyn.shape[:2] != (Bsz, L) or H % G:
-        raise ValueError(f"conv shapes: x {x.shape}, base {base.shape}, dyn {dyn.shape}")
+    width = min(int(block_size), L)
+    if base.shape != (taps, H) or dyn.shape[:2] != (Bsz, L) or H % G or width < 1 or L % width:
+        raise ValueError(
+            f"conv shapes: x {x.shape}, base {base.shape}, dyn {dyn.shape}, block {block_size}"
+        )
+    nb = Bsz * (L // width)  # blocks
     (out,) = kernel(
-        inputs=[x, base, dyn],
-        template=[("T", x.dtype), ("TAPS", taps), ("BLOCK", int(block_size))],
-        grid=(H, L, Bsz),
+        inputs=[x.reshape(nb, width, H), base, dyn.reshape(nb, width, taps, G)],
+        template=[("T", x.dtype), ("TAPS", taps)],
+        grid=(H, width, nb),
         threadgroup=(min(H, THREADGROUP), 1, 1),
-        output_shapes=[x.shape],
+        output_shapes=[(nb, width, H)],
         output_dtypes=[x.dtype],
     )
-    return out
+    return out.reshape(Bsz, L, H)
 
 
 def two_tap_conv(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) -> mx.array:
@@ -85,7 +95,8 @@ def two_tap_conv(x: mx.array, base: mx.array, dyn: mx.array, block_size: int) ->
         [B, L, H] in x's dtype.
     """
     kernel = metal_kernel.cached(KERNEL, self_check) if metal_kernel.use_metal() else None
-    if kernel is not None:
+    L = x.shape[1]
+    if kernel is not None and L and L % min(block_size, L) == 0:  # else: partial blocks
         return two_tap_conv_kernel(kernel, x, base, dyn, block_size)
     return two_tap_conv_ops(x, base, dyn, block_size)
 

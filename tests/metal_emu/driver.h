@@ -51,6 +51,40 @@ void save(const std::string& dir, int idx, const std::vector<T>& v) {
 }
 
 namespace emu {
+// The launch's run-time numbers (sizes, shapes, strides, grid, threadgroup), read in order
+// from meta.txt: nothing shape-dependent is compiled in, as with MLX's Metal libraries.
+struct Meta {
+  FILE* f;
+  explicit Meta(const std::string& dir) : f(std::fopen((dir + "/meta.txt").c_str(), "r")) {
+    if (!f) {
+      std::fprintf(stderr, "cannot read %s/meta.txt\n", dir.c_str());
+      std::exit(2);
+    }
+  }
+  ~Meta() { std::fclose(f); }
+  long long next() {
+    long long v = 0;
+    if (std::fscanf(f, "%lld", &v) != 1) {
+      std::fprintf(stderr, "meta.txt ended early\n");
+      std::exit(2);
+    }
+    return v;
+  }
+  template <typename T>
+  std::vector<T> take(int n) {
+    std::vector<T> v;
+    for (int i = 0; i < n; ++i) v.push_back(static_cast<T>(next()));
+    return v;
+  }
+  uint3 dims() {
+    uint3 d;
+    d.x = uint(next());
+    d.y = uint(next());
+    d.z = uint(next());
+    return d;
+  }
+};
+
 using Body = std::function<void(uint3, uint3, uint3, uint3, uint3, uint3, uint)>;
 
 // One Metal thread of the current threadgroup, run as a fiber.

@@ -11,8 +11,12 @@ suspends each until the whole group has arrived. Every launch runs twice, with g
 threads (between barriers) in forward and in reverse order; differing results mean the body
 has a race (e.g. a missing barrier) and raise ``RaceDetected``.
 
-Arrays travel through raw files: float dtypes as float32 (bf16 / fp16 values convert exactly),
-integers as their own 32-bit type. Outputs start poisoned (NaN / 0xDEADBEEF) like MLX's
+As in MLX, what is compiled depends only on the body, the template arguments, the input
+dtypes and address spaces, and which shape / stride / ndim parameters the body reads: the
+shapes, strides, sizes, grid and threadgroup travel at run time (``meta.txt``), so one
+build serves every shape, and ``builds`` counts the distinct compiled programs (what MLX
+would compile as Metal libraries). Arrays travel through raw files: float dtypes as float32
+(bf16 / fp16 values convert exactly), integers as their own 32-bit type. Outputs start poisoned (NaN / 0xDEADBEEF) like MLX's
 uninitialised outputs, so unwritten elements show up.
 """
 
@@ -92,6 +96,7 @@ class EmulatedKernel:
         self.name, self.source, self.header = name, source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.calls = 0  # launches, for dispatch accounting in tests and benchmarks
+        self.builds: set[str] = set()  # distinct compiled programs (MLX: Metal libraries)
 
     def __call__(
         self,
@@ -111,9 +116,12 @@ class EmulatedKernel:
         self.calls += 1
         template = list(template or [])
         arrays = [mx.array(a) for a in inputs]
-        code = self._driver(arrays, output_shapes, output_dtypes, grid, threadgroup, template)
+        code = self._driver(arrays, output_shapes, output_dtypes, template)
         exe = _build(code)
+        self.builds.add(exe.name)
+        meta = _meta(arrays, output_shapes, grid, threadgroup)
         with tempfile.TemporaryDirectory(prefix="metal_emu_") as tmp:
+            Path(f"{tmp}/meta.txt").write_text(" ".join(map(str, meta)))
             for i, a in enumerate(arrays):
                 _, ftype = _TYPES[a.dtype]
                 np.asarray(a.astype(mx.float32) if ftype == np.float32 else a, dtype=ftype).tofile(
@@ -144,8 +152,10 @@ class EmulatedKernel:
             ]
         return outs
 
-    def _driver(self, arrays, output_shapes, output_dtypes, grid, threadgroup, template):
-        """C++ source: shim, header, templated function with MLX's signature, main()."""
+    def _driver(self, arrays, output_shapes, output_dtypes, template):
+        """C++ source: shim, header, templated function with MLX's signature, main(); every
+        size, shape, stride, the grid and the threadgroup are read from ``meta.txt`` in the
+        order ``_meta`` writes them."""
         src = self.source
         tparams, targs = [], []
         for tname, val in template:
@@ -163,32 +173,26 @@ class EmulatedKernel:
             ctype, ftype = _TYPES[a.dtype]
             ftype_c = {np.float32: "float", np.int32: "int32_t", np.uint32: "uint32_t"}[ftype]
             space = "constant" if a.size < _CONSTANT_LIMIT else "device"
-            setup.append(f"  auto in{i} = load<{ctype}, {ftype_c}>(dir, {i}, {a.size});")
+            setup.append(f"  auto in{i} = load<{ctype}, {ftype_c}>(dir, {i}, meta.next());")
+            setup.append(f"  const int ndim_in{i} = int(meta.next());")
             if a.ndim == 0:
                 params.append(f"const {space} {ctype}& {n}")
                 args.append(f"in{i}[0]")
                 continue
             params.append(f"const {space} {ctype}* {n}")
             args.append(f"in{i}.data()")
-            strides = np.cumprod([1] + list(a.shape[::-1]))[:-1][::-1]
-            for suffix, ctype2, vals in (
-                ("shape", "int", a.shape),
-                ("strides", "int64_t", strides),
-            ):
+            for suffix, ctype2 in (("shape", "int"), ("strides", "int64_t")):
+                # always read (meta.txt holds both); passed only when the body uses it
+                setup.append(f"  const auto {n}_{suffix}_v = meta.take<{ctype2}>(ndim_in{i});")
                 if f"{n}_{suffix}" in src:
-                    setup.append(
-                        f"  static const {ctype2} {n}_{suffix}_v[] = "
-                        f"{{{', '.join(str(int(v)) for v in vals)}}};"
-                    )
                     params.append(f"const constant {ctype2}* {n}_{suffix}")
-                    args.append(f"{n}_{suffix}_v")
+                    args.append(f"{n}_{suffix}_v.data()")
             if f"{n}_ndim" in src:
                 params.append(f"const constant int& {n}_ndim")
-                args.append(str(a.ndim))
+                args.append(f"ndim_in{i}")
         for i, (n, shape, dt) in enumerate(zip(self.output_names, output_shapes, output_dtypes)):
             ctype, ftype = _TYPES[dt]
-            size = int(np.prod(shape)) if len(shape) else 1
-            setup.append(f"  std::vector<{ctype}> out{i}({size}, poison<{ctype}>());")
+            setup.append(f"  std::vector<{ctype}> out{i}(meta.next(), poison<{ctype}>());")
             params.append(f"device {ctype}* {n}")
             args.append(f"out{i}.data()")
         for attr in _ATTRIBUTES:
@@ -202,8 +206,6 @@ class EmulatedKernel:
         saves = [f"  save(dir, {i}, out{i});" for i in range(len(output_shapes))]
         tdecl = f"template <{', '.join(tparams)}>\n" if tparams else ""
         tuse = f"<{', '.join(targs)}>" if targs else ""
-        gx, gy, gz = grid
-        tx, ty, tz = (min(t, g) for t, g in zip(threadgroup, grid))
         return "\n".join(
             [
                 '#include "emu_all.h"',
@@ -214,8 +216,10 @@ class EmulatedKernel:
                 "int main(int argc, char** argv) {",
                 "  const std::string dir = argv[1];",
                 '  const bool reverse = argc > 2 && std::string(argv[2]) == "reverse";',
+                "  emu::Meta meta(dir);",
                 *setup,
-                f"  emu::launch({{{gx}u, {gy}u, {gz}u}}, {{{tx}u, {ty}u, {tz}u}}, reverse,",
+                "  const uint3 launch_grid = meta.dims(), launch_group = meta.dims();",
+                "  emu::launch(launch_grid, launch_group, reverse,",
                 "    [&](uint3 thread_position_in_grid, uint3 thread_position_in_threadgroup,",
                 "        uint3 threadgroup_position_in_grid, uint3 threads_per_threadgroup,",
                 "        uint3 threadgroups_per_grid, uint3 threads_per_grid,",
@@ -227,6 +231,19 @@ class EmulatedKernel:
                 "}",
             ]
         )
+
+
+def _meta(arrays, output_shapes, grid, threadgroup) -> list[int]:
+    """What a launch passes at run time, in the order the driver reads it: per input its
+    size, ndim, shape and strides (row-contiguous); per output its size; the grid; the
+    threadgroup (clipped to the grid, as MLX does)."""
+    meta = []
+    for a in arrays:
+        strides = np.cumprod([1] + list(a.shape[::-1]))[:-1][::-1] if a.ndim else []
+        meta += [a.size, a.ndim, *a.shape, *strides]
+    meta += [int(np.prod(shape)) if len(shape) else 1 for shape in output_shapes]
+    meta += [*grid, *(min(t, g) for t, g in zip(threadgroup, grid))]
+    return [int(v) for v in meta]
 
 
 def _strip_comments(code: str) -> str:

@@ -105,6 +105,37 @@ def test_conv_taps_stop_at_block_boundary(backend):
     assert np.all(out[0, 7] == 1e6 + 1.0)
 
 
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler to emulate the Metal bodies")
+def test_conv_one_compiled_library_serves_every_block_width():
+    """The block width is read from the input's shape, not a template argument: widths 2, 4,
+    8 and 16 (and a partial block) all run the one program compiled for the first, as MLX
+    compiles one Metal library per name and template arguments, and each equals the twin."""
+    kernel = metal_kernel.build(conv.KERNEL, EmulatedKernel)
+    mx.random.seed(11)
+    for block, L in ((2, 6), (4, 8), (8, 16), (16, 32), (16, 5)):
+        x = mx.random.normal((2, L, H))  # [B, L, H]
+        base = mx.random.normal((2, H))  # [taps, H]
+        dyn = 0.5 * mx.random.normal((2, L, 2, G_ODD))  # [B, L, taps, G]
+        got = conv.two_tap_conv_kernel(kernel, x, base, dyn, block)
+        np.testing.assert_allclose(
+            _f32(got), _f32(conv_reference(x, base, dyn, block)), rtol=1e-5, atol=1e-5
+        )
+    assert kernel.calls == 5 and len(kernel.builds) == 1, kernel.builds
+
+
+def test_conv_rows_that_are_not_whole_blocks_run_the_twin(monkeypatch):
+    """L = 12 rows of width-8 blocks (never made by the drafter) take the twin, not a wrong
+    launch; the launch itself refuses them."""
+    launched = []
+    monkeypatch.setattr(metal_kernel, "use_metal", lambda: True)
+    monkeypatch.setattr(metal_kernel, "cached", lambda spec, check: launched.append(1) or object())
+    x, base, dyn = mx.ones((1, 12, H)), mx.ones((2, H)), mx.zeros((1, 12, 2, G_ODD))
+    out = conv.two_tap_conv(x, base, dyn, 8)
+    assert mx.array_equal(out, conv_reference(x, base, dyn, 8)) and launched
+    with pytest.raises(ValueError, match="block 8"):
+        conv.two_tap_conv_kernel(object(), x, base, dyn, 8)
+
+
 # ------------------------------------------------------------------------- selector
 
 
