@@ -12,6 +12,7 @@ the grammar's (or untouched without one).
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 
 class ThinkingGate:
@@ -32,26 +33,27 @@ class ThinkingGate:
         self.inner, self.budget = inner, budget
         self.base: int | None = None
 
-    def _reasoning_start(self, answer: list[int]) -> int | None:
+    def _reasoning_start(self, answer: np.ndarray) -> int | None:
         """Where the reasoning starts in the answer (None: the answer has none)."""
         if self.started_open:
             return 0
-        return 1 if answer and answer[0] == self.open_id else None
+        return 1 if answer.size and answer[0] == self.open_id else None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """Process one row: tokens [T] (prompt + answer so far), logits [1, V]."""
         if self.base is None:
             self.base = int(tokens.size)
-        answer = [int(t) for t in tokens[self.base :].tolist()] if tokens.size > self.base else []
-        if not answer and not self.started_open:
+        # numpy, not a list: a long reasoning is read at every verify row
+        answer = np.asarray(tokens)[self.base :]  # [T - base]
+        if not answer.size and not self.started_open:
             return self._first(tokens, logits)
         start = self._reasoning_start(answer)
         if start is None:
             return self._after(tokens, logits, self.base)
-        thought = answer[start:]
-        if self.close_id in thought:
-            return self._after(tokens, logits, self.base + start + thought.index(self.close_id) + 1)
-        if self.budget is not None and len(thought) >= self.budget:
+        closes = np.flatnonzero(answer[start:] == self.close_id)
+        if closes.size:
+            return self._after(tokens, logits, self.base + start + int(closes[0]) + 1)
+        if self.budget is not None and answer.size - start >= self.budget:
             only = mx.arange(logits.shape[-1]) == self.close_id  # [V]
             return mx.where(only[None], logits, mx.array(-mx.inf, logits.dtype))
         return logits
