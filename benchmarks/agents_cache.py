@@ -165,11 +165,16 @@ def run(args) -> dict:
     proc, url = start(args.model, args.server_args)
     try:
         agents = [chr(ord("A") + i) for i in range(args.agents)]
-        history = {a: [{"role": "system", "content": system_prompt(a, args.words)}] for a in agents}
+        # --same-system: one system prompt for all (two sessions of one agent, say)
+        owner = {a: "A" if args.same_system else a for a in agents}
+        history = {
+            a: [{"role": "system", "content": system_prompt(owner[a], args.words)}] for a in agents
+        }
         rows = []
         for i in range(args.turns):
             a = agents[i % len(agents)]
-            history[a].append({"role": "user", "content": f"Step {i}: what should I check next?"})
+            ask = f"{a}{i}: what should I check next?"  # the agent's name first: they differ
+            history[a].append({"role": "user", "content": ask})
             out = turn(url, history[a], args.max_tokens)
             history[a].append({"role": "assistant", "content": out["text"]})
             details = out["usage"].get("prompt_tokens_details") or {}
@@ -218,6 +223,7 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--words", type=int, default=2600, help="system prompt length in words")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--same-system", action="store_true", help="one system prompt for every agent")
     p.add_argument("--json", help="also write the result here")
     p.add_argument(
         "server_args",
