@@ -14,8 +14,13 @@ import weakref
 from .schema import bad
 from .tools import template_text
 
-# (open, close) marker pairs a template may use; each is one token of the vocabulary
-PAIRS = (("<think>", "</think>"),)
+# (open, close) marker pairs a template may use (Qwen3 / DeepSeek's first, the others as
+# mlx-lm knows them); each is one token of the vocabulary
+PAIRS = (
+    ("<think>", "</think>"),
+    ("<longcat_think>", "</longcat_think>"),
+    ("<|think:start|>", "<|think:end|>"),
+)
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's reasoning_effort
 # apply_chat_template's own parameters: a chat_template_kwargs key may not override them
 RESERVED = {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",

@@ -121,3 +121,10 @@ def test_a_model_without_markers_keeps_its_answer_as_content():
     msg, _ = message("<think>a</think>b", None, "stop")
     assert msg == {"role": "assistant", "content": "<think>a</think>b"}
     assert DeltaStream(None).deltas("<think>a", False) == [{"content": "<think>a"}]
+
+
+def test_other_single_token_marker_pairs_are_found():
+    vocab = {"<|think:start|>": 7, "<|think:end|>": 8}
+    tok = FakeTokenizer(vocab, "{{ '<|think:start|>' }}")
+    assert markers(tok) == ("<|think:start|>", "<|think:end|>")
+    assert starts_open(tok, [1, 7]) and not starts_open(tok, [7, 8])
