@@ -276,7 +276,16 @@ def chat_ids(
     """
     if has_chat_template(tokenizer):
         kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kw)
+        try:
+            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kw)
+        except (TypeError, AttributeError, KeyError) as e:
+            if not template_kwargs:
+                raise
+            # a variable of the wrong type for what the template does with it: the input's fault
+            raise DFlashError(
+                f"the chat template cannot use the template variables {sorted(template_kwargs)} "
+                f"({type(e).__name__}: {e}); check their values"
+            ) from None
         return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
     notice_default_format(tokenizer)
     enc = lambda s: list(tokenizer.encode(s, add_special_tokens=False))

@@ -128,3 +128,18 @@ def test_other_single_token_marker_pairs_are_found():
     tok = FakeTokenizer(vocab, "{{ '<|think:start|>' }}")
     assert markers(tok) == ("<|think:start|>", "<|think:end|>")
     assert starts_open(tok, [1, 7]) and not starts_open(tok, [7, 8])
+
+
+def test_template_variables_the_template_cannot_use_are_a_one_line_error():
+    from dflash_mlx.decoding.prompt import chat_ids
+    from dflash_mlx.errors import DFlashError
+
+    class Strict(FakeTokenizer):
+        def apply_chat_template(self, messages, **kw):
+            return "x" + kw["budget"]  # a template adding a str to the variable
+
+    tok = Strict({}, "{{ budget }}")
+    with pytest.raises(DFlashError, match=r"\['budget'\].*TypeError"):
+        chat_ids(tok, [{"role": "user", "content": "hi"}], template_kwargs={"budget": 5})
+    with pytest.raises(KeyError):  # without template variables: not the input's fault
+        chat_ids(tok, [{"role": "user", "content": "hi"}])
