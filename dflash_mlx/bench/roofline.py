@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..loading.footprint import config_int
+from ..model.verify_attention import fused_rows
 from . import roofline_data as data
 
 GROUP = 64  # the drafter's quantization group (model/quantize.py)
@@ -138,8 +139,7 @@ def estimate(inp: Inputs) -> Report:
     rep = Report()
     rep.parts["target weights (verify)"] = target_weights(t) * per
     att, heads, kv, hd = _attention(t)
-    gqa = max(heads // kv, 1)
-    rep.rows_per_chunk = max(data.FUSED_ROWS // gqa, 1)
+    rep.rows_per_chunk = fused_rows(heads, kv)  # what the verify's chunks take on Metal
     rep.chunks = math.ceil(inp.block / rep.rows_per_chunk)
     kv_bytes = att * 2 * kv * hd * inp.context * 2  # 16-bit K and V
     rep.parts[f"target KV ({inp.context:,} tokens x {rep.chunks} chunks)"] = kv_bytes * rep.chunks

@@ -26,9 +26,6 @@ CHIPS: dict[str, tuple[float, str]] = {
     "M5": (153.0, ""),
 }
 
-# MLX's fused vector attention ("sdpa_vector") serves a query while
-# q_len x (heads / KV heads) stays within this (mlx scaled_dot_product_attention).
-FUSED_ROWS = 32
 
 # Bytes per weight as mlx-community stores a target: affine 4 / 8 bits with a 16-bit scale
 # and bias per 64 weights; mxfp8: 8 bits and one 8-bit scale per 32.

@@ -139,7 +139,7 @@ def _print(head: dict, rep, total: dict, bandwidth: float, note: str) -> None:
     )
     print(
         f"fused vector attention: {rep.rows_per_chunk} rows a chunk, {rep.chunks} chunk(s) "
-        f"per verify (q_len x heads / KV heads <= {32})"
+        f"per verify (q_len <= 8 and q_len x heads / KV heads <= 32)"
     )
     if rep.other is not None:
         kind, v = rep.other
