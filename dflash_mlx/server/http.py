@@ -213,6 +213,9 @@ class Handler(Connection):
         head = (req.kind, new_id(req.kind), self.server.model_name, now())
         # reasoning, content and tool-call deltas (chat)
         calls = structured.DeltaStream(req.tools, req.marks, req.started_open)
+        thought = reasoning.ReasoningTokens(
+            self.server.engine.tokenizer, req.marks, req.started_open
+        )
         texts, accepted, last, started = [], 0, None, False
         while True:
             item = self._next(job)
@@ -229,6 +232,7 @@ class Handler(Connection):
                 return
             last = val
             accepted += val.accepted
+            thought.feed(val.tokens)
             if not req.stream:
                 texts.append(val.text)
                 continue
@@ -238,7 +242,7 @@ class Handler(Connection):
             if not self._stream(req, head, calls, val):
                 job.cancel.set()
                 return
-        self._finish(req, head, "".join(texts), last, accepted)
+        self._finish(req, head, "".join(texts), last, accepted, thought.count)
 
     def _send_event(self, obj: dict) -> None:
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -261,14 +265,17 @@ class Handler(Connection):
             return False
         return True
 
-    def _finish(self, req, head: tuple, text: str, last, accepted: int) -> None:
+    def _finish(self, req, head: tuple, text: str, last, accepted: int, thought=None) -> None:
         """End the answer: the whole ``text`` as JSON, or the stream's usage chunk and [DONE].
         ``last``: the last GenerationResponse (None: the generation produced nothing);
-        ``accepted``: draft tokens accepted over the whole generation."""
+        ``accepted``: draft tokens accepted over the whole generation; ``thought``: its
+        reasoning tokens (None: not a thinking model)."""
         if last is None:
             raise APIError(500, "the generation produced nothing")
         block = req.gen.block_size or self.server.engine.model.block_size
         use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
+        if thought is not None:
+            use["completion_tokens_details"] = {"reasoning_tokens": thought}
         stats = dflash_stats(last, accepted, block)
         if not req.stream:
             out = completion(*head, text, last.finish_reason, use, stats)

@@ -209,6 +209,40 @@ class Splitter:
         self.buf = ""
 
 
+class ReasoningTokens:
+    """Counts an answer's reasoning tokens (those between the markers) as they stream, for
+    ``usage.completion_tokens_details.reasoning_tokens``.
+
+    Args:
+        tokenizer: the model's. marks: from ``markers`` (None: nothing is counted).
+        started_open: the prompt opens the reasoning (``starts_open``).
+    """
+
+    def __init__(self, tokenizer, marks: Marks | None, started_open: bool):
+        self.ids = marker_ids(tokenizer, marks) if marks is not None else None
+        self.state = "reasoning" if started_open else "start"
+        self.n = 0
+
+    def feed(self, tokens) -> None:
+        """Count the reasoning among the next answer tokens."""
+        if self.ids is None:
+            return
+        opened, closed = self.ids
+        for t in tokens:
+            if self.state == "start":  # the answer may open the reasoning itself
+                self.state = "reasoning" if t == opened else "done"
+            elif self.state == "reasoning":
+                if t == closed:
+                    self.state = "done"
+                else:
+                    self.n += 1
+
+    @property
+    def count(self) -> int | None:
+        """Reasoning tokens so far (None: not a thinking model)."""
+        return None if self.ids is None else self.n
+
+
 def _merged(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
     for kind, s in pieces:

@@ -143,3 +143,20 @@ def test_template_variables_the_template_cannot_use_are_a_one_line_error():
         chat_ids(tok, [{"role": "user", "content": "hi"}], template_kwargs={"budget": 5})
     with pytest.raises(KeyError):  # without template variables: not the input's fault
         chat_ids(tok, [{"role": "user", "content": "hi"}])
+
+
+def test_reasoning_tokens_are_those_between_the_markers():
+    from dflash_mlx.server.reasoning import ReasoningTokens
+
+    tok = FakeTokenizer({"<think>": 5, "</think>": 6}, "<think>")
+    opened = ReasoningTokens(tok, M, True)
+    for piece in ([1, 2], [3, 6, 4], [5, 7]):
+        opened.feed(piece)
+    assert opened.count == 3
+    own = ReasoningTokens(tok, M, False)
+    own.feed([5, 1, 1, 6, 2])
+    assert own.count == 2
+    none = ReasoningTokens(tok, M, False)
+    none.feed([1, 5, 2])  # no opening marker first: no reasoning
+    assert none.count == 0
+    assert ReasoningTokens(tok, None, True).count is None

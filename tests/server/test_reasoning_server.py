@@ -88,6 +88,7 @@ def test_the_budget_closes_the_reasoning_and_the_split_equals_plain_greedy(clien
     assert tokens[5] == CLOSE  # forced after 5 reasoning tokens
     reasoning, content = split(text, ("<think>", "</think>"), True)
     assert (msg.reasoning_content, msg.content) == (reasoning, content)
+    assert r.usage.completion_tokens_details.reasoning_tokens == 5
     assert content and "</think>" not in msg.content and "<think>" not in reasoning
 
 
