@@ -110,14 +110,14 @@ def main(argv=None) -> int:
         rep = measure(model, tok, with_context(tok, asks, n, False), args)
         out[str(n)] = rep
         print(row(n, rep), flush=True)
+        if args.json:  # after every length: a long sweep stopped midway keeps what it did
+            with open(args.json, "w") as f:
+                json.dump({"config": vars(args), "lengths": out}, f, indent=1)
     print("\nper-position acceptance (dflash2, conditional) | teacher-forced Recall@1")
     for n, rep in out.items():
         acc = " ".join(f"{100 * a:3.0f}" for a in rep["positions"]["acceptance_dflash2"])
         rec = " ".join(f"{100 * a:3.0f}" for a in rep["positions"]["recall@1"])
         print(f"{n:>6}: {acc} | {rec}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"config": vars(args), "lengths": out}, f, indent=1)
     return 0
 
 
