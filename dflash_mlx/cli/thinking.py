@@ -24,12 +24,19 @@ THINKING_BUDGET = typer.Option(
 
 
 def template_kwargs(think: bool | None) -> dict | None:
-    """The chat template's variables for a thinking switch (None: the template's default)."""
+    """The chat template's variables for a thinking switch.
+
+    Args:
+        think: reasoning on or off (None: the template's default, no variable).
+    """
     return None if think is None else {"enable_thinking": think}
 
 
 def check_budget(budget: int | None) -> int | None:
     """A ``--thinking-budget`` value: None or >= 0.
+
+    Args:
+        budget: the option's value.
 
     Raises:
         DFlashError: a negative budget.

@@ -74,7 +74,11 @@ def _markers(tokenizer) -> tuple[Marks | None, tuple[int, int] | None]:
 
 
 def marker_ids(tokenizer, marks: Marks) -> tuple[int, int]:
-    """The token ids of the (open, close) markers (``markers`` checked both are tokens)."""
+    """The token ids of the (open, close) markers (``markers`` checked both are tokens).
+
+    Args:
+        tokenizer: the model's tokenizer. marks: from ``markers``.
+    """
     found, ids = _lookup(tokenizer)
     if found == marks and ids is not None:
         return ids
@@ -259,6 +263,9 @@ def request_options(body: dict) -> tuple[dict | None, int | None]:
     ``reasoning_effort`` ("none" turns thinking off; the others keep the template's
     default) and ``thinking_budget`` (reasoning tokens before the closing marker is forced).
 
+    Args:
+        body: the request object (checked by ``limits.check_body``).
+
     Raises:
         APIError: 400 naming the field.
     """
@@ -284,6 +291,9 @@ def request_options(body: dict) -> tuple[dict | None, int | None]:
 
 def budget(value, field: str) -> int | None:
     """A thinking budget: None, or a whole number of tokens >= 0.
+
+    Args:
+        value: the request's value. field: its name in the error.
 
     Raises:
         APIError: 400 naming ``field``.
