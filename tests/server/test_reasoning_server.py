@@ -293,3 +293,14 @@ def test_anthropic_tool_use_after_thinking(served, stream):
         final = s.get_final_message()
     assert final.content[0].type == "thinking"
     assert final.content[-1].type == "tool_use" and final.stop_reason == "tool_use"
+
+
+def test_anthropic_count_tokens_renders_the_thinking_switch(served):
+    def count(**kw):
+        body = {"model": "m", "messages": ASK, **kw}
+        status, got = _http(served + "/v1/messages/count_tokens", body)
+        assert status == 200, got
+        return got["input_tokens"]
+
+    on = count(thinking={"type": "enabled", "budget_tokens": 8})
+    assert count() == count(thinking={"type": "disabled"}) > on  # "<think>\n\n</think>\n\n"
