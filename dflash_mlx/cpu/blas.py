@@ -116,17 +116,21 @@ def wheel_openblas() -> str | None:
 
 
 def _load_wheel_openblas(small_gemm) -> str | None:
-    """The few-row kernel in front of scipy-openblas32's OpenBLAS. MLX never sees its
-    prefixed symbols, so without the kernel (no compiler, ``DFLASH_SMALL_GEMM=0``) it
+    """The few-row kernel in front of scipy-openblas32's OpenBLAS, on one thread unless
+    ``OPENBLAS_NUM_THREADS`` says otherwise. MLX never sees its prefixed symbols, so without the kernel (no compiler, ``DFLASH_SMALL_GEMM=0``) it
     cannot serve and None is returned."""
     path = wheel_openblas()
     if path is None:
         return None
     try:
-        ctypes.CDLL(path)
+        lib = ctypes.CDLL(path)
     except OSError as e:
         _loaded["error"] = f"{path}: {e}"
         return None
+    if not os.environ.get("OPENBLAS_NUM_THREADS"):
+        # One thread unless asked: this build's threaded sgemm ran 4-10x slower than one
+        # thread on a busy 2-core machine (docs/linux-cpu.md); read by the kernel's init.
+        getattr(lib, WHEEL_PREFIX + "openblas_set_num_threads")(1)
     if small_gemm.load(path, prefix=WHEEL_PREFIX) is None:
         _loaded["error"] = f"{path}: no few-row kernel to call it ({small_gemm.status()['error']})"
         return None

@@ -59,13 +59,27 @@ def test_without_system_openblas_the_wheels_openblas_takes_the_large_products(tm
         "z = np.array(mx.array(x) @ mx.array(b))\n"
         "assert np.allclose(z, x @ b, atol=1e-3)\n"
         "assert small_gemm.status()['forwarded_calls'] == s0['forwarded_calls'] + 1\n"
-        "assert small_gemm.set_one_thread(small_gemm.ONE_THREAD_MACS) >= 1  # its threads\n"
+        "assert small_gemm.set_one_thread(small_gemm.ONE_THREAD_MACS) == 1  # one thread\n"
         "m = blas.measure(repeats=2)\n"
         "assert m['fast'] and 'scipy-openblas32' in m['name'], m\n"
         "print(blas.in_use())\n"
     )
-    out = _run(code, tmp_path, DFLASH_SYSTEM_BLAS="0", DFLASH_SCIPY_OPENBLAS="1")
+    out = _run(
+        code, tmp_path, DFLASH_SYSTEM_BLAS="0", DFLASH_SCIPY_OPENBLAS="1", OPENBLAS_NUM_THREADS=""
+    )
     assert out.startswith("OpenBLAS of the scipy-openblas32 wheel"), out
+
+
+def test_the_wheels_openblas_takes_the_threads_asked_for(tmp_path):
+    """One thread by default (its threaded sgemm collapsed on a busy machine);
+    OPENBLAS_NUM_THREADS=2 gives it two."""
+    code = (
+        "import dflash_mlx\n"
+        "from dflash_mlx.cpu import small_gemm\n"
+        "print(small_gemm.set_one_thread(small_gemm.ONE_THREAD_MACS))\n"
+    )
+    out = _run(code, tmp_path, DFLASH_SYSTEM_BLAS="0", OPENBLAS_NUM_THREADS="2")
+    assert out.strip() == "2", out
 
 
 def test_without_the_kernel_the_wheels_openblas_cannot_serve(tmp_path):
