@@ -1,0 +1,117 @@
+"""``auto`` by prompt length: plain mlx-lm decoding, ``auto`` aware of the length (costs and
+acceptance priors per context band) and ``auto`` as before (one cost table and prior for
+every length: its scheduler told a context of 0), in one process, the order alternating per
+run, greedy, each prompt cache kept so that only the first run of a length pays its prefill.
+
+    python benchmarks/auto_length.py                       # demo pair, 200 / 3,500 / 7,000
+    python benchmarks/auto_length.py --lengths 7000 -n 64 --runs 3 --json out.json
+
+Prompts are the first L tokens of Python's own ``dataclasses`` and ``inspect`` sources.
+Speeds are tokens per second after the first token. Other load on the machine shows in the
+numbers (the load average is printed): compare the ratios, not the speeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import time
+
+
+def _plain(model, ids, n, cache) -> tuple[list[int], float]:
+    """mlx-lm's greedy decoding, the cache trimmed back to the prompt's first L - 1 tokens."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    done = cache[0].offset
+    if done:
+        trim_prompt_cache(cache, done - (len(ids) - 1))
+    feed = ids[len(ids) - 1 :] if done else ids
+    out, first = [], None
+    for t, _ in generate_step(mx.array(feed), model.target, max_tokens=n, prompt_cache=cache):
+        first = first or time.perf_counter()
+        out.append(int(t))
+    return out, time.perf_counter() - first
+
+
+def _auto(model, ids, n, cache, tuning, context) -> tuple[list[int], float, dict]:
+    from dflash_mlx.decoding.acceptance import SamplingParams
+    from dflash_mlx.decoding.loop import DecodeOptions, decode
+
+    sched = tuning.scheduler(True, True, lookup=True, context=context)
+    out, first = [], None
+    for c in decode(model, ids, cache, SamplingParams(), DecodeOptions(n, policy=sched)):
+        first = first or time.perf_counter()
+        out += c.tokens
+    took = time.perf_counter() - first
+    tuning.finish(sched)
+    return out[:n], took, sched.summary()
+
+
+def measure(model, ids, n, runs, tunings) -> dict:
+    """tok/s of each method over ``runs`` timed runs (one untimed first), parity, schedules."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = {"plain": make_prompt_cache(model.target)}
+    caches.update({k: model.make_cache() for k in tunings})
+    order, done, outs = list(caches), {k: [0, 0.0] for k in caches}, {}
+    sched = {k: [] for k in tunings}
+    for r in range(runs + 1):
+        for k in order if r % 2 == 0 else order[::-1]:
+            if k == "plain":
+                out, took = _plain(model, ids, n, caches[k])
+            else:
+                context = len(ids) if k == "auto" else 0
+                out, took, summary = _auto(model, ids, n, caches[k], tunings[k], context)
+                sched[k] += [summary] if r else []
+            outs[k] = out
+            if r:
+                done[k][0] += len(out) - 1
+                done[k][1] += took
+    tps = {k: t / s for k, (t, s) in done.items()}
+    return {
+        "tok_per_s": {k: round(v, 2) for k, v in tps.items()},
+        "speedup": {k: round(tps[k] / tps["plain"], 3) for k in tunings},
+        "parity": all(o == outs["plain"] for o in outs.values()),
+        "schedules": sched,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[200, 3500, 7000])
+    ap.add_argument("-n", "--max-tokens", type=int, default=64)
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from dflash_mlx import load
+    from dflash_mlx.decoding.schedule import Tuning
+    from dflash_mlx.decoding.warmup import ensure
+
+    model, tok = load(a.model, quiet=True)
+    base = ensure(model)
+    tunings = {
+        k: Tuning(base.measured.copy(), base.measured_lookup.copy()) for k in ("auto", "as before")
+    }
+    text = inspect.getsource(dataclasses) + inspect.getsource(inspect)
+    ids = tok.encode(text[: 6 * max(a.lengths)])  # ~4 characters a token: room to spare
+    rep = {"load_average": os.getloadavg()[0], "lengths": {}}
+    print(f"load average {rep['load_average']:.2f}")
+    for n in a.lengths:
+        got = measure(model, ids[:n], a.max_tokens, a.runs, tunings)
+        rep["lengths"][n] = got
+        print(
+            f"{n:6d} tokens: " + json.dumps({k: got[k] for k in ("tok_per_s", "speedup", "parity")})
+        )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rep, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
