@@ -29,6 +29,7 @@ ENV = "DFLASH_VERIFY_CHUNKS"
 VECTOR_MAX_ROWS = 8  # MLX's sdpa_vector: q_len <= 8 ...
 VECTOR_MAX_PRODUCT = 32  # ... and q_len * gqa <= 32
 VECTOR_HEAD_DIMS = (64, 96, 128, 256)
+FULL_HEAD_DIMS = (64, 80, 128)  # past 8 rows MLX's fused full kernel takes these: one call
 # module -> (class name, whether q/k are RMS-normed per head, whether q carries a gate)
 FAMILIES = {
     "mlx_lm.models.llama": ("Attention", False, False),
@@ -114,15 +115,17 @@ class ChunkedAttention(_Forwarding):
     rows within one fused call); otherwise runs the family's steps with its own submodules.
     """
 
-    def __init__(self, inner: nn.Module, norms: bool, gated: bool, rows: int):
+    def __init__(self, inner: nn.Module, norms: bool, gated: bool, rows: int, full: bool):
         super().__init__(inner)
         object.__setattr__(self, "_how", (norms, gated))
         object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "_full", full)  # more than 8 rows: one fused full call
         object.__setattr__(self, "_sdpa", sys.modules[type(inner).__module__])
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        if x.shape[1] <= self.rows or hasattr(cache, "bits"):  # quantized: no fused kernel
-            return self.inner(x, mask=mask, cache=cache)
+        L = x.shape[1]
+        if L <= self.rows or hasattr(cache, "bits") or (self._full and L > VECTOR_MAX_ROWS):
+            return self.inner(x, mask=mask, cache=cache)  # quantized: no fused kernel
         return self.forward(x, mask, cache, self.rows)
 
     def forward(self, x: mx.array, mask, cache, rows: int) -> mx.array:
@@ -181,7 +184,8 @@ def wrap(attn: nn.Module, rows: int | None = None) -> ChunkedAttention | None:
         return None
     if rows is None and (head_dim not in VECTOR_HEAD_DIMS or fused_rows(hq, hkv) >= 8):
         return None  # no fused kernel at this head dim, or an 8-row verify already fits
-    wrapper = ChunkedAttention(attn, family[1], family[2], rows or fused_rows(hq, hkv))
+    full = rows is None and head_dim in FULL_HEAD_DIMS
+    wrapper = ChunkedAttention(attn, family[1], family[2], rows or fused_rows(hq, hkv), full)
     return wrapper if _faithful(wrapper) else None
 
 

@@ -138,6 +138,22 @@ def test_one_row_and_short_calls_run_the_module_itself():
     assert not calls
 
 
+def test_past_8_rows_a_head_dim_of_the_full_kernel_runs_the_module_itself():
+    """At head dim 64 (GQA 6) a 16-row call is one fused full-kernel call on Metal: not
+    split; an 8-row one is (into 5 + 3 rows)."""
+    cfg = target_config("qwen3", 97, hidden=384)
+    cfg.update(num_attention_heads=6, num_key_value_heads=1, head_dim=64)
+    model_cls, args_cls = _get_classes(cfg)
+    attn = model_cls(args_cls.from_dict(cfg)).layers[0].self_attn
+    wrapped = va.wrap(attn)
+    assert wrapped is not None and wrapped.rows == 5
+    calls = []
+    wrapped.forward = lambda x, mask, cache, rows: calls.append((x.shape[1], rows))
+    wrapped(mx.zeros((1, 16, 384)), mask="causal")
+    wrapped(mx.zeros((1, 8, 384)), mask="causal")
+    assert calls == [(8, 5)]
+
+
 def test_default_wrapping_skips_what_one_fused_call_already_takes():
     """GQA 2 with head dim 16 (the tiny model): no fused kernel at that head dim, nothing
     wrapped; an unknown class is never wrapped, whatever the rows."""
