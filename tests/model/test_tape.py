@@ -205,3 +205,23 @@ def test_only_the_forward_after_a_snapshot_records(pairs):
     assert all(isinstance(r._last, tape.Tape) for r in recs)
     adapter(IDS[:, PROMPT + 4 : PROMPT + 5], cache)
     assert all(r._last is None for r in recs)
+
+
+def test_sampled_decoding_draws_the_same_tokens_with_the_tape_as_with_the_replay(pairs):
+    """The rolled-back states are the replay's bits, so a sampled decode with the same seed
+    draws the same tokens and accepts the same drafts either way."""
+    from dflash_mlx import generate
+
+    model, tok = pairs("qwen3_5", "d2")
+    recs = [r for r in model.adapter.recorders if r is not None]
+    texts = []
+    try:
+        for taped in (True, False):
+            for r in recs:
+                object.__setattr__(r, "_taped", taped)
+            kw = {"max_tokens": 40, "temperature": 0.8, "seed": 3, "block_size": 8}
+            texts.append(generate(model, tok, "import os\nfor i in", **kw))
+    finally:
+        for r in recs:
+            object.__setattr__(r, "_taped", tape.known(r.inner))
+    assert texts[0] == texts[1] and len(texts[0]) > 0
