@@ -225,3 +225,20 @@ def test_sampled_decoding_draws_the_same_tokens_with_the_tape_as_with_the_replay
         for r in recs:
             object.__setattr__(r, "_taped", tape.known(r.inner))
     assert texts[0] == texts[1] and len(texts[0]) > 0
+
+
+def test_qwen3_next_target_decodes_greedily_as_mlx_lm_with_the_tape(tmp_path):
+    """A tiny qwen3_next target (fused projections): its mixers are taped, and greedy
+    decoding with partial acceptances gives mlx-lm's tokens."""
+    from references import reference, run
+    from tiny_models import build_drafter, build_target
+
+    from dflash_mlx import load
+
+    build_target(tmp_path / "t", "qwen3_next")
+    build_drafter(tmp_path / "d", tmp_path / "t", block_size=8)
+    model, tok = load(str(tmp_path / "t"), drafter=str(tmp_path / "d"))
+    assert [r._taped for r in model.adapter.recorders if r is not None] == [True, True]
+    ids = tok.encode("import os\nfor i in")
+    out = run(model, ids, 24, 8)[0]
+    assert out == reference(model, ids, len(out))
