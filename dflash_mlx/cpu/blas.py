@@ -176,7 +176,7 @@ def _front_bundled_blas(small_gemm) -> None:
         small_gemm.load(path, split=True)
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _median_ms(fn, repeats: int, best: bool = False) -> float:
     import mlx.core as mx
 
     mx.eval(fn())
@@ -185,7 +185,7 @@ def _median_ms(fn, repeats: int) -> float:
         t = time.perf_counter()
         mx.eval(fn())
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2] * 1e3
+    return (min(times) if best else sorted(times)[len(times) // 2]) * 1e3
 
 
 def measure(repeats: int = 5) -> dict:
@@ -203,8 +203,9 @@ def measure(repeats: int = 5) -> dict:
     w = mx.random.normal((1024, 4096))
     a8, a1 = mx.random.normal((8, 1024)), mx.random.normal((1, 1024))
     with mx.stream(mx.cpu):
-        ms8 = _median_ms(lambda: a8 @ w, repeats)
-        ms1 = _median_ms(lambda: a1 @ w, repeats)
+        # the fastest of each: on a busy machine a median can catch the other's stalls
+        ms8 = _median_ms(lambda: a8 @ w, repeats, best=True)
+        ms1 = _median_ms(lambda: a1 @ w, repeats, best=True)
     ratio = ms8 / max(ms1, 1e-6)
     fast = ratio < FAST_RATIO
     path = _loaded["path"]

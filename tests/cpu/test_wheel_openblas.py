@@ -78,7 +78,8 @@ def test_the_wheels_openblas_takes_the_threads_asked_for(tmp_path):
         "from dflash_mlx.cpu import small_gemm\n"
         "print(small_gemm.set_one_thread(small_gemm.ONE_THREAD_MACS))\n"
     )
-    out = _run(code, tmp_path, DFLASH_SYSTEM_BLAS="0", OPENBLAS_NUM_THREADS="2")
+    switches = {"DFLASH_SYSTEM_BLAS": "0", "DFLASH_SCIPY_OPENBLAS": "1"}
+    out = _run(code, tmp_path, OPENBLAS_NUM_THREADS="2", **switches)
     assert out.strip() == "2", out
 
 
@@ -92,7 +93,8 @@ def test_without_the_kernel_the_wheels_openblas_cannot_serve(tmp_path):
         "assert 'no few-row kernel' in blas._loaded['error'], blas._loaded\n"
         "print(blas.in_use())\n"
     )
-    out = _run(code, tmp_path, DFLASH_SYSTEM_BLAS="0", DFLASH_SMALL_GEMM="0")
+    switches = {"DFLASH_SYSTEM_BLAS": "0", "DFLASH_SCIPY_OPENBLAS": "1"}
+    out = _run(code, tmp_path, DFLASH_SMALL_GEMM="0", **switches)
     assert out.startswith("reference BLAS bundled with MLX"), out
 
 
