@@ -244,7 +244,7 @@ def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Path | N
 def _costs_path(pair) -> Path | None:
     from ..model.quantize import bits_of  # a quantized drafter costs otherwise
 
-    head, bits = getattr(pair, "draft_head", None), bits_of(pair.drafter)
+    head, bits = getattr(pair, "draft_head", None), bits_of(getattr(pair, "drafter", None))
     vocab = ("" if head is None else str(head.size)) + (f" bits={bits}" if bits else "")
     return costs_file(pair.target_path, pair.drafter_path, vocab)
 
