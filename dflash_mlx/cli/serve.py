@@ -62,6 +62,10 @@ def serve(
         print(warning, file=sys.stderr, flush=True)
     try:
         m, tok = c.load_pair(src, quiet, verbose, cfg)
+        if cfg.block_size == "auto":  # measured now, not under the first request's lock
+            from ..decoding.warmup import ensure
+
+            ensure(m)
     except BaseException:
         sock.close()
         raise
