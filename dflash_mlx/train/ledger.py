@@ -71,6 +71,22 @@ vocabulary): within the noise of 384 held-out blocks. On the CPU backend `auto` 
 drafter dense (quantized matmuls are slower there); on a GPU beside a quantized target it
 picks 4 bits.
 
+## Window (`sliding_window` 512)
+
+Shipped with a 2,048-row sliding window; set to 512 on 2026-12-02 (config only, same
+weights). It was trained on prompts of ~100-700 tokens and does not use rows further back:
+held-out long prompts' teacher-forced tau (`benchmarks/long_context_causes.py --heldout`,
+2 prompts per length, CPU, quiet machine) by the window the drafter attends over:
+
+| prompt tokens | 2,048 | 1,024 | 512 | 256 |
+| --- | --- | --- | --- | --- |
+| ~550 | 1.456 | 1.456 | 1.482 | 1.544 |
+| ~1,850 | 1.167 | 1.211 | 1.307 | 1.316 |
+| ~3,550 | 1.237 | 1.395 | 1.491 | 1.518 |
+
+Prompts under 512 tokens draft exactly as before. A retraining writes the trainer's
+default window (2,048) again: set it back to 512 unless it trained on longer contexts.
+
 ## Ledger
 
 Held-out tau is teacher-forced on the fixed held-out set (96 answers, 4 anchors each, block
