@@ -22,12 +22,12 @@ import dflash_mlx  # noqa: F401  (first: it loads the system BLAS before MLX)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from oracle import OracleDrafter  # noqa: E402
+from oracle import OracleDrafter
 
-from dflash_mlx import load  # noqa: E402
-from dflash_mlx.cpu.blas import measure as measure_blas  # noqa: E402
-from dflash_mlx.decoding.acceptance import SamplingParams  # noqa: E402
-from dflash_mlx.decoding.loop import DecodeOptions, decode  # noqa: E402
+from dflash_mlx import load
+from dflash_mlx.cpu.blas import measure as measure_blas
+from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.decoding.loop import DecodeOptions, decode
 
 
 def main(argv=None):

@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from dflash_mlx.bench.runner import STAGES, conv_seconds  # noqa: E402
+from dflash_mlx.bench.runner import STAGES, conv_seconds
 
 
 def profile(model, tok, prompt, max_tokens, block, selector):

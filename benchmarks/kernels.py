@@ -27,8 +27,8 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List
 
 import numpy as np
 
@@ -36,17 +36,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import mlx.core as mx  # noqa: E402
+import mlx.core as mx
 
-from dflash_mlx.model import conv, metal_kernel, selector  # noqa: E402  (first: the system BLAS)
-from dflash_mlx.model.conv import two_tap_conv_ops as conv_reference  # noqa: E402
-from dflash_mlx.model.selector import select_path_ops as select_reference  # noqa: E402
+from dflash_mlx.model import conv, metal_kernel, selector
+from dflash_mlx.model.conv import two_tap_conv_ops as conv_reference
+from dflash_mlx.model.selector import select_path_ops as select_reference
 
 VIEW_PRIMITIVES = {"Broadcast", "ExpandDims", "Squeeze", "Slice", "Reshape", "Transpose"}
 DTYPES = {"bf16": mx.bfloat16, "fp16": mx.float16, "fp32": mx.float32}
 
 
-def graph_dispatches(outputs: List[mx.array]) -> Dict[str, int]:
+def graph_dispatches(outputs: list[mx.array]) -> dict[str, int]:
     """Primitive nodes in the unevaluated graph of ``outputs`` and the non-view subset."""
     buf = io.StringIO()
     mx.export_to_dot(buf, *[o for o in outputs if o is not None])
@@ -54,7 +54,7 @@ def graph_dispatches(outputs: List[mx.array]) -> Dict[str, int]:
     return {"nodes": len(labels), "kernels": sum(l not in VIEW_PRIMITIVES for l in labels)}
 
 
-def time_call(fn: Callable[[], List[mx.array]], iters: int, warmup: int = 2) -> float:
+def time_call(fn: Callable[[], list[mx.array]], iters: int, warmup: int = 2) -> float:
     """Median seconds of ``fn`` including evaluation of its outputs."""
     for _ in range(warmup):
         mx.eval(*[o for o in fn() if o is not None])
@@ -67,30 +67,30 @@ def time_call(fn: Callable[[], List[mx.array]], iters: int, warmup: int = 2) -> 
     return float(np.median(samples))
 
 
-def make_inputs(args, block: int, A: mx.array, Bc: mx.array, seed: int = 0) -> Dict:
+def make_inputs(args, block: int, A: mx.array, Bc: mx.array, seed: int = 0) -> dict:
     """Random inputs of one cycle: conv [batch, block, H], selector rows block - 1."""
     mx.random.seed(seed)
     dt, H, G = DTYPES[args.dtype], args.hidden, args.hidden // args.group
     Bsz, L, K, R, V = args.batch, block - 1, args.topk, args.rank, args.vocab
-    conv = dict(
-        x=mx.random.normal((Bsz, block, H)).astype(dt),  # [B, block, H]
-        base=mx.random.normal((2, H)).astype(dt),  # [taps, H]
-        dyn=(0.1 * mx.random.normal((Bsz, block, 2, G))).astype(dt),  # [B, block, taps, G]
-    )
-    sel = dict(
-        U=4.0 * mx.random.normal((Bsz, L, K)),  # [B, L, K] float32
-        cand=mx.random.randint(0, V, (Bsz, L, K)).astype(mx.uint32),  # [B, L, K]
-        anchor=mx.random.randint(0, V, (Bsz,)).astype(mx.uint32),  # [B]
-        g=mx.random.normal((Bsz, L, R)).astype(dt),  # [B, L, R]
-        A=A,
-        B=Bc,
-    )
+    conv = {
+        "x": mx.random.normal((Bsz, block, H)).astype(dt),  # [B, block, H]
+        "base": mx.random.normal((2, H)).astype(dt),  # [taps, H]
+        "dyn": (0.1 * mx.random.normal((Bsz, block, 2, G))).astype(dt),  # [B, block, taps, G]
+    }
+    sel = {
+        "U": 4.0 * mx.random.normal((Bsz, L, K)),  # [B, L, K] float32
+        "cand": mx.random.randint(0, V, (Bsz, L, K)).astype(mx.uint32),  # [B, L, K]
+        "anchor": mx.random.randint(0, V, (Bsz,)).astype(mx.uint32),  # [B]
+        "g": mx.random.normal((Bsz, L, R)).astype(dt),  # [B, L, R]
+        "A": A,
+        "B": Bc,
+    }
     uniforms = mx.random.uniform(shape=(Bsz, L))  # [B, L]
     mx.eval(conv, sel, uniforms)
     return {"conv": conv, "sel": sel, "uniforms": uniforms}
 
 
-def compact_codebooks(sel: Dict) -> Dict:
+def compact_codebooks(sel: dict) -> dict:
     """Same selection with A, B cut to the rows it touches and ids remapped ([n, R])."""
     ids = np.concatenate([np.array(sel["anchor"]).ravel(), np.array(sel["cand"]).ravel()])
     uniq, inv = np.unique(ids, return_inverse=True)
@@ -102,7 +102,7 @@ def compact_codebooks(sel: Dict) -> Dict:
     return out
 
 
-def emulated_check(inp: Dict, block: int) -> Dict[str, object]:
+def emulated_check(inp: dict, block: int) -> dict[str, object]:
     """Run the kernel bodies through g++ at these shapes and compare with the reference."""
     from metal_emu.emulator import EmulatedKernel, compiler
 
@@ -129,7 +129,7 @@ def emulated_check(inp: Dict, block: int) -> Dict[str, object]:
     }
 
 
-def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> List[Dict]:
+def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> list[dict]:
     """Rows of the result table for one block size."""
     inp = make_inputs(args, block, A, Bc, seed=block)
     c, s, u = inp["conv"], inp["sel"], inp["uniforms"]
@@ -146,15 +146,15 @@ def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> List[Dict]:
     ):
         graph = graph_dispatches(fn()[:1])  # one call's graph
         rows.append(
-            dict(
-                block=block,
-                op=name,
-                path="reference",
-                calls=calls,
-                nodes=graph["nodes"] * calls,
-                dispatches=graph["kernels"] * calls,
-                ms=1e3 * time_call(fn, args.iters),
-            )
+            {
+                "block": block,
+                "op": name,
+                "path": "reference",
+                "calls": calls,
+                "nodes": graph["nodes"] * calls,
+                "dispatches": graph["kernels"] * calls,
+                "ms": 1e3 * time_call(fn, args.iters),
+            }
         )
     if metal:
         ck, sk = metal_kernel.cached(conv.KERNEL), metal_kernel.cached(selector.KERNEL)
@@ -169,43 +169,43 @@ def bench_block(args, block: int, A: mx.array, Bc: mx.array) -> List[Dict]:
         for name, fn in fused.items():
             calls = sides if name == "conv" else 1
             rows.append(
-                dict(
-                    block=block,
-                    op=name,
-                    path="kernel",
-                    calls=calls,
-                    nodes=calls,
-                    dispatches=calls,
-                    ms=1e3 * time_call(fn, args.iters),
-                )
+                {
+                    "block": block,
+                    "op": name,
+                    "path": "kernel",
+                    "calls": calls,
+                    "nodes": calls,
+                    "dispatches": calls,
+                    "ms": 1e3 * time_call(fn, args.iters),
+                }
             )
     else:
         for name in ("conv", "selector T=0", "selector T=1"):
             calls = sides if name == "conv" else 1
             rows.append(
-                dict(
-                    block=block,
-                    op=name,
-                    path="kernel",
-                    calls=calls,
-                    nodes=calls,
-                    dispatches=calls,
-                    ms=None,
-                )
+                {
+                    "block": block,
+                    "op": name,
+                    "path": "kernel",
+                    "calls": calls,
+                    "nodes": calls,
+                    "dispatches": calls,
+                    "ms": None,
+                }
             )
     if not args.no_emulate and not metal:
         rows.append(
-            dict(
-                block=block,
-                op="emulated check",
-                path="kernel (g++)",
-                check=emulated_check(inp, block),
-            )
+            {
+                "block": block,
+                "op": "emulated check",
+                "path": "kernel (g++)",
+                "check": emulated_check(inp, block),
+            }
         )
     return rows
 
 
-def print_table(rows: List[Dict], device: str) -> None:
+def print_table(rows: list[dict], device: str) -> None:
     """Plain-text table of the timing rows, then the emulation checks."""
     print(
         f"device: {device}  (times are medians per cycle; kernel dispatches exact, "
