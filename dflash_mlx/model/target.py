@@ -23,6 +23,7 @@ from .. import ops
 from ..decoding import tree
 from ..errors import UnsupportedModelError
 from . import tape
+from .wrapper import Wrapper as _Wrapper
 
 # Architectures whose attention takes positions from ``cache.offset`` and its mask from
 # ``make_mask`` of the first layer's cache: they can verify a tree (``tree.py``).
@@ -44,25 +45,6 @@ SUPPORTED = {
     "phi3",
     "gemma3_text",
 }
-
-
-class _Wrapper(nn.Module):
-    """An instance wrapper that forwards unknown attributes (e.g. ``is_linear``) inward.
-
-    Non-parameter state is kept out of the module tree with ``object.__setattr__``.
-    """
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "inner" or "inner" not in self:
-                raise
-            return getattr(self["inner"], name)
 
 
 class _Tap(_Wrapper):

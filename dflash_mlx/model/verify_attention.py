@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx import nn
 
 from .. import env
+from .wrapper import Wrapper
 
 ENV = "DFLASH_VERIFY_CHUNKS"
 VECTOR_MAX_ROWS = 8  # MLX's sdpa_vector: q_len <= 8 ...
@@ -91,24 +92,7 @@ def _cut(kv, n: int):
     return kv[..., :n, :]
 
 
-class _Forwarding(nn.Module):
-    """An instance wrapper whose unknown attributes are the inner module's (as
-    ``target._Wrapper``, which this module cannot import: ``ops`` imports it)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def __getattr__(self, name):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if name == "inner" or "inner" not in self:
-                raise
-            return getattr(self["inner"], name)
-
-
-class ChunkedAttention(_Forwarding):
+class ChunkedAttention(Wrapper):
     """One attention instance of a known family whose sdpa runs in row chunks.
 
     Calls the inner module as is when no chunking applies (one row, a quantized cache,

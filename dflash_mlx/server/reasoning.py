@@ -12,7 +12,7 @@ from __future__ import annotations
 import weakref
 
 from .schema import bad
-from .tools import template_text
+from .tools import partial_suffix, template_text
 
 # (open, close) marker pairs a template may use (Qwen3 / DeepSeek's first, the others as
 # mlx-lm knows them); each is one token of the vocabulary
@@ -120,14 +120,6 @@ def split(text: str, marks: Marks | None, started_open: bool) -> tuple[str | Non
     return (s.reasoning_text if s.saw_reasoning else None), content
 
 
-def _partial(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
-
-
 class Splitter:
     """Streamed answer text as ("reasoning", str) and ("content", str) pieces, each given as
     soon as it is certain: a partial marker at the end, the newlines that may end the
@@ -197,7 +189,7 @@ class Splitter:
             self._emit(out, "reasoning", self.buf[:i].rstrip("\n"))
             self.buf, self.state, self.lead = self.buf[i + len(closing) :], "content", True
             return
-        keep = _partial(self.buf, closing)
+        keep = partial_suffix(self.buf, closing)
         body = self.buf[: len(self.buf) - keep]
         sure = body.rstrip("\n")  # newlines right before the marker are not reasoning
         self._emit(out, "reasoning", sure)

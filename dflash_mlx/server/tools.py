@@ -109,7 +109,7 @@ def parse_calls(text: str, fmt: str = HERMES) -> tuple[str | None, list[ToolCall
     return (content if content.strip() or not calls else None), calls
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of tag."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -145,7 +145,7 @@ class CallStream:
             if not self.inside:
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    keep = _partial_suffix(self.buf, OPEN)
+                    keep = partial_suffix(self.buf, OPEN)
                     out += self._text(self.buf[: len(self.buf) - keep])
                     self.buf = self.buf[len(self.buf) - keep :]
                     return out
