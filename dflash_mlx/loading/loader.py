@@ -355,7 +355,7 @@ def load(
     """
     bits = parse_draft_quant(draft_quant)  # before any I/O
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
-    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline)
+    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits)
     notes = _notices(quiet, log)
     from ..decoding import warmup as warm  # MLX and mlx-lm: after the plan, which is quick
 

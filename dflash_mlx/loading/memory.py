@@ -7,16 +7,14 @@ read). Only the standard library at import; MLX is imported inside the functions
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import platform
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DFlashError
 from .footprint import config_int, drafter_size, kv_cache_bytes, target_size, transient_bytes
+from .wired import _WIRED, decoding  # noqa: F401  (importable from here as before)
 
 GB = 1e9
 
@@ -150,7 +148,7 @@ def choose_context(cfg: dict, max_context: int | None) -> tuple[int, str]:
     return model, "the model's context"
 
 
-def make_plan(target: Path, drafter: Path, max_context=None, kv=None) -> Plan:
+def make_plan(target: Path, drafter: Path, max_context=None, kv=None, draft_bits=0) -> Plan:
     """The memory plan of a pair on disk, from its headers and configs (no weight read).
 
     Args:
@@ -160,6 +158,8 @@ def make_plan(target: Path, drafter: Path, max_context=None, kv=None) -> Plan:
         kv: a quantized KV cache, (kv_bits, kv_group_size, quantized_kv_start) as
             ``DecodeOptions.kv``; None: the compute dtype. Below the start the cache is
             not quantized; where it is converted, both copies are held for a moment.
+        draft_bits: the drafter's layers quantized at load (``draft_quant``: 0, 4, 8;
+            None: auto, 4 on a GPU beside a quantized target).
     """
     from .footprint import Remote
 
@@ -167,7 +167,9 @@ def make_plan(target: Path, drafter: Path, max_context=None, kv=None) -> Plan:
     target, drafter = (p if isinstance(p, Remote) else Path(p) for p in (target, drafter))
     size, cfg, dt, extra = target_size(target, cpu)
     context, note = choose_context(cfg, max_context)
-    dsize, dkv = drafter_size(drafter, context, dt, cpu)
+    if draft_bits is None:  # auto (model/quantize.py's default_bits)
+        draft_bits = 4 if not cpu and "quantization" in cfg else 0
+    dsize, dkv = drafter_size(drafter, context, dt, cpu, draft_bits)
     bits, group, start = kv or (None, 64, 0)
     cache = kv_cache_bytes(cfg, context, dt, bits, group)
     if bits and start:
@@ -275,17 +277,20 @@ class Fit:
         res: ``loader.resolve``'s answer. quant: ``--quant``. max_memory: GB (None: the
             device's budget). max_context: tokens (None: see ``choose_context``).
         kv: (kv_bits, kv_group_size, quantized_kv_start) the estimate counts, or None.
-        offline: never ask the Hub (the plan waits until the files are here).
+        offline: never ask the Hub (the plan waits until the files are here). bits: as
+            ``make_plan``'s ``draft_bits``.
 
     Raises:
         DFlashError: a bad limit, or a pair that does not fit.
     """
 
-    def __init__(self, res, quant, max_memory=None, max_context=None, kv=None, offline=True):
+    def __init__(
+        self, res, quant, max_memory=None, max_context=None, kv=None, offline=True, bits=0
+    ):
         check_limits(max_memory, max_context)
         entry = res.entry
         self.quants = (list(entry.targets), quant) if entry and not entry.local else ((), None)
-        self.limits = (max_memory, max_context, kv)
+        self.limits = (max_memory, max_context, kv, bits)
         self.plan, self.warning = None, None
         self.check(res.target, res.drafters[0], offline=offline)
 
@@ -300,9 +305,9 @@ class Fit:
             tpath, dpath = _source(target, offline), _source(drafter, offline)
             if tpath is None or dpath is None:
                 return
-            max_memory, max_context, kv = self.limits
+            max_memory, max_context, kv, bits = self.limits
             try:
-                self.plan = make_plan(tpath, dpath, max_context, kv)
+                self.plan = make_plan(tpath, dpath, max_context, kv, bits)
             except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
                 return  # a damaged file: loading it names the problem
             budget, where = device_budget(max_memory)
@@ -354,47 +359,3 @@ def check_limits(max_memory, max_context, flags: bool = False) -> None:
         raise DFlashError(
             f"{ctx} must be a positive number of tokens (got {max_context!r}); e.g. {ctx}{sep}8192"
         )
-
-
-_WIRED = {"depth": 0, "context": None}  # one wired limit while any decode runs
-_WIRED_LOCK = threading.Lock()
-
-
-def _wire(model, on: bool) -> None:
-    """Enter mlx-lm's ``wired_limit`` for the first decode running, leave it after the last
-    (requests on threads overlap; nesting would restore the limits out of order)."""
-    with _WIRED_LOCK:
-        _WIRED["depth"] += 1 if on else -1
-        if on and _WIRED["depth"] == 1:
-            from mlx_lm.generate import wired_limit
-
-            context = wired_limit(model)
-            with contextlib.redirect_stdout(io.StringIO()):  # its warning: ours is on stderr
-                context.__enter__()
-            _WIRED["context"] = context
-        elif not on and _WIRED["depth"] == 0 and _WIRED["context"] is not None:
-            context, _WIRED["context"] = _WIRED["context"], None
-            context.__exit__(None, None, None)
-
-
-def decoding(model, steps):
-    """A decode generator run under MLX's wired limit (mlx-lm's ``wired_limit``: the
-    recommended working set kept resident on Metal; nothing elsewhere), with MLX's buffer
-    cache released once the prefill is done. The items are the generator's, unchanged.
-
-    Args:
-        model: the loaded pair (``DFlashModel``). steps: ``loop.decode``'s generator.
-    """
-    import mlx.core as mx
-
-    _wire(model.target, True)
-    try:
-        first = next(steps, None)
-        if first is None:
-            return
-        mx.clear_cache()  # the prefill's temporaries: given back before the cycles
-        yield first
-        yield from steps
-    finally:
-        steps.close()
-        _wire(model.target, False)

@@ -270,3 +270,14 @@ def test_a_hub_that_cannot_be_reached_skips_the_plan(tiny_dir, tmp_path, monkeyp
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", down)
     assert memory._source("acme/big", offline=False) is None
     assert memory._source(str(tiny_dir / "qwen3"), offline=False) == tiny_dir / "qwen3"
+
+
+def test_the_plan_counts_a_drafter_quantized_at_load(tiny_dir):
+    dense = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256)
+    four = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, draft_bits=4)
+    eight = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, draft_bits=8)
+    assert four.drafter < eight.drafter < dense.drafter
+    assert four.target == dense.target and four.kv == dense.kv
+    # auto on the CPU backend keeps the drafter dense (model/quantize.py's default_bits)
+    auto = memory.make_plan(tiny_dir / "qwen3", tiny_dir / "d2_qwen3", 256, draft_bits=None)
+    assert auto.drafter == dense.drafter
