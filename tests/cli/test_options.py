@@ -75,18 +75,33 @@ def test_a_bad_value_is_one_error_line_naming_the_flag(command, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: --temp must be >= 0"), r.stderr
 
 
-def test_serve_no_tree_is_the_default_of_requests(monkeypatch):
+def _fake_serve(monkeypatch, args: list[str]) -> tuple[list, list]:
+    """Run ``dflash serve`` with a stand-in pair: (run_server's keywords, warm-ups done)."""
     from dflash_mlx import server
     from dflash_mlx.cli import common
+    from dflash_mlx.decoding import warmup
 
-    calls = []
+    calls, warmed = [], []
     model = SimpleNamespace(name="m", block_size=8)
     monkeypatch.setattr(common, "load_pair", lambda src, q, v, cfg: (model, None))
-    monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append((k, list(warmed))))
     monkeypatch.setattr(server, "listen", lambda host, port: None)
-    r = runner.invoke(app, ["serve", "--model", "x", "--no-tree", "--no-lookup"])
+    monkeypatch.setattr(warmup, "ensure", lambda m, log=None: warmed.append(m))
+    r = runner.invoke(app, ["serve", "--model", "x", *args])
     assert r.exit_code == 0, r.stderr
-    assert calls[0]["defaults"] == GenerationConfig(max_tokens=512, tree=False, lookup=False)
+    return calls, warmed
+
+
+def test_serve_no_tree_is_the_default_of_requests(monkeypatch):
+    calls, _ = _fake_serve(monkeypatch, ["--no-tree", "--no-lookup"])
+    assert calls[0][0]["defaults"] == GenerationConfig(max_tokens=512, tree=False, lookup=False)
+
+
+def test_serve_with_auto_sets_step_costs_before_serving_and_a_fixed_block_does_not(monkeypatch):
+    calls, warmed = _fake_serve(monkeypatch, [])
+    assert len(warmed) == 1 and calls[0][1] == warmed  # before run_server
+    calls, warmed = _fake_serve(monkeypatch, ["--block-size", "4"])
+    assert warmed == [] and len(calls) == 1
 
 
 def test_flags_for_messages_come_from_the_table():
