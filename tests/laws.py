@@ -33,6 +33,25 @@ def exact_law(model, prompt, n, temp, top_p, top_k, presence):
     return law
 
 
+def processed_law(model, prompt, n, params, make_processor, vocab: int = 8):
+    """Joint law of the first n tokens when a fresh processor from ``make_processor()``
+    (first shown the prompt) masks each prefix's logits, by enumeration."""
+    law = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, pr in law.items():
+            seq = mx.array(list(prompt) + list(prefix))
+            logits = model.target(seq[None])[:, -1].astype(mx.float32)
+            proc = make_processor()
+            proc(mx.array(list(prompt)), logits)
+            p = np.array(target_probs(proc(seq, logits), params)[0])
+            for t in range(vocab):
+                if p[t] > 0:
+                    nxt[prefix + (t,)] = pr * p[t]
+        law = nxt
+    return law
+
+
 def draw(model, prompt, params, n, trials, selector, seed, scheduler=None):
     """``trials`` speculative samples of n tokens (block 4): (samples, drafts accepted)."""
     samples, accepted = [], 0

@@ -8,10 +8,11 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 import pytest
+from laws import processed_law
 from mlx_lm.generate import generate_step
 from oracle import OracleDrafter
 
-from dflash_mlx.decoding.acceptance import SamplingParams, target_probs
+from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.grammar import (
     GrammarError,
     GrammarProcessor,
@@ -188,20 +189,7 @@ def small_vocab_pair(tmp_path_factory):
 
 def constrained_law(model, prompt, n, params):
     """Joint law of the first n tokens under the grammar, by enumeration."""
-    law = {(): 1.0}
-    for _ in range(n):
-        nxt = {}
-        for prefix, pr in law.items():
-            seq = mx.array(prompt + list(prefix))
-            logits = model.target(seq[None])[:, -1].astype(mx.float32)
-            proc = eight_processor()
-            proc(mx.array(prompt), logits)
-            p = np.array(target_probs(proc(seq, logits), params)[0])
-            for t in range(8):
-                if p[t] > 0:
-                    nxt[prefix + (t,)] = pr * p[t]
-        law = nxt
-    return law
+    return processed_law(model, prompt, n, params, eight_processor)
 
 
 def test_sampling_under_a_grammar_follows_the_masked_target_law(small_vocab_pair):

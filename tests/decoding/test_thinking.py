@@ -5,9 +5,10 @@ by enumeration on the 8-token pair, greedy parity with mlx-lm on a tiny thinking
 import mlx.core as mx
 import numpy as np
 import pytest
+from laws import processed_law
 from test_grammar import eight_processor
 
-from dflash_mlx.decoding.acceptance import SamplingParams, target_probs
+from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.loop import DecodeOptions, decode
 from dflash_mlx.decoding.thinking import ThinkingGate
 
@@ -60,20 +61,7 @@ def small_vocab_pair(tmp_path_factory):
 
 def gated_law(model, n, params, **kw):
     """Joint law of the first n tokens under a fresh gate per prefix, by enumeration."""
-    law = {(): 1.0}
-    for _ in range(n):
-        nxt = {}
-        for prefix, pr in law.items():
-            seq = mx.array(PROMPT + list(prefix))
-            logits = model.target(seq[None])[:, -1].astype(mx.float32)
-            gate = _gate(**kw)
-            gate(mx.array(PROMPT), logits)
-            p = np.array(target_probs(gate(seq, logits), params)[0])
-            for t in range(8):
-                if p[t] > 0:
-                    nxt[prefix + (t,)] = pr * p[t]
-        law = nxt
-    return law
+    return processed_law(model, PROMPT, n, params, lambda: _gate(**kw))
 
 
 def test_sampling_through_the_gate_follows_the_gated_target_law(small_vocab_pair):
