@@ -30,6 +30,17 @@ from dflash_mlx import cpu
 cpu.install()
 
 
+@pytest.fixture(autouse=True)
+def stored_costs_trusted(request, monkeypatch):
+    """The tests share one cost store, and one pair timed by two tests on a busy machine can
+    differ by more than the spot check's tolerance: its note would be noise in their output.
+    The tests of that check (marked ``spot_check``) keep the real tolerance."""
+    if request.node.get_closest_marker("spot_check") is None:
+        from dflash_mlx.decoding import warmup
+
+        monkeypatch.setattr(warmup, "CHECK_TOLERANCE", float("inf"))
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     """Directory with targets qwen3/, qwen3_5/ and drafters d2_<kind>/, d1_<kind>/."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -53,6 +54,8 @@ class DFlashModel:
     # Held by each step of a decode (``step``): threads sharing the pair take turns, since
     # the adapter's captured layers and the tuning are the pair's, not a request's.
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
+    # Where the pair's one-time notes go (``load``'s log, a no-op under quiet; None: stderr).
+    notes: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def block_size(self) -> int:

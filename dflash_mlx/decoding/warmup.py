@@ -101,11 +101,13 @@ def ensure(model: DFlashModel, log=None) -> Tuning:
 
     Args:
         model: the loaded pair. log: callable(str) for the one note on a stale table
-            (default: stderr).
+            (default: ``model.notes``, else stderr).
     """
     if model.tuning is not None:
         return model.tuning
     from ..loading import diskcache  # the store; loading imports decoding, never the reverse
+
+    log = log or model.notes
 
     stored = diskcache.read_costs(model)
     if stored is not None:

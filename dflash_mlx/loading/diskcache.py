@@ -305,7 +305,8 @@ def read_costs(pair) -> dict[str, dict[int, float]] | None:
     if tables is None:
         discard(path.parent)
         note(
-            f"the stored warm-up costs {path} cannot be used ({why or 'not costs'}); measuring them again"
+            f"the stored warm-up costs {path} cannot be used ({why or 'not costs'}); measuring them again",
+            getattr(pair, "notes", None),
         )
     return tables
 

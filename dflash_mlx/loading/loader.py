@@ -366,8 +366,9 @@ def load(
     pair = _assemble(target, tpath, dname, dpath, res.display_name, bits)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
+    pair.notes = notes or (lambda _: None)  # later notes (stale warm-up costs) obey quiet too
     if warmup:
-        warm.ensure(pair, notes)
+        warm.ensure(pair)
     return pair, tokenizer
 
 

@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 from dflash_mlx.decoding import warmup
 from dflash_mlx.loading import diskcache
 
+pytestmark = pytest.mark.spot_check
+
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
@@ -71,12 +73,13 @@ def test_auto_measures_at_its_first_request_and_stores_the_table(tiny_dir, cache
     assert stored["seconds"]["1"] == model.tuning.measured.seconds[1]
 
 
-def _stored_pair(tiny_dir, monkeypatch, plain: float, ratio: float):
-    """A freshly loaded pair whose stored table has a plain step of ``plain`` seconds and
-    block B at ``ratio`` plain steps, and a spot check that finds 10 ms and 1.5."""
+def _stored_pair(tiny_dir, monkeypatch, plain: float, ratio: float, **load_kw):
+    """A freshly loaded pair (``load(**load_kw)``) whose stored table has a plain step of
+    ``plain`` seconds and block B at ``ratio`` plain steps, and a spot check that finds 10 ms
+    and 1.5."""
     from dflash_mlx import load
 
-    model, _ = load(str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"))
+    model, _ = load(str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"), **load_kw)
     B = model.block_size
     seconds = {1: plain, **{b: plain * ratio for b in range(2, B + 1)}}
     diskcache.write_costs(model, {"seconds": seconds, "lookup_seconds": dict(seconds)})
@@ -136,3 +139,15 @@ def test_the_costs_key_names_the_chip_not_the_host_name(tmp_path, cache, monkeyp
     monkeypatch.setattr(mx, "device_info", lambda: {"device_name": "Apple M3 Max"})
     assert "Apple M3 Max" in diskcache.chip()
     assert diskcache.costs_file(str(t), str(d)) != before
+
+
+def test_the_stale_table_note_goes_to_loads_log_and_nowhere_when_quiet(
+    tiny_dir, cache, monkeypatch, capsys
+):
+    logged = []
+    model, calls = _stored_pair(tiny_dir, monkeypatch, 0.011, 4.0, log=logged.append)
+    warmup.ensure(model)  # as auto's first request calls it: without a log of its own
+    assert calls == [1] and len(logged) == 1 and "measuring them again" in logged[0]
+    model, calls = _stored_pair(tiny_dir, monkeypatch, 0.011, 4.0, quiet=True)
+    warmup.ensure(model)
+    assert calls == [1] and capsys.readouterr().err == ""
