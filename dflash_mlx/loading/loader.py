@@ -293,8 +293,8 @@ def load_target(model: str, offline: bool | None = None, quiet: bool = False):
     return _load_target(path, name, None, _notices(quiet, None))
 
 
-def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str, bits=None) -> DFlashModel:
-    """The pair of a loaded target and its drafter (in the target's dtype), checked to fit."""
+def _assemble(target, tpath, dname: str, dpath, name: str, bits=None, notes=None) -> DFlashModel:
+    """The pair (the drafter in the target's dtype), checked to fit; its notes to ``notes``."""
     import mlx.core as mx
 
     from ..decoding.state import DFlashModel
@@ -306,7 +306,8 @@ def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str, bits=None
     adapter = TargetAdapter(target, [])
     check_compatible(adapter, draft, f"drafter {dname}")
     adapter.tap(draft.args.target_layer_ids)
-    return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name)
+    quiet = notes or (lambda _: None)
+    return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name, notes=quiet)
 
 
 def load(
@@ -363,10 +364,9 @@ def load(
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
-    pair = _assemble(target, tpath, dname, dpath, res.display_name, bits)
+    pair = _assemble(target, tpath, dname, dpath, res.display_name, bits, notes)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
-    pair.notes = notes or (lambda _: None)  # later notes (stale warm-up costs) obey quiet too
     if warmup:
         warm.ensure(pair)
     return pair, tokenizer
