@@ -151,3 +151,13 @@ def test_the_stale_table_note_goes_to_loads_log_and_nowhere_when_quiet(
     model, calls = _stored_pair(tiny_dir, monkeypatch, 0.011, 4.0, quiet=True)
     warmup.ensure(model)
     assert calls == [1] and capsys.readouterr().err == ""
+
+
+def test_costs_check_off_keeps_a_stored_table_the_spot_check_would_refuse(
+    tiny_dir, cache, monkeypatch
+):
+    monkeypatch.setenv("DFLASH_COSTS_CHECK", "0")
+    model, calls = _stored_pair(tiny_dir, monkeypatch, plain=0.011, ratio=4.0)  # would refuse
+    monkeypatch.setattr(warmup, "spot_check", lambda m: pytest.fail("spot-checked"))
+    warmup.ensure(model)
+    assert not calls and model.tuning.measured.seconds[1] == 0.011
