@@ -1,12 +1,13 @@
 """``auto`` by prompt length: plain mlx-lm decoding, ``auto`` aware of the length (costs and
 acceptance priors per context band) and ``auto`` as before (one cost table and prior for
 every length: its scheduler told a context of 0), in one process, the order alternating per
-run, greedy, each prompt cache kept so that only the first run of a length pays its prefill.
+run, greedy, each prompt cache kept so that only the first run of a prompt pays its prefill.
 
     python benchmarks/auto_length.py                       # demo pair, 200 / 3,500 / 7,000
-    python benchmarks/auto_length.py --lengths 7000 -n 64 --runs 3 --json out.json
+    python benchmarks/auto_length.py --lengths 3500 --prompts 3 -n 64 --runs 2 --json out.json
 
-Prompts are the first L tokens of Python's own ``dataclasses`` and ``inspect`` sources.
+Prompt k of length L is L tokens of Python's own ``dataclasses``, ``inspect``, ``argparse``
+and ``typing`` sources, from token k * L on.
 Speeds are tokens per second after the first token. Other load on the machine shows in the
 numbers (the load average is printed): compare the ratios, not the speeds.
 """
@@ -19,6 +20,7 @@ import inspect
 import json
 import os
 import time
+import typing
 
 
 def _plain(model, ids, n, cache) -> tuple[list[int], float]:
@@ -49,7 +51,7 @@ def _auto(model, ids, n, cache, tuning, context) -> tuple[list[int], float, dict
         out += c.tokens
     took = time.perf_counter() - first
     tuning.finish(sched)
-    return out[:n], took, sched.summary()
+    return out[:n], took, {**sched.summary(), "notes": sched.notes}
 
 
 def measure(model, ids, n, runs, tunings) -> dict:
@@ -87,6 +89,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[200, 3500, 7000])
     ap.add_argument("-n", "--max-tokens", type=int, default=64)
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=1, help="prompts per length")
+    ap.add_argument("--first", type=int, default=0, help="index of the first prompt")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from dflash_mlx import load
@@ -98,16 +102,16 @@ def main(argv=None) -> None:
     tunings = {
         k: Tuning(base.measured.copy(), base.measured_lookup.copy()) for k in ("auto", "as before")
     }
-    text = inspect.getsource(dataclasses) + inspect.getsource(inspect)
-    ids = tok.encode(text[: 6 * max(a.lengths)])  # ~4 characters a token: room to spare
+    text = "".join(inspect.getsource(m) for m in (dataclasses, inspect, argparse, typing))
+    ids = tok.encode(text[: 5 * max(a.lengths) * (a.first + a.prompts)])  # ~4 chars a token
     rep = {"load_average": os.getloadavg()[0], "lengths": {}}
     print(f"load average {rep['load_average']:.2f}")
     for n in a.lengths:
-        got = measure(model, ids[:n], a.max_tokens, a.runs, tunings)
-        rep["lengths"][n] = got
-        print(
-            f"{n:6d} tokens: " + json.dumps({k: got[k] for k in ("tok_per_s", "speedup", "parity")})
-        )
+        for k in range(a.first, a.first + a.prompts):
+            got = measure(model, ids[k * n : (k + 1) * n], a.max_tokens, a.runs, tunings)
+            rep["lengths"][f"{n}/{k}"] = got
+            keys = ("tok_per_s", "speedup", "parity")
+            print(f"{n:6d} tokens, prompt {k}: " + json.dumps({x: got[x] for x in keys}))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rep, f, indent=1)
