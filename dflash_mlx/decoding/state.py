@@ -54,7 +54,7 @@ class DFlashModel:
     # Held by each step of a decode (``step``): threads sharing the pair take turns, since
     # the adapter's captured layers and the tuning are the pair's, not a request's.
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
-    # Where the pair's one-time notes go (``load``'s log, a no-op under quiet; None: stderr).
+    # Where the pair's later notes go (``load``'s notices, a no-op under quiet; None: stderr).
     notes: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
 
     @property

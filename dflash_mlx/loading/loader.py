@@ -240,9 +240,9 @@ def check_compatible(adapter, drafter, drafter_name: str = "drafter") -> None:
 
 
 def _notices(quiet: bool, log: Callable[[str], None] | None):
-    """Where one-time notices go: log, else stderr; nowhere when quiet."""
+    """Where one-time notices go: log, else stderr; nowhere (a no-op) when quiet."""
     if quiet:
-        return None
+        return lambda _: None
     return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
@@ -293,7 +293,7 @@ def load_target(model: str, offline: bool | None = None, quiet: bool = False):
     return _load_target(path, name, None, _notices(quiet, None))
 
 
-def _assemble(target, tpath, dname: str, dpath, name: str, bits=None, notes=None) -> DFlashModel:
+def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str, bits, notes) -> DFlashModel:
     """The pair (the drafter in the target's dtype), checked to fit; its notes to ``notes``."""
     import mlx.core as mx
 
@@ -306,8 +306,7 @@ def _assemble(target, tpath, dname: str, dpath, name: str, bits=None, notes=None
     adapter = TargetAdapter(target, [])
     check_compatible(adapter, draft, f"drafter {dname}")
     adapter.tap(draft.args.target_layer_ids)
-    quiet = notes or (lambda _: None)
-    return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name, notes=quiet)
+    return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name, notes=notes)
 
 
 def load(
