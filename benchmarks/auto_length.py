@@ -1,7 +1,9 @@
-"""``auto`` by prompt length: plain mlx-lm decoding, ``auto`` aware of the length (costs and
-acceptance priors per context band) and ``auto`` as before (one cost table and prior for
-every length: its scheduler told a context of 0), in one process, the order alternating per
-run, greedy, each prompt cache kept so that only the first run of a prompt pays its prefill.
+"""``auto`` by prompt length: plain mlx-lm decoding, ``auto`` (costs and acceptance priors
+per context band, a band's first costs predicted by the warm-up's long-context timings) and
+``auto`` whose bands start as copies of the band below (before the long-context warm-up; ``--arms``
+adds ``one table``: one cost table and prior for every length, its scheduler told a context
+of 0), in one process, the order alternating per run, greedy, each prompt cache kept so
+that only the first run of a prompt pays its prefill.
 
     python benchmarks/auto_length.py                       # demo pair, 200 / 3,500 / 7,000
     python benchmarks/auto_length.py --lengths 3500 --prompts 3 -n 64 --runs 2 --json out.json
@@ -67,7 +69,7 @@ def measure(model, ids, n, runs, tunings) -> dict:
             if k == "plain":
                 out, took = _plain(model, ids, n, caches[k])
             else:
-                context = len(ids) if k == "auto" else 0
+                context = 0 if k == "one table" else len(ids)
                 out, took, summary = _auto(model, ids, n, caches[k], tunings[k], context)
                 sched[k] += [summary] if r else []
             outs[k] = out
@@ -91,6 +93,7 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=1, help="prompts per length")
     ap.add_argument("--first", type=int, default=0, help="index of the first prompt")
+    ap.add_argument("--arms", nargs="+", default=["auto", "bands copied"])
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     from dflash_mlx import load
@@ -100,7 +103,10 @@ def main(argv=None) -> None:
     model, tok = load(a.model, quiet=True)
     base = ensure(model)
     tunings = {
-        k: Tuning(base.measured.copy(), base.measured_lookup.copy()) for k in ("auto", "as before")
+        k: Tuning(
+            base.measured.copy(), base.measured_lookup.copy(), base.long if k == "auto" else None
+        )
+        for k in a.arms
     }
     text = "".join(inspect.getsource(m) for m in (dataclasses, inspect, argparse, typing))
     ids = tok.encode(text[: 5 * max(a.lengths) * (a.first + a.prompts)])  # ~4 chars a token

@@ -104,7 +104,7 @@ def main(argv=None) -> None:
 
     model, tok = load(a.model, quiet=True)
     base = ensure(model)
-    tuning = Tuning(base.measured.copy(), base.measured_lookup.copy())
+    tuning = Tuning(base.measured.copy(), base.measured_lookup.copy(), base.long)
     ids = tok.encode(
         (inspect.getsource(dataclasses) + inspect.getsource(inspect))[: 6 * max(a.lengths)]
     )

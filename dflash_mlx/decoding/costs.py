@@ -1,17 +1,25 @@
 """What a cycle costs to ``block_size="auto"`` (docs/algorithm.md §7): seconds per block
 width, and one such table per context band, since a plain step and a verify grow
-differently as the context grows (the warm-up times them at 48 tokens)."""
+differently as the context grows (the warm-up times them at 48 and at 2,048 tokens)."""
 
 from __future__ import annotations
 
 EMA = 0.25  # weight of a new cost observation
 BAND_START = 1024  # contexts below it share the warm-up's band; then one band per doubling
+SHORT_CONTEXT = 48  # tokens of context behind the warm-up's first tables
+LONG_CONTEXT = 2048  # ... and behind its long-context tables (how costs grow with context)
 
 
 def band(context: int) -> int:
     """The cost band of a context of ``context`` tokens: 0 below ``BAND_START``, then 1, 2,
     3, ... for each doubling (1k-2k, 2k-4k, 4k-8k, ...)."""
     return 0 if context < BAND_START else (context // BAND_START).bit_length()
+
+
+def band_context(b: int) -> int:
+    """The context a band's costs are predicted at: the warm-up's for band 0 (whose table
+    it measured), else the middle of the band (3,072 tokens for 2k-4k)."""
+    return SHORT_CONTEXT if b == 0 else 3 * BAND_START * 2 ** (b - 1) // 2
 
 
 class CostTable:
@@ -94,22 +102,41 @@ class CostTable:
         return max(c0 + (c1 - c0) * (b - k0) / (k1 - k0), 1e-9)
 
 
+def grown(short: CostTable, long: CostTable, b: int, context: int) -> float:
+    """The cost of block b at ``context`` tokens, linear in the context through the
+    warm-up's timings at ``SHORT_CONTEXT`` and ``LONG_CONTEXT`` (attention reads every
+    cached row; the matmuls do not grow), never below the short context's."""
+    s = short(b)
+    slope = max(long(b) - s, 0.0) / (LONG_CONTEXT - SHORT_CONTEXT)
+    return s + slope * max(context - SHORT_CONTEXT, 0)
+
+
 class Bands:
     """One decoding mode's cost tables by context band. A band's first table is a copy of
-    the nearest band below, marked fresh: its first plain run and first timed block then
-    replace the copied costs instead of nudging them, so what a band weighs is measured at
-    its own context.
+    the nearest band below, each width grown by the factor the warm-up's long-context
+    timings predict between the two bands (``grown``), and marked fresh: its first plain
+    run and first timed block then replace the predicted costs instead of nudging them, so
+    what a band weighs is measured at its own context, and its first choice is not made on
+    a shorter context's costs.
 
     Args:
         measured: the warm-up's table (band 0's, copied).
+        long: the warm-up's table at ``LONG_CONTEXT`` (None: a band starts as a plain copy).
     """
 
-    def __init__(self, measured: CostTable):
+    def __init__(self, measured: CostTable, long: CostTable | None = None):
         self.tables = {0: measured.copy()}
+        self.short, self.long = measured.copy(), long
 
     def at(self, b: int) -> CostTable:
         """The table of band ``b`` (made on first use)."""
         if b not in self.tables:
-            below = [k for k in self.tables if k < b]
-            self.tables[b] = self.tables[max(below) if below else 0].copy(fresh=True)
+            below = max([k for k in self.tables if k < b], default=0)
+            table = self.tables[below].copy(fresh=True)
+            if self.long is not None:
+                lo, hi = band_context(below), band_context(b)
+                for w in table.seconds:
+                    grow = grown(self.short, self.long, w, hi) / grown(self.short, self.long, w, lo)
+                    table.seconds[w] *= grow
+            self.tables[b] = table
         return self.tables[b]

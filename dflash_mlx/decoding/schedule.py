@@ -36,6 +36,8 @@ PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made aga
 GAIN_MARGIN = 1.05
 DEFAULT_PRIOR = 0.25  # acceptance assumed per position before a model has decoded anything
 CALIBRATE_RUN = 8  # plain steps that time a plain step in a band whose blocks are timed
+# the warm-up's tables as stored: drafted and copied, at its short and its long context
+TABLE_NAMES = ("seconds", "lookup_seconds", "long_seconds", "long_lookup_seconds")
 
 
 class Scheduler:
@@ -253,11 +255,19 @@ class Tuning:
         measured: the CostTable of the warm-up at load (kept as measured).
         measured_lookup: the same for cycles verifying a lookup draft (no drafter pass);
             None: lookup drafts are not scheduled.
+        long: the warm-up's (drafted, copied) tables at ``costs.LONG_CONTEXT``, which
+            predict a context band's costs before it has timed any (None: a band starts as
+            a copy of the band below).
     """
 
-    def __init__(self, measured: CostTable, measured_lookup: CostTable | None = None):
+    def __init__(
+        self,
+        measured: CostTable,
+        measured_lookup: CostTable | None = None,
+        long: tuple[CostTable, CostTable | None] | None = None,
+    ):
         self.max_block = measured.max_block
-        self.measured, self.measured_lookup = measured, measured_lookup
+        self.measured, self.measured_lookup, self.long = measured, measured_lookup, long
         self.costs: dict[str, Bands] = {}  # per mode, by context band
         self.lookup_costs: dict[str, Bands] = {}
         self.priors: dict[tuple, list[float]] = {}  # by (mode, selector, band)
@@ -274,18 +284,22 @@ class Tuning:
 
         Args:
             max_block: the checkpoint's block. tables: {"seconds", "lookup_seconds"}:
-                seconds by block width, drafted and copied.
+                seconds by block width, drafted and copied; "long_seconds" and
+                "long_lookup_seconds" the same at ``costs.LONG_CONTEXT`` (optional).
         """
-        measured = [CostTable(max_block) for _ in range(2)]
-        for table, name in zip(measured, ("seconds", "lookup_seconds"), strict=True):
+        made = {name: CostTable(max_block) for name in TABLE_NAMES if name in tables}
+        for name, table in made.items():
             table.seconds = dict(tables[name])
-        return cls(*measured)
+        long = made.get("long_seconds")
+        long = None if long is None else (long, made.get("long_lookup_seconds"))
+        return cls(made["seconds"], made.get("lookup_seconds"), long)
 
     def tables(self) -> dict[str, dict[int, float]]:
         """The costs measured at load, seconds by block width: {"seconds" (drafted),
-        "lookup_seconds" (copied)}."""
-        lookup = self.measured_lookup.seconds if self.measured_lookup is not None else {}
-        return {"seconds": dict(self.measured.seconds), "lookup_seconds": dict(lookup)}
+        "lookup_seconds" (copied)} and, when timed, the same at ``costs.LONG_CONTEXT``
+        ("long_seconds", "long_lookup_seconds")."""
+        got = [self.measured, self.measured_lookup, *(self.long or (None, None))]
+        return {n: dict(t.seconds) for n, t in zip(TABLE_NAMES, got, strict=True) if t is not None}
 
     def _copy(self, measured: CostTable | None = None) -> CostTable:
         return (self.measured if measured is None else measured).copy()
@@ -327,10 +341,11 @@ class Tuning:
             lk = self._copy(self.measured_lookup) if lookup else None
             sched = Scheduler(self._copy(), default, frozen=True, lookup_costs=lk)
         else:
-            drafted = self.costs.setdefault(mode, Bands(self.measured))
+            long = self.long or (None, None)
+            drafted = self.costs.setdefault(mode, Bands(self.measured, long[0]))
             copied = None
             if lookup:
-                copied = self.lookup_costs.setdefault(mode, Bands(self.measured_lookup))
+                copied = self.lookup_costs.setdefault(mode, Bands(self.measured_lookup, long[1]))
 
             def bands(b: int) -> tuple[CostTable, CostTable | None]:
                 return drafted.at(b), None if copied is None else copied.at(b)

@@ -12,6 +12,7 @@ import mlx.core as mx
 from .. import env
 from . import steps
 from .acceptance import SamplingParams
+from .costs import LONG_CONTEXT, SHORT_CONTEXT
 from .policy import Choice
 from .schedule import CostTable, Tuning
 from .state import DFlashModel
@@ -24,12 +25,45 @@ CHECK_TOLERANCE = 1.3
 ENV_CHECK = "DFLASH_COSTS_CHECK"  # 0: use a stored table without the spot check
 
 
-def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) -> Tuning:
+def warm_up(
+    model: DFlashModel,
+    context: int = SHORT_CONTEXT,
+    rounds: int = WARM_ROUNDS,
+    long_context: int = LONG_CONTEXT,
+) -> Tuning:
     """Measure what a step costs on this machine: plain (block 1), and every speculative
     block the scheduler may choose (``warm_up_blocks``; verify cost by width is not
     monotone on a CPU BLAS, so interpolating would misjudge some) both drafted and copied
-    (a context-lookup draft, no drafter pass), on a throwaway cache; sets and returns
-    ``model.tuning``.
+    (a context-lookup draft, no drafter pass), on a throwaway cache; then the same for a
+    few widths (``long_blocks``) with the cache grown to ``long_context`` tokens
+    (``grow_context``), which says how each cost grows with the context (``costs.Bands``).
+    Sets and returns ``model.tuning``.
+
+    Args:
+        model: the loaded pair. context: tokens of dummy context before the timed steps.
+        rounds: timings per width. long_context: tokens of context for the second tables
+            (0: none; a band then starts as a copy of the band below).
+    """
+    B = model.block_size
+    params = SamplingParams()
+    cache = model.make_cache()
+    ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
+    with mx.stream(steps.generation_stream()):
+        first, key = steps.prefill(model, ids, cache, params, mx.random.key(0))
+        history = ids + first.tokens
+        keys = (key, key)
+        history += steps.cycle(model, cache, params, history, Choice(B), keys).tokens  # warms up
+        short = _time_blocks(model, cache, history, warm_up_blocks(B), rounds, key)
+        long = None
+        if long_context > len(history):
+            grow_context(model, cache, history, long_context - len(history))
+            long = _time_blocks(model, cache, history, long_blocks(B), rounds, key)
+    model.tuning = Tuning(*short, long=long)
+    return model.tuning
+
+
+def _time_blocks(model, cache, history: list[int], widths, rounds: int, key):
+    """(drafted, copied) CostTables of ``widths`` and the plain step, ``rounds`` rounds.
 
     Each round times the drafted widths back to back, then plain steps, then the copied
     widths, then plain steps again. A cycle's cost is kept as a ratio to the plain steps
@@ -38,45 +72,58 @@ def warm_up(model: DFlashModel, context: int = 48, rounds: int = WARM_ROUNDS) ->
     Drafted cycles follow drafted ones, as they do while speculating: a drafted cycle
     right after copied ones also catches the drafter up on their tokens, a cost of
     switching that made the table ~15% dearer than steady decoding.
-
-    Args:
-        model: the loaded pair. context: tokens of dummy context before the timed steps.
-        rounds: timings per width.
     """
-    B = model.block_size
-    params = SamplingParams()
-    cache = model.make_cache()
-    ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
+    params, keys = SamplingParams(), (key, key)
     ratios: dict[tuple[int, bool], list[float]] = {}
     plains: list[float] = []
-    with mx.stream(steps.generation_stream()):
-        first, key = steps.prefill(model, ids, cache, params, mx.random.key(0))
-        history = ids + first.tokens
-        keys = (key, key)
-        history += steps.cycle(model, cache, params, history, Choice(B), keys).tokens  # warms up
-        for _ in range(max(1, rounds)):
-            times: dict[tuple[int, bool], float] = {}
-            plain = []
-            for lookup in (False, True):
-                for b in warm_up_blocks(B):
-                    copied = history[-b:-1] if lookup else None
-                    t = time.perf_counter()
-                    step = steps.cycle(model, cache, params, history, Choice(b), keys, copied)
-                    mx.eval(cache.state)
-                    times[b, lookup] = time.perf_counter() - t
-                    history += step.tokens
-                plain.append(_plain_step(model, cache, params, history, key))
-            per = statistics.mean(plain)
-            plains.append(per)
-            for k, v in times.items():
-                ratios.setdefault(k, []).append(v / per)
+    for _ in range(max(1, rounds)):
+        times: dict[tuple[int, bool], float] = {}
+        plain = []
+        for lookup in (False, True):
+            for b in widths:
+                copied = history[-b:-1] if lookup else None
+                t = time.perf_counter()
+                step = steps.cycle(model, cache, params, history, Choice(b), keys, copied)
+                mx.eval(cache.state)
+                times[b, lookup] = time.perf_counter() - t
+                history += step.tokens
+            plain.append(_plain_step(model, cache, params, history, key))
+        per = statistics.mean(plain)
+        plains.append(per)
+        for k, v in times.items():
+            ratios.setdefault(k, []).append(v / per)
     base = statistics.median(plains)
-    drafted, copied = CostTable(B), CostTable(B)
+    drafted, copied = CostTable(model.block_size), CostTable(model.block_size)
     for (b, lookup), v in ratios.items():
         (copied if lookup else drafted).seconds[b] = statistics.median(v) * base
     drafted.seconds[1] = copied.seconds[1] = base
-    model.tuning = Tuning(drafted, copied)
-    return model.tuning
+    return drafted, copied
+
+
+def grow_context(model: DFlashModel, cache, history: list[int], n: int) -> None:
+    """Grow a throwaway cache by ``n`` rows as if ``n`` more tokens had been fed, without
+    running the target on them (a 2,048-token prefill takes ~25 s on a 2-core CPU): random
+    keys and values in every growing target cache, zero features in the drafter's context.
+    Only for timing: what the rows hold does not change what attending to them costs.
+
+    Args:
+        model: the pair. cache: its ``PromptCache``, ``history`` its tokens plus the next
+            to feed. n: rows to add (``history`` gets as many filler ids before its last).
+    """
+    key = mx.random.key(0)
+    for c in cache.target:
+        keys = getattr(c, "keys", None)
+        if keys is None or isinstance(keys, tuple):  # recurrent state (or quantized)
+            continue
+        _, heads, _, dim = keys.shape  # [B, H_kv, S, D]
+        kv = (0.1 * mx.random.normal((1, heads, n, dim), key=key)).astype(keys.dtype)
+        c.update_and_fetch(kv, kv)
+    features = mx.zeros((1, n, model.drafter.feature_size))  # [1, n, nT*H]
+    model.drafter.append_context(features, cache.drafter, lazy=False)
+    filler = [i % (model.adapter.vocab_size - 1) + 1 for i in range(n)]
+    history[-1:-1] = filler
+    cache.tokens += filler
+    mx.eval(cache.state)
 
 
 def tune(model: DFlashModel, stored: dict | None = None) -> bool:
@@ -178,6 +225,12 @@ def _plain_step(model, cache, params, history: list[int], key, n: int = PLAIN_RU
     for step in steps.plain_steps(model, cache, params, history, n, key):
         history += step.tokens
     return (time.perf_counter() - t) / n
+
+
+def long_blocks(B: int) -> list[int]:
+    """The blocks ``warm_up`` times at its long context: 2, 4, 8 and the checkpoint's B
+    (growth with the context is smooth in the width; the rest is interpolated)."""
+    return sorted({b for b in (2, 4, 8) if b <= B} | {B})
 
 
 def warm_up_blocks(B: int) -> list[int]:

@@ -217,7 +217,8 @@ def _machine() -> str:
     return "|".join([chip()] + [str(described[k]) for k in sorted(described)])
 
 
-WARM_UP_VERSION = 3  # how ``warmup.warm_up`` times: tables of another version are re-measured
+# how ``warmup.warm_up`` times (4: long-context tables too): other versions are re-measured
+WARM_UP_VERSION = 4
 
 
 def costs_file(target_path: str, drafter_path: str, vocab: str = "") -> Path | None:
@@ -261,10 +262,13 @@ def _number(x) -> float | None:
 
 
 def _tables(stored: dict, max_block: int) -> dict[str, dict[int, float]] | None:
-    """The two tables of stored costs, or None when a width or a cost is not one."""
+    """The tables of stored costs (the two at the long context optional), or None when
+    one is missing, or a width or a cost is not one."""
     out = {}
-    for name in ("seconds", "lookup_seconds"):
+    for name in ("seconds", "lookup_seconds", "long_seconds", "long_lookup_seconds"):
         table = stored.get(name)
+        if name.startswith("long") and table is None:
+            continue
         if not isinstance(table, dict) or not table:
             return None
         out[name] = {}
@@ -287,7 +291,8 @@ def _fresh(stored: dict, max_block: int) -> bool:
 
 def read_costs(pair) -> dict[str, dict[int, float]] | None:
     """The stored step costs of this pair on this machine, in seconds by block width, as
-    {"seconds": drafted cycles (1: a plain step), "lookup_seconds": copied cycles}; None
+    {"seconds": drafted cycles (1: a plain step), "lookup_seconds": copied cycles} and the
+    same at the warm-up's long context ("long_seconds", "long_lookup_seconds"); None
     when there are none, or they are a week old or from another layout (measured again).
     Costs that are not as written, or not costs, are removed with one note.
 

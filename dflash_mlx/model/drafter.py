@@ -190,6 +190,11 @@ class DFlashDrafter(nn.Module):
         self.draft_vocab: np.ndarray | None = None
 
     @property
+    def feature_size(self) -> int:
+        """Width of the target features it reads per token (nT * H)."""
+        return len(self.args.target_layer_ids) * self.args.hidden_size
+
+    @property
     def has_selector(self) -> bool:
         """Whether this checkpoint carries a path selector (DFlash 2)."""
         return self.args.is_dflash2

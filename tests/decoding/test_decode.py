@@ -132,14 +132,18 @@ def test_greedy_matches_mlx_lm_under_any_schedule_of_plain_and_speculative_steps
 
 
 def test_warm_up_times_every_block_the_scheduler_may_choose(pairs):
-    from dflash_mlx.decoding.warmup import warm_up, warm_up_blocks
+    from dflash_mlx.decoding.warmup import long_blocks, warm_up, warm_up_blocks
 
     assert warm_up_blocks(8) == [2, 3, 4, 5, 6, 7, 8]
     assert warm_up_blocks(16) == [2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert long_blocks(16) == [2, 4, 8, 16] and long_blocks(6) == [2, 4, 6]
     model, _ = pairs("qwen3", "d2")
     tuning = warm_up(model)
     for table in (tuning.measured, tuning.measured_lookup):  # drafted and copied blocks
         assert sorted(table.seconds) == [1] + warm_up_blocks(model.block_size)
+        assert all(s > 0 for s in table.seconds.values())
+    for table in tuning.long:  # the same at the long context, fewer widths
+        assert sorted(table.seconds) == [1] + long_blocks(model.block_size)
         assert all(s > 0 for s in table.seconds.values())
 
 
@@ -149,7 +153,7 @@ def test_warm_up_keeps_the_median_of_its_rounds_per_block(pairs, monkeypatch):
     import time
 
     from dflash_mlx.decoding import steps
-    from dflash_mlx.decoding.warmup import warm_up, warm_up_blocks
+    from dflash_mlx.decoding.warmup import long_blocks, warm_up, warm_up_blocks
 
     model, _ = pairs("qwen3", "d2")
     real, calls = steps.cycle, {}
@@ -165,5 +169,6 @@ def test_warm_up_keeps_the_median_of_its_rounds_per_block(pairs, monkeypatch):
     monkeypatch.setattr(steps, "cycle", cycle)
     tuning = warm_up(model, rounds=3)
     B = model.block_size
-    assert calls == {b: 3 + (b == B) for b in warm_up_blocks(B)}  # B once more, untimed
+    # B once more, untimed; the long context's widths 3 more times
+    assert calls == {b: 3 + (b == B) + 3 * (b in long_blocks(B)) for b in warm_up_blocks(B)}
     assert tuning.measured.seconds[2] < 0.1  # the median: not the last (0.5 s), not a mean

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_mlx.decoding.costs import Bands, CostTable, band
+from dflash_mlx.decoding.costs import (
+    LONG_CONTEXT,
+    SHORT_CONTEXT,
+    Bands,
+    CostTable,
+    band,
+    band_context,
+)
 from dflash_mlx.decoding.estimates import BORROWED_WEIGHT, PRIOR_WEIGHT
 from dflash_mlx.decoding.schedule import CALIBRATE_RUN, Tuning
 from dflash_mlx.decoding.steps import Cycle
@@ -105,3 +112,54 @@ def test_auto_across_a_band_edge_decodes_the_greedy_reference(pairs):
         out += c.tokens
     assert sched.band == 1 and sum(sched.history.values()) + sum(sched.lookup_history.values())
     assert out[:40] == reference(model, ids, 40)
+
+
+def grows_fast() -> CostTable:
+    """The warm-up's long-context table of ``cheap_blocks``: at 2,048 tokens a plain step
+    costs 1.5x, a block 2 to 6 plain steps more (a verify's attention reads b rows)."""
+    t = CostTable(8)
+    t.seconds = {1: 1.5, 2: 3.3, 4: 5.4, 8: 9.6}
+    return t
+
+
+def test_a_new_band_starts_from_costs_grown_as_the_warm_up_timed_them_at_long_context():
+    short = cheap_blocks().measured
+    bands = Bands(short, grows_fast())
+    mid = bands.at(2)  # 2k-4k: predicted at 3,072 tokens, linear through 48 and 2,048
+    x = (band_context(2) - SHORT_CONTEXT) / (LONG_CONTEXT - SHORT_CONTEXT)
+    assert mid.seconds[1] == pytest.approx(1.0 + 0.5 * x)
+    assert mid.seconds[8] == pytest.approx(1.6 + 8.0 * x)
+    assert mid.seconds[3] == pytest.approx(1.35 + (4.35 - 1.35) * x)  # long width interpolated
+    assert mid.fresh == {"plain", "block"}  # predicted, not measured: the first timing replaces
+    mid.observe(8, 10.0)  # measured dearer still; the next band grows from what band 2 has
+    far = bands.at(3)
+    y = (band_context(3) - SHORT_CONTEXT) / (LONG_CONTEXT - SHORT_CONTEXT)
+    assert far.seconds[8] == pytest.approx(10.0 * (1.6 + 8.0 * y) / (1.6 + 8.0 * x))
+    assert bands.at(0).seconds == short.seconds  # the warm-up's band is as measured
+    cheaper = CostTable(8)  # noise put a long timing under the short one: never shrinks
+    cheaper.seconds = {1: 0.9, **{b: 1.0 for b in range(2, 9)}}
+    assert Bands(short, cheaper).at(3).seconds == short.seconds
+
+
+def test_a_long_prompts_first_choice_weighs_costs_the_long_warm_up_predicts():
+    """At 7,000 tokens a block the short context's costs call a win is not tried when the
+    warm-up's long-context timing says verifies grow too fast; without it, it is."""
+    copied = cheap_blocks().scheduler(greedy=True, selector=True, context=7000).choose()
+    assert copied.block > 1
+    tuning = cheap_blocks()
+    tuning.long = (grows_fast(), None)
+    grown = tuning.scheduler(greedy=True, selector=True, context=7000).choose()
+    assert grown.block == 1 and not grown.probe, grown.reason
+    short = tuning.scheduler(greedy=True, selector=True, context=300).choose()
+    assert short.block > 1  # the warm-up's own band is unchanged
+
+
+def test_stored_costs_keep_the_long_context_tables():
+    tuning = cheap_blocks()
+    tuning.measured_lookup, tuning.long = tuning.measured.copy(), (grows_fast(), grows_fast())
+    tables = tuning.tables()
+    assert sorted(tables) == ["long_lookup_seconds", "long_seconds", "lookup_seconds", "seconds"]
+    back = Tuning.from_seconds(8, tables)
+    assert [t.seconds for t in back.long] == [grows_fast().seconds] * 2
+    short_only = {k: tables[k] for k in ("seconds", "lookup_seconds")}
+    assert Tuning.from_seconds(8, short_only).long is None  # a band then starts as a copy

@@ -97,6 +97,7 @@ def test_warm_up_costs_are_measured_once_per_pair_and_machine(cache, tiny_dir, m
     m1, tok = load(target, drafter=drafter, warmup=True)
     m2, _ = load(target, drafter=drafter, warmup=True)
     assert len(calls) == 1 and m2.tuning.measured.seconds == m1.tuning.measured.seconds
+    assert [t.seconds for t in m2.tuning.long] == [t.seconds for t in m1.tuning.long]
     prompt = "def parse_args("
     assert generate(m2, tok, prompt, max_tokens=12) == generate(m1, tok, prompt, max_tokens=12)
     stored = next((cache / "costs").glob("*/costs.json"))
