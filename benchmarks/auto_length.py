@@ -85,6 +85,28 @@ def measure(model, ids, n, runs, tunings) -> dict:
     }
 
 
+def setup(name: str, tokens: int):
+    """(the loaded pair, its warm-up's costs, about ``tokens`` prompt ids): the costs are
+    measured or read as ``auto``'s first request would; the ids are Python's own
+    ``dataclasses``, ``inspect``, ``argparse`` and ``typing`` sources."""
+    from dflash_mlx import load  # first: the CPU backend's BLAS loads before MLX
+    from dflash_mlx.decoding.warmup import ensure
+
+    model, tok = load(name, quiet=True)
+    base = ensure(model)
+    text = "".join(inspect.getsource(m) for m in (dataclasses, inspect, argparse, typing))
+    return model, base, tok.encode(text[: 5 * tokens])  # ~4 characters a token
+
+
+def fresh(base, long: bool = True):
+    """A Tuning from the warm-up's costs alone (nothing learnt yet); ``long``: with its
+    long-context tables (else a band starts as a copy of the band below)."""
+    from dflash_mlx.decoding.schedule import Tuning
+
+    copied = base.measured_lookup.copy()
+    return Tuning(base.measured.copy(), copied, base.long if long else None)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
@@ -96,20 +118,8 @@ def main(argv=None) -> None:
     ap.add_argument("--arms", nargs="+", default=["auto", "bands copied"])
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from dflash_mlx import load
-    from dflash_mlx.decoding.schedule import Tuning
-    from dflash_mlx.decoding.warmup import ensure
-
-    model, tok = load(a.model, quiet=True)
-    base = ensure(model)
-    tunings = {
-        k: Tuning(
-            base.measured.copy(), base.measured_lookup.copy(), base.long if k == "auto" else None
-        )
-        for k in a.arms
-    }
-    text = "".join(inspect.getsource(m) for m in (dataclasses, inspect, argparse, typing))
-    ids = tok.encode(text[: 5 * max(a.lengths) * (a.first + a.prompts)])  # ~4 chars a token
+    model, base, ids = setup(a.model, max(a.lengths) * (a.first + a.prompts))
+    tunings = {k: fresh(base, long=k == "auto") for k in a.arms}
     rep = {"load_average": os.getloadavg()[0], "lengths": {}}
     print(f"load average {rep['load_average']:.2f}")
     for n in a.lengths:

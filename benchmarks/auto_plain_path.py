@@ -7,19 +7,17 @@ check that may end a run), and ``auto``, in one process, alternating, greedy.
 
 If the always-plain loop matches mlx-lm while ``auto`` loses, the loss is in the speculative
 cycles ``auto`` tries (probes, lookup blocks), not in its plain path. Prompts are the first
-L tokens of Python's own ``dataclasses`` and ``inspect`` sources (as ``auto_length.py``).
+L tokens of ``auto_length.py``'s text (its prompt 0).
 Compare the ratios, not the speeds: other load on the machine shows in the latter.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import inspect
 import json
 import time
 
-from auto_length import _plain  # benchmarks/ is the script's own folder
+from auto_length import _plain, fresh, setup  # benchmarks/ is the script's own folder
 
 
 class AlwaysPlain:
@@ -98,16 +96,8 @@ def main(argv=None) -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--json")
     a = ap.parse_args(argv)
-    from dflash_mlx import load  # first: the CPU backend's BLAS loads before MLX
-    from dflash_mlx.decoding.schedule import Tuning
-    from dflash_mlx.decoding.warmup import ensure
-
-    model, tok = load(a.model, quiet=True)
-    base = ensure(model)
-    tuning = Tuning(base.measured.copy(), base.measured_lookup.copy(), base.long)
-    ids = tok.encode(
-        (inspect.getsource(dataclasses) + inspect.getsource(inspect))[: 6 * max(a.lengths)]
-    )
+    model, base, ids = setup(a.model, max(a.lengths))
+    tuning = fresh(base)
     rep = {}
     for n in a.lengths:
         rep[n] = got = measure(model, ids[:n], a.max_tokens, a.runs, tuning)
