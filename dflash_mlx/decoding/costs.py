@@ -32,8 +32,8 @@ class CostTable:
     def __init__(self, max_block: int):
         self.max_block = max_block
         self.seconds: dict[int, float] = {}
-        # what is not measured yet at this table's context (a band's table starts as a
-        # copy of the band below): its first timing replaces the copied value
+        # what is not measured yet at this table's context (a band's table starts as the
+        # band below's, grown by a prediction): its first timing replaces that value
         self.fresh: set[str] = set()
 
     def observe(self, b: int, seconds: float) -> float:
@@ -43,7 +43,7 @@ class CostTable:
         cost (``follow``): the machine's speed drifts (1.1-1.5x within minutes here) and
         moves all widths alike, so a block's cost is kept as a ratio to the plain step's. A
         block timed an hour ago (or stored from an earlier run) then still compares right.
-        In a fresh band (``Bands``) the first timing of each kind replaces the copied one.
+        In a fresh band (``Bands``) the first timing of each kind replaces the predicted one.
 
         Returns:
             the factor the plain step's cost moved by (1.0 for a block).
@@ -54,7 +54,7 @@ class CostTable:
         self.seconds[b] = (1 - weight) * (old or 0.0) + weight * seconds
         if b != 1:
             self.fresh.discard("block")
-            if first and old:  # a band's first block timing moves its copied widths alike
+            if first and old:  # a band's first block timing moves its predicted widths alike
                 self.rescale(self.seconds[b] / old, keep=b)
             return 1.0
         scale = self.seconds[1] / old if old else 1.0
@@ -102,13 +102,22 @@ class CostTable:
         return max(c0 + (c1 - c0) * (b - k0) / (k1 - k0), 1e-9)
 
 
-def grown(short: CostTable, long: CostTable, b: int, context: int) -> float:
-    """The cost of block b at ``context`` tokens, linear in the context through the
-    warm-up's timings at ``SHORT_CONTEXT`` and ``LONG_CONTEXT`` (attention reads every
-    cached row; the matmuls do not grow), never below the short context's."""
-    s = short(b)
-    slope = max(long(b) - s, 0.0) / (LONG_CONTEXT - SHORT_CONTEXT)
-    return s + slope * max(context - SHORT_CONTEXT, 0)
+def growth(short: CostTable, long: CostTable) -> CostTable:
+    """Seconds each width's cost grows by from ``SHORT_CONTEXT`` to ``LONG_CONTEXT``: taken
+    at the widths the long pass timed (never negative) and interpolated between them, so a
+    short-context bump at an untimed width (verify cost by width is not monotone on a CPU
+    BLAS) is carried as it is, not inverted into the slope."""
+    table = CostTable(short.max_block)
+    table.seconds = {b: max(s - short(b), 0.0) for b, s in long.seconds.items()}
+    return table
+
+
+def grown(short: CostTable, grows: CostTable, b: int, context: int) -> float:
+    """The cost of block b at ``context`` tokens: linear in the context (attention reads
+    every cached row; the matmuls do not grow) from its short-context cost, by ``grows``
+    (:func:`growth`) per ``LONG_CONTEXT - SHORT_CONTEXT`` tokens."""
+    x = max(context - SHORT_CONTEXT, 0) / (LONG_CONTEXT - SHORT_CONTEXT)
+    return short(b) + grows(b) * x
 
 
 class Bands:
@@ -126,17 +135,18 @@ class Bands:
 
     def __init__(self, measured: CostTable, long: CostTable | None = None):
         self.tables = {0: measured.copy()}
-        self.short, self.long = measured.copy(), long
+        self.short = measured.copy()
+        self.grows = None if long is None else growth(measured, long)
 
     def at(self, b: int) -> CostTable:
         """The table of band ``b`` (made on first use)."""
         if b not in self.tables:
             below = max([k for k in self.tables if k < b], default=0)
             table = self.tables[below].copy(fresh=True)
-            if self.long is not None:
+            if self.grows is not None:
                 lo, hi = band_context(below), band_context(b)
                 for w in table.seconds:
-                    grow = grown(self.short, self.long, w, hi) / grown(self.short, self.long, w, lo)
-                    table.seconds[w] *= grow
+                    up = grown(self.short, self.grows, w, hi) / grown(self.short, self.grows, w, lo)
+                    table.seconds[w] *= up
             self.tables[b] = table
         return self.tables[b]

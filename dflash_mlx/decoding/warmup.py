@@ -25,40 +25,37 @@ CHECK_TOLERANCE = 1.3
 ENV_CHECK = "DFLASH_COSTS_CHECK"  # 0: use a stored table without the spot check
 
 
-def warm_up(
-    model: DFlashModel,
-    context: int = SHORT_CONTEXT,
-    rounds: int = WARM_ROUNDS,
-    long_context: int = LONG_CONTEXT,
-) -> Tuning:
+def warm_up(model: DFlashModel, rounds: int = WARM_ROUNDS, long: bool = True) -> Tuning:
     """Measure what a step costs on this machine: plain (block 1), and every speculative
     block the scheduler may choose (``warm_up_blocks``; verify cost by width is not
     monotone on a CPU BLAS, so interpolating would misjudge some) both drafted and copied
-    (a context-lookup draft, no drafter pass), on a throwaway cache; then the same for a
-    few widths (``long_blocks``) with the cache grown to ``long_context`` tokens
-    (``grow_context``), which says how each cost grows with the context (``costs.Bands``).
-    Sets and returns ``model.tuning``.
+    (a context-lookup draft, no drafter pass), on a throwaway cache of ``SHORT_CONTEXT``
+    tokens; then the same for a few widths (``long_blocks``) with the cache grown by
+    ``LONG_CONTEXT - SHORT_CONTEXT`` rows (``grow_context``), which says how each cost
+    grows with the context (``costs.Bands``). Sets and returns ``model.tuning``.
 
     Args:
-        model: the loaded pair. context: tokens of dummy context before the timed steps.
-        rounds: timings per width. long_context: tokens of context for the second tables
-            (0: none; a band then starts as a copy of the band below).
+        model: the loaded pair. rounds: timings per width.
+        long: also time the long context (False: a band starts as a copy of the one below).
     """
     B = model.block_size
     params = SamplingParams()
     cache = model.make_cache()
-    ids = [i % model.adapter.vocab_size for i in range(1, context + 1)]
+    ids = [i % model.adapter.vocab_size for i in range(1, SHORT_CONTEXT + 1)]
     with mx.stream(steps.generation_stream()):
         first, key = steps.prefill(model, ids, cache, params, mx.random.key(0))
         history = ids + first.tokens
         keys = (key, key)
         history += steps.cycle(model, cache, params, history, Choice(B), keys).tokens  # warms up
+        start = len(history)
         short = _time_blocks(model, cache, history, warm_up_blocks(B), rounds, key)
-        long = None
-        if long_context > len(history):
-            grow_context(model, cache, history, long_context - len(history))
-            long = _time_blocks(model, cache, history, long_blocks(B), rounds, key)
-    model.tuning = Tuning(*short, long=long)
+        grown = None
+        if long:
+            # the long pass starts as many rows after the short one's start as the tables'
+            # contexts are apart, so both passes' own growth while timing is alike
+            grow_context(model, cache, history, start + LONG_CONTEXT - SHORT_CONTEXT - len(history))
+            grown = _time_blocks(model, cache, history, long_blocks(B), rounds, key)
+    model.tuning = Tuning(*short, long=grown)
     return model.tuning
 
 
@@ -110,15 +107,21 @@ def grow_context(model: DFlashModel, cache, history: list[int], n: int) -> None:
         model: the pair. cache: its ``PromptCache``, ``history`` its tokens plus the next
             to feed. n: rows to add (``history`` gets as many filler ids before its last).
     """
-    key = mx.random.key(0)
+    if n <= 0:
+        return
+    key, dtype = mx.random.key(0), mx.float32
+
+    def rows(like):  # [B, H_kv, S, D] -> n random rows of the same heads, width and dtype
+        shape = (1, like.shape[1], n, like.shape[3])
+        return (0.1 * mx.random.normal(shape, key=key)).astype(like.dtype)
+
     for c in cache.target:
-        keys = getattr(c, "keys", None)
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
         if keys is None or isinstance(keys, tuple):  # recurrent state (or quantized)
             continue
-        _, heads, _, dim = keys.shape  # [B, H_kv, S, D]
-        kv = (0.1 * mx.random.normal((1, heads, n, dim), key=key)).astype(keys.dtype)
-        c.update_and_fetch(kv, kv)
-    features = mx.zeros((1, n, model.drafter.feature_size))  # [1, n, nT*H]
+        dtype = keys.dtype  # the target's: its features have it too
+        c.update_and_fetch(rows(keys), rows(values))
+    features = mx.zeros((1, n, model.drafter.feature_size), dtype=dtype)  # [1, n, nT*H]
     model.drafter.append_context(features, cache.drafter, lazy=False)
     filler = [i % (model.adapter.vocab_size - 1) + 1 for i in range(n)]
     history[-1:-1] = filler
@@ -171,10 +174,11 @@ def ensure(model: DFlashModel, log=None) -> Tuning:
     return model.tuning
 
 
-def spot_check(model: DFlashModel, context: int = 48) -> tuple[float, float]:
+def spot_check(model: DFlashModel, context: int = SHORT_CONTEXT) -> tuple[float, float]:
     """What a plain step costs now and a drafted block of the checkpoint's width as a ratio
     to it: 2 timed cycles and one 8-step plain run on a throwaway cache (a full warm-up
-    runs ~40 cycles and 48 plain steps).
+    runs ~40 cycles and 48 plain steps at that context, then about half as many
+    cycles and 48 plain steps 2,000 tokens further on).
 
     Returns:
         (seconds per plain step, drafted block B's cost / plain step's).

@@ -320,7 +320,8 @@ def write_costs(pair, tables: dict[str, dict[int, float]]) -> None:
     """Store step costs as :func:`read_costs` returns them (skipped when caches are off).
 
     Args:
-        pair: the loaded ``DFlashModel``. tables: {"seconds": ..., "lookup_seconds": ...}.
+        pair: the loaded ``DFlashModel``. tables: {"seconds": ..., "lookup_seconds": ...,
+            and at the long context "long_seconds": ..., "long_lookup_seconds": ...}.
     """
     path = _costs_path(pair)
     if path is None:

@@ -136,6 +136,11 @@ def test_a_new_band_starts_from_costs_grown_as_the_warm_up_timed_them_at_long_co
     y = (band_context(3) - SHORT_CONTEXT) / (LONG_CONTEXT - SHORT_CONTEXT)
     assert far.seconds[8] == pytest.approx(10.0 * (1.6 + 8.0 * y) / (1.6 + 8.0 * x))
     assert bands.at(0).seconds == short.seconds  # the warm-up's band is as measured
+    bumpy = CostTable(8)  # width 6 dearer than 5 and 7 at 48 tokens (a CPU BLAS's bump)
+    bumpy.seconds = {**short.seconds, 6: 1.7}
+    far = Bands(bumpy, grows_fast()).at(4)  # growth is interpolated, the bump carried
+    middle = (far.seconds[5] + far.seconds[7]) / 2
+    assert far.seconds[6] - middle == pytest.approx(1.7 - (1.45 + 1.55) / 2)  # 0.2, as at 48
     cheaper = CostTable(8)  # noise put a long timing under the short one: never shrinks
     cheaper.seconds = {1: 0.9, **{b: 1.0 for b in range(2, 9)}}
     assert Bands(short, cheaper).at(3).seconds == short.seconds

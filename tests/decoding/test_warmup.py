@@ -14,7 +14,7 @@ from dflash_mlx.decoding.warmup import grow_context
 
 
 @pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])
-def test_a_grown_context_is_attended_like_fed_rows_and_cycles_keep_it_consistent(pairs, kind):
+def test_a_grown_context_keeps_offsets_and_tokens_consistent_through_cycles(pairs, kind):
     model, _ = pairs(kind, "d2")
     params, cache = SamplingParams(), model.make_cache()
     ids = list(range(3, 23))
@@ -41,20 +41,39 @@ def test_a_grown_context_is_attended_like_fed_rows_and_cycles_keep_it_consistent
         assert all(c.offset + c.pending_rows == len(cache.tokens) for c in cache.drafter)
 
 
-def test_a_grown_context_costs_what_its_length_does(pairs):
-    """The rows are real rows to attention: logits after growing differ from the short
-    cache's (random keys, attended), so the timings see the longer context."""
+def test_a_grown_contexts_rows_are_stored_and_attended(pairs):
+    """The rows hold random keys and values, and attention reads them: zeroing their values
+    (same offset, same positions) changes the next logits."""
     model, _ = pairs("qwen3", "d2")
     out = []
-    for n in (0, 200):
+    for zero in (False, True):
         cache = model.make_cache()
         steps.prefill(model, list(range(3, 23)), cache, SamplingParams(), mx.random.key(0))
         history = list(range(3, 24))
-        if n:
-            grow_context(model, cache, history, n)
+        grow_context(model, cache, history, 200)
+        for c in cache.target:
+            rows = c.keys[..., 20:220, :]
+            assert mx.abs(rows).max().item() > 0.01  # stored, not left zero
+            if zero:
+                c.values[..., 20:220, :] = 0.0
         logits, _ = model.adapter(mx.array([[history[-1]]]), cache.target)
         out.append(logits)
     assert not mx.allclose(out[0], out[1]).item()
+
+
+def test_a_grown_context_keeps_the_targets_dtype_in_both_models_caches(pairs, monkeypatch):
+    """On a half-precision pair the filler features have the target's dtype, so the
+    drafter's context stays as decoding keeps it (float32 zeros had turned it float32)."""
+    model, _ = pairs("qwen3", "d2")
+    cache = model.make_cache()
+    steps.prefill(model, list(range(3, 23)), cache, SamplingParams(), mx.random.key(0))
+    for c in cache.target:  # as a bfloat16 target's prefill leaves them
+        c.keys, c.values = c.keys.astype(mx.bfloat16), c.values.astype(mx.bfloat16)
+    seen = []
+    monkeypatch.setattr(model.drafter, "append_context", lambda f, *a, **k: seen.append(f.dtype))
+    grow_context(model, cache, list(range(3, 24)), 50)
+    assert seen == [mx.bfloat16]
+    assert all(c.keys.dtype == c.values.dtype == mx.bfloat16 for c in cache.target)
 
 
 def test_stored_long_tables_are_checked_like_the_short_ones():
