@@ -264,8 +264,10 @@ def _number(x) -> float | None:
 def _tables(stored: dict, max_block: int) -> dict[str, dict[int, float]] | None:
     """The tables of stored costs (the two at the long context optional), or None when
     one is missing, or a width or a cost is not one."""
+    from ..decoding.schedule import TABLE_NAMES  # the names ``Tuning.tables`` writes
+
     out = {}
-    for name in ("seconds", "lookup_seconds", "long_seconds", "long_lookup_seconds"):
+    for name in TABLE_NAMES:
         table = stored.get(name)
         if name.startswith("long") and table is None:
             continue

@@ -180,7 +180,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.args = args
         H = args.hidden_size
-        self.fc = nn.Linear(len(args.target_layer_ids) * H, H, bias=False)
+        self.fc = nn.Linear(self.feature_size, H, bias=False)
         self.hidden_norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
         self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(H, eps=args.rms_norm_eps)
