@@ -85,7 +85,13 @@ def test_chat_without_a_template_in_a_terminal(small_root):
     args = ["-m", "dflash_mlx.cli", "chat", "--model", str(small_root / "target")]
     args += ["--drafter", str(small_root / "drafter"), "-m", "6"]
     c = pexpect.spawn(
-        sys.executable, args, env=cli_env(), cwd=str(REPO_ROOT), encoding="utf-8", timeout=60
+        sys.executable,
+        args,
+        env=cli_env(),
+        cwd=str(REPO_ROOT),
+        encoding="utf-8",
+        codec_errors="replace",
+        timeout=60,
     )
     try:
         c.expect("note: this model has no chat template; chat messages use a default format")

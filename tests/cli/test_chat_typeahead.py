@@ -56,6 +56,7 @@ def spawn(pair):
         env=cli_env(),
         cwd=str(REPO_ROOT),
         encoding="utf-8",
+        codec_errors="replace",  # the tty echoes ^C between a character's bytes at times
         timeout=60,
         dimensions=(50, 120),
     )
