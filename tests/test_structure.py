@@ -161,7 +161,7 @@ def test_pyproject_lists_every_package():
     found = {n for n, f in _modules().items() if f.name == "__init__.py"}
     assert found <= listed, f"add {sorted(found - listed)} to [tool.setuptools] packages"
     assert cfg["package-dir"]["dflash_mlx.metal"] == "metal"
-    assert cfg["package-data"]["dflash_mlx.cpu"] == ["csrc/*.c", "csrc/*.cpp"]
+    assert cfg["package-data"]["dflash_mlx.cpu"] == ["csrc/*.c", "csrc/*.cpp", "csrc/*.h"]
 
 
 def _can_build_offline() -> bool:

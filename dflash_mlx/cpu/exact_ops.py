@@ -1,4 +1,5 @@
-"""Exact, vectorised SwiGLU and softmax for MLX's CPU backend (Linux), built on first use.
+"""Exact, vectorised SwiGLU and softmax, and a decode-width attention, for MLX's CPU backend
+(Linux), built on first use.
 
 MLX's Linux wheel evaluates ``exp`` one element at a time (each step of its polynomial a
 call to libm's ``fmaf``, ~18 ns an element here), so the MLP's SiLU and the attention's
@@ -7,10 +8,18 @@ softmax cost a decode step ~1.4 ms per row: at 8 verify rows, ~12 ms of a ~75 ms
 compiler vectorises, every output with MLX's bits (checked exhaustively for ``exp``, and
 against MLX's ops when loading), so a token's logits do not change by a bit.
 
+A third primitive (``csrc/decode_attention.h``) is the attention of 1-16 query rows: it
+reads a KV cache's sliced keys and values in place, each KV head once for all its query
+heads, and sums in an order fixed by each row alone, so a verify row has the bits of the
+same row in a plain step at any context length (MLX's graph, which prefills still take,
+handed P @ V over more than 1,024 keys to OpenBLAS, whose bits for a row depend on the rows
+beside it).
+
 The extension is compiled once per source, compiler, CPU, MLX and nanobind version into the
-cache folder (``g++ -O3 -march=native -ffp-contract=off``, ~10 s) and binds MLX's arrays
-through nanobind's ``mlx`` domain. No compiler, no nanobind, a failed build or self-check,
-another OS or ``DFLASH_EXACT_OPS=0``: :func:`silu_mul` and :func:`softmax` are MLX's ops.
+cache folder (``g++ -O3 -march=native -ffp-contract=off -fopenmp``, ~10 s) and binds MLX's
+arrays through nanobind's ``mlx`` domain. No compiler, no nanobind, a failed build or
+self-check, another OS or ``DFLASH_EXACT_OPS=0``: :func:`silu_mul` and :func:`softmax` are
+MLX's ops and :func:`attention` is mlx-lm's.
 """
 
 from __future__ import annotations
@@ -32,7 +41,8 @@ from . import builder
 ENV = "DFLASH_EXACT_OPS"
 MODULE = "_dflash_exact_ops"
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno")
-FLAGS += ("-fPIC", "-shared", "-fvisibility=hidden", "-DNB_DOMAIN=mlx")
+FLAGS += ("-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp", "-DNB_DOMAIN=mlx")
+HEADERS = ("exp_mlx.h", "decode_attention.h")  # included by exact_ops.cpp: part of its key
 
 _state: dict = {"module": None, "error": None, "tried": False, "path": None}
 
@@ -76,7 +86,8 @@ def build(out_dir: Path | None = None) -> Path:
     if not cxx or shutil.which(cxx) is None:
         raise RuntimeError("no C++ compiler (g++); install g++ for the fast SiLU and softmax")
     p = _paths()
-    parts = [p["source"].read_bytes(), cxx.encode(), p["versions"].encode()]
+    parts = [p["source"].read_bytes(), *(builder.source(h).read_bytes() for h in HEADERS)]
+    parts += [cxx.encode(), p["versions"].encode()]
     parts.append(" ".join(FLAGS).encode())
     name = MODULE + sysconfig.get_config_var("EXT_SUFFIX")
     lib = builder.output_path("exact_ops", name, parts, out_dir)
@@ -112,6 +123,11 @@ def _self_check(module) -> str | None:
             return "its SiLU differs from MLX's"
         if not mx.array_equal(module.softmax(s), mx.softmax(s, axis=-1, precise=True)).item():
             return "its softmax differs from MLX's"
+        q = mx.random.normal((1, 4, 3, 16), key=mx.random.key(9))
+        k = mx.random.normal((1, 2, 40, 16), key=mx.random.key(10))
+        want = mx.fast.scaled_dot_product_attention(q, k, -k, scale=0.25, mask="causal")
+        if not mx.allclose(module.attention(q, k, -k, 0.25, True, None), want, 1e-5, 1e-6).item():
+            return "its decode attention differs from MLX's"
     return None
 
 
@@ -177,9 +193,10 @@ def _sdpa_fits(queries, keys, values, cache, mask, sinks) -> bool:
 
 
 def attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's ``scaled_dot_product_attention`` (``models/base.py``) with the same bits on
-    the CPU: MLX's fallback graph with the exact vectorised softmax; anything else is
-    mlx-lm's own function."""
+    """mlx-lm's ``scaled_dot_product_attention`` (``models/base.py``) for float32 on the CPU:
+    1-16 query rows run the decode kernel (each row's bits its own, at any context length;
+    MLX's result to float32 rounding), more rows MLX's fallback graph with the exact
+    vectorised softmax (MLX's bits); anything else is mlx-lm's own function."""
     if not _sdpa_fits(queries, keys, values, cache, mask, sinks):
         from mlx_lm.models import base
 
@@ -194,8 +211,9 @@ def attention(queries, keys, values, cache, scale, mask, sinks=None):
 
 def install_attention(layers) -> int:
     """Point the mlx-lm modules that define these layers' attention at :func:`attention`
-    (only where they call ``base.scaled_dot_product_attention``; the same bits, so other
-    models of those modules are unchanged). Returns how many modules were changed.
+    (only where they call ``base.scaled_dot_product_attention``; other models of those
+    modules then run it too, e.g. mlx-lm's plain decoding of the same target). Returns how
+    many modules were changed.
 
     Args:
         layers: decoder layers with a ``self_attn``.

@@ -105,27 +105,67 @@ def _masks(length, keys, key):
     return masks
 
 
-@pytest.mark.parametrize(
-    "b,h,hk,length,keys,d",
-    [(1, 9, 3, 1, 120, 64), (1, 9, 3, 8, 128, 64), (1, 4, 4, 5, 37, 32), (2, 8, 2, 16, 300, 64)],
-)
-def test_attention_has_fast_sdpa_bits(ops, b, h, hk, length, keys, d):
-    ks = mx.random.split(mx.random.key(length * keys), 4)
+def _qkv(b, h, hk, length, keys, d, seed):
+    ks = mx.random.split(mx.random.key(seed), 3)
     q = mx.random.normal((b, h, length, d), key=ks[0])
     k = mx.random.normal((b, hk, keys, d), key=ks[1])
     v = mx.random.normal((b, hk, keys, d), key=ks[2])
-    for mask in _masks(length, keys, ks[3]):
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "b,h,hk,length,keys,d",
+    [(1, 9, 3, 1, 120, 64), (1, 9, 3, 8, 128, 64), (1, 4, 4, 5, 37, 32), (2, 8, 2, 16, 300, 64)]
+    + [(1, 9, 3, 9, 1500, 64), (1, 6, 2, 3, 70, 136)],
+)
+def test_decode_attention_is_fast_sdpa_within_rounding(ops, b, h, hk, length, keys, d):
+    """Decode widths (1-16 rows) run the decode kernel: its own summation order, so MLX's
+    result to float32 rounding, with every mask kind."""
+    q, k, v = _qkv(b, h, hk, length, keys, d, length * keys)
+    for mask in _masks(length, keys, mx.random.key(keys)):
         want = mx.fast.scaled_dot_product_attention(q, k, v, scale=d**-0.5, mask=mask)
         got = exact_ops.attention(q, k, v, None, d**-0.5, mask)
-        assert same_bits(got, want), f"mask {type(mask).__name__}"
+        assert got.shape == want.shape and got.dtype == mx.float32
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=2e-5, atol=2e-6)
 
 
-def test_attention_has_sdpa_bits_with_a_tree_mask(ops):
-    q = mx.random.normal((1, 9, 8, 64), key=mx.random.key(6))
-    k = mx.random.normal((1, 3, 128, 64), key=mx.random.key(7))
-    mask = tree.mask(120, 5, 8)
-    want = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask=mask)
-    assert same_bits(exact_ops.attention(q, k, k, None, 0.125, mask), want)
+@pytest.mark.parametrize("keys", [40, 1500])  # past 1,024 keys MLX's graph gave OpenBLAS P @ V
+@pytest.mark.parametrize("length", [2, 8, 16])
+def test_a_verify_rows_attention_has_the_bits_of_that_row_alone(ops, keys, length):
+    """What greedy parity rests on: row l of an L-row causal verify equals, bit for bit, a
+    one-row step over the keys it sees, at short and long contexts, on a cache's sliced K/V."""
+    q, k, v = _qkv(1, 9, 3, length, keys + 64, 64, keys)
+    k, v = k[:, :, :keys], v[:, :, :keys]  # a KVCache's view: rows beyond the offset unused
+    rows = exact_ops.attention(q, k, v, None, 0.125, "causal")
+    for i in range(length):
+        n = keys - length + i + 1
+        alone = exact_ops.attention(q[:, :, i : i + 1], k[:, :, :n], v[:, :, :n], None, 0.125, None)
+        assert same_bits(rows[:, :, i : i + 1], alone), f"row {i}"
+    contiguous = exact_ops.attention(
+        q, mx.array(np.array(k)), mx.array(np.array(v)), None, 0.125, "causal"
+    )
+    assert same_bits(rows, contiguous)
+
+
+def test_a_tree_rows_attention_has_the_bits_of_its_path_alone(ops):
+    """A tree verify's masked keys add nothing: each row equals a one-row step over only the
+    keys its mask lets it see, in order (a sibling sees the context, the anchor, itself)."""
+    q, k, v = _qkv(1, 9, 3, 8, 1200, 64, 6)
+    mask = tree.mask(1192, 5, 8)
+    rows = exact_ops.attention(q, k, v, None, 0.125, mask)
+    for i in range(8):
+        seen = mx.array(np.flatnonzero(np.array(mask[i])))
+        ki, vi = mx.take(k, seen, axis=2), mx.take(v, seen, axis=2)
+        alone = exact_ops.attention(q[:, :, i : i + 1], ki, vi, None, 0.125, None)
+        assert same_bits(rows[:, :, i : i + 1], alone), f"row {i}"
+
+
+def test_prefill_attention_keeps_fast_sdpa_bits(ops):
+    """More rows than a decode width (a prefill) take MLX's own graph, op for op."""
+    q, k, v = _qkv(1, 9, 3, 17, 40, 64, 17)
+    for mask in _masks(17, 40, mx.random.key(4)):
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+        assert same_bits(exact_ops.attention(q, k, v, None, 0.125, mask), want)
 
 
 def test_attention_leaves_what_it_does_not_cover_to_mlx_lm(ops, monkeypatch):
@@ -154,7 +194,8 @@ def test_without_the_kernels_the_functions_are_mlx_ops(ops, monkeypatch):
 
 def test_target_layers_use_the_kernels_with_the_same_logits(ops, pairs):
     """The tiny qwen3 target's MLPs and attention run the kernels; its logits for a prompt,
-    one row and eight rows equal those of MLX's own ops, bit for bit."""
+    one row and eight rows equal, bit for bit, those with MLX's SiLU; with MLX's attention
+    too (its own summation order) they agree to float32 rounding."""
     model, _ = pairs("qwen3", "d2")
     ad = model.adapter
     bases = [x.inner if isinstance(x, target._Tap) else x for x in ad.inner.layers]
@@ -175,10 +216,13 @@ def test_target_layers_use_the_kernels_with_the_same_logits(ops, pairs):
     try:
         for b in bases:
             b.mlp = cpu_target._Compiled(b.mlp.inner)
+        mlx_silu = logits()
         mod.scaled_dot_product_attention = base.scaled_dot_product_attention
-        slow = logits()
+        mlx_ops = logits()
     finally:
         for b, m in zip(bases, saved):
             b.mlp = m
         mod.scaled_dot_product_attention = exact_ops.attention
-    assert all(same_bits(a, b) for a, b in zip(fast, slow))
+    assert all(same_bits(a, b) for a, b in zip(fast, mlx_silu))
+    for a, b in zip(fast, mlx_ops):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)

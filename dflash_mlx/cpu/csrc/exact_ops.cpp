@@ -25,37 +25,13 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+#include "decode_attention.h"
+#include "exp_mlx.h"
+
 namespace nb = nanobind;
 namespace mx = mlx::core;
 
 namespace {
-
-// exp(x) as MLX's CPU backend computes it (simd::exp with one lane).
-inline float exp_mlx(float x0) {
-  float x = x0 * 1.442695f;  // log2(e)
-  // MLX takes floor(x + 0.5) in double (a float plus the double 0.5): that is rint(x),
-  // except at exact halves, which round up. In float, so that the loop vectorises.
-  float even = __builtin_rintf(x);
-  float ipart = x - even == 0.5f ? even + 1.0f : even;
-  float fpart = x - ipart;
-  float p = 1.535336188319500e-4f;
-  p = __builtin_fmaf(p, fpart, 1.339887440266574e-3f);
-  p = __builtin_fmaf(p, fpart, 9.618437357674640e-3f);
-  p = __builtin_fmaf(p, fpart, 5.550332471162809e-2f);
-  p = __builtin_fmaf(p, fpart, 2.402264791363012e-1f);
-  p = __builtin_fmaf(p, fpart, 6.931472028550421e-1f);
-  p = __builtin_fmaf(p, fpart, 1.000000000000000f);
-  // 2^ipart from its exponent bits; |x0| > 88 and NaN are replaced below, so the
-  // conversion of a huge ipart (undefined in C++, any value on x86) never reaches out.
-  int32_t bits = (static_cast<int32_t>(ipart) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  float r = scale * p;
-  r = x0 != x0 ? x0 : r;  // NaN
-  r = x0 > 88.0f ? INFINITY : r;
-  r = x0 < -88.0f ? 0.0f : r;
-  return r;
-}
 
 // MLX's Sigmoid, then its two products: (g * sigmoid(g)) * u.
 void silu_mul_rows(const float* __restrict g, const float* __restrict u, float* __restrict out,
@@ -170,6 +146,65 @@ class Softmax : public CpuElementwise {
   const char* name() const override { return "DflashSoftmax"; }
 };
 
+// Keys or values as the kernel reads them: in place when each row's d is contiguous (a KV
+// cache's slice), else gathered row-major.
+struct Rows {
+  const float* data;
+  int64_t b, h, s;
+  std::vector<float> buf;
+  Rows(const mx::array& a) {
+    if (a.strides().back() == 1) {
+      data = a.data<float>();
+      b = a.strides()[0], h = a.strides()[1], s = a.strides()[2];
+    } else {
+      data = Dense(a).get(buf, a.size());
+      s = a.shape(3), h = s * a.shape(2), b = h * a.shape(1);
+    }
+  }
+};
+
+// Attention for decode widths (decode_attention.h): q, k, v and an optional mask broadcast
+// to [B, H, L, S]; each row's bits depend on that row alone.
+class DecodeAttention : public CpuElementwise {
+ public:
+  DecodeAttention(mx::Stream s, float scale, int kind)
+      : CpuElementwise(s), scale_(scale), kind_(kind) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    auto& enc = prepare(in, out);
+    const mx::array q = in[0], k = in[1], v = in[2];
+    std::optional<mx::array> mask;
+    if (in.size() > 3) mask = in[3];
+    enc.dispatch([q, k, v, mask, o = out.data<float>(), scale = scale_, kind = kind_]() {
+      dflash_attention::Args a{};
+      a.B = q.shape(0), a.H = q.shape(1), a.L = q.shape(2), a.D = q.shape(3);
+      a.Hk = k.shape(1), a.S = k.shape(2), a.scale = scale, a.mask_kind = kind;
+      std::vector<float> qb;
+      a.q = Dense(q).get(qb, q.size());
+      Rows kr(k), vr(v);
+      a.k = kr.data, a.k_b = kr.b, a.k_h = kr.h, a.k_s = kr.s;
+      a.v = vr.data, a.v_b = vr.b, a.v_h = vr.h, a.v_s = vr.s;
+      if (mask) {
+        a.mask = kind == dflash_attention::BOOL ? static_cast<const void*>(mask->data<bool>())
+                                                : static_cast<const void*>(mask->data<float>());
+        const auto& st = mask->strides();
+        a.m_b = st[0], a.m_h = st[1], a.m_l = st[2], a.m_s = st[3];
+      }
+      a.out = o;
+      dflash_attention::run(a);
+    });
+  }
+  const char* name() const override { return "DflashDecodeAttention"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const DecodeAttention*>(&other);
+    return o && o->scale_ == scale_ && o->kind_ == kind_;
+  }
+
+ private:
+  float scale_;
+  int kind_;
+};
+
 // silu(g) * u; MLX's own ops where the kernel does not apply (other dtypes, shapes, GPU).
 mx::array exact_silu_mul(const mx::array& g, const mx::array& u) {
   mx::StreamOrDevice s = {};
@@ -193,11 +228,42 @@ mx::array exact_softmax(const mx::array& x) {
   return mx::array(x.shape(), mx::float32, std::make_shared<Softmax>(st), std::move(in));
 }
 
+// Whether the decode kernel takes this call: few query rows (a decode step or a verify),
+// float32 on the CPU, head dims the kernel's vectors divide, as many keys as queries.
+bool decode_fits(const mx::array& q, const mx::array& k, const mx::array& v, bool causal) {
+  if (!on_cpu_f32(q, {}) || k.dtype() != mx::float32 || v.dtype() != mx::float32) return false;
+  if (q.ndim() != 4 || k.ndim() != 4 || v.shape() != k.shape()) return false;
+  const int L = q.shape(2), D = q.shape(3), S = k.shape(2);
+  return L >= 1 && L <= dflash_attention::MAX_ROWS && D % 8 == 0 && D <= dflash_attention::MAX_DIM &&
+         k.shape(3) == D && q.shape(0) == k.shape(0) && k.shape(1) >= 1 &&
+         q.shape(1) % k.shape(1) == 0 && S >= 1 && (!causal || S >= L);
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                           bool causal, std::optional<mx::array> mask) {
+  mx::StreamOrDevice s = {};
+  std::vector<mx::array> in = {q, k, v};
+  int kind = causal ? dflash_attention::CAUSAL : dflash_attention::NONE;
+  if (mask) {
+    mx::array m = *mask;
+    kind = m.dtype() == mx::bool_ ? dflash_attention::BOOL : dflash_attention::ADDITIVE;
+    if (kind == dflash_attention::ADDITIVE) m = mx::astype(m, mx::float32, s);
+    auto shape = q.shape();
+    shape.back() = k.shape(2);
+    in.push_back(mx::broadcast_to(m, shape, s));
+  }
+  auto prim = std::make_shared<DecodeAttention>(mx::to_stream(s), scale, kind);
+  return mx::array(q.shape(), mx::float32, std::move(prim), std::move(in));
+}
+
 // mx.fast.scaled_dot_product_attention as MLX's CPU backend evaluates it (the op graph of
 // its fallback in mlx/fast.cpp, op for op), with the softmax above: the same bits.
 mx::array exact_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
                     float scale, bool causal, std::optional<mx::array> mask) {
   mx::StreamOrDevice s = {};
+  if (decode_fits(queries, keys, values, causal)) {
+    return decode_attention(queries, keys, values, scale, causal, mask);
+  }
   int n_q_heads = queries.shape(1), n_kv_heads = keys.shape(1);
   int n_repeats = n_q_heads / n_kv_heads;
   auto q = mx::multiply(mx::array(scale, queries.dtype()), queries, s);
