@@ -7,11 +7,13 @@
 // probabilities @ values over more than 1,024 keys to OpenBLAS, whose sums for one row
 // depend on how many rows are multiplied with it. Here every sum behind one output element
 // runs in an order fixed by that row alone:
-//   score[j] = dot(scale * q, k[j]) in four interleaved chains over d, (c0 + c1) + (c2 + c3);
+//   score[j] = dot(scale * q, k[j]), one chain over d in order;
 //   p        = MLX's precise softmax (max; exp_mlx(s - max); a running sum over j in order;
 //              times 1 / sum) over the row's keys: all S (a mask applied MLX's way), or under
 //              the causal mask its first S - L + l + 1 (the rest would add exact zeros);
-//   out[d]   = the sum over j, in order, of p[j] * v[j][d] (no fused multiply-add).
+//   out[d]   = the sum over j, in order, of p[j] * v[j][d].
+// Products are added by fused multiply-adds where the CPU has them (the same instruction in
+// every call, so still one order per row).
 // So a row has the same bits alone (a plain step) as among others (a verify), at any context
 // length. Threads split keys (scores), rows (softmax) or output columns (values), never a sum.
 // Included by exact_ops.cpp; built with -ffp-contract=off and OpenMP.
@@ -24,11 +26,14 @@
 
 #include "exp_mlx.h"
 
+#if defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 namespace dflash_attention {
 
 enum MaskKind { NONE = 0, CAUSAL = 1, BOOL = 2, ADDITIVE = 3 };
 constexpr int MAX_ROWS = 16;     // query rows per call: decode widths (small_gemm.MAX_ROWS)
-constexpr int MAX_DIM = 256;     // head dims a key tile holds on the stack
 constexpr int KEY_CHUNK = 256;   // keys one score task takes
 constexpr int VALUE_CHUNK = 64;  // keys whose values stay in L1 while every row takes them
 constexpr long SCRATCH = 1L << 23;  // scores held at once (floats); more: groups in turns
@@ -64,31 +69,55 @@ struct Args {
 inline v8 load(const float* p) { return *reinterpret_cast<const v8*>(p); }
 inline void store(float* p, v8 x) { *reinterpret_cast<v8*>(p) = x; }
 
-// Scores of keys [j0, j1) for every row of group g: 8 keys transposed at a time, so each
-// score is 8-lane arithmetic with no horizontal sum.
-inline void score_keys(const Args& a, const float* qs, float* s, int g, int j0, int j1) {
-  alignas(32) float kt[MAX_DIM * 8];  // [D, 8]
-  const int T = a.rows(), D = a.D;
-  for (int j = j0; j < j1; j += 8) {
-    const int n = std::min(8, j1 - j);
-    for (int i = 0; i < 8; i++) {
-      const float* kr = a.key(g, j + std::min(i, n - 1));
-      for (int d = 0; d < D; d++) kt[d * 8 + i] = i < n ? kr[d] : 0.0f;
-    }
-    for (int t = 0; t < T; t++) {
-      if (j >= a.keys(t)) continue;
-      const float* q = qs + static_cast<int64_t>(t) * D;
-      v8 c0 = {0}, c1 = {0}, c2 = {0}, c3 = {0};
-      for (int d = 0; d < D; d += 4) {
-        c0 += q[d] * load(kt + d * 8);
-        c1 += q[d + 1] * load(kt + (d + 1) * 8);
-        c2 += q[d + 2] * load(kt + (d + 2) * 8);
-        c3 += q[d + 3] * load(kt + (d + 3) * 8);
-      }
-      const v8 r = (c0 + c1) + (c2 + c3);
-      float* out = s + static_cast<int64_t>(t) * a.S + j;
-      for (int i = 0; i < n; i++) out[i] = r[i];
-    }
+// acc + x * y, fused where the CPU can (the file is built with -ffp-contract=off, so
+// nothing else is fused behind our back).
+inline v8 madd(v8 acc, float x, v8 y) {
+#if defined(__FMA__)
+  return reinterpret_cast<v8>(_mm256_fmadd_ps(_mm256_set1_ps(x), reinterpret_cast<__m256>(y),
+                                              reinterpret_cast<__m256>(acc)));
+#else
+  return acc + x * y;
+#endif
+}
+
+// Scores of keys [j, j + KJ) for rows [8 v0, 8 (v0 + RV)) of group g. The rows are the 8
+// lanes (qt is [D, Tp]: the scaled queries transposed), so each score is one chain over d in
+// order; RV row vectors times KJ keys keep eight chains in flight for the FMA units.
+template <int RV, int KJ>
+inline void score_block(const Args& a, const float* qt, int Tp, float* s, int g, int v0, int j) {
+  v8 c[RV][KJ] = {};
+  const float* kr[KJ];
+  for (int u = 0; u < KJ; u++) kr[u] = a.key(g, j + u);
+  for (int d = 0; d < a.D; d++) {
+    v8 q[RV];
+    for (int r = 0; r < RV; r++) q[r] = load(qt + int64_t{d} * Tp + (v0 + r) * 8);
+    for (int u = 0; u < KJ; u++)
+      for (int r = 0; r < RV; r++) c[r][u] = madd(c[r][u], kr[u][d], q[r]);
+  }
+  const int T = a.rows();
+  for (int r = 0; r < RV; r++)
+    for (int i = 0, t = (v0 + r) * 8; i < 8 && t < T; i++, t++)
+      for (int u = 0; u < KJ; u++) s[int64_t{t} * a.S + j + u] = c[r][u][i];
+}
+
+template <int RV, int KJ>
+inline int score_run(const Args& a, const float* qt, int Tp, float* s, int g, int v0, int j,
+                     int j1) {
+  for (; j + KJ <= j1; j += KJ) score_block<RV, KJ>(a, qt, Tp, s, g, v0, j);
+  for (; j < j1; j++) score_block<RV, 1>(a, qt, Tp, s, g, v0, j);
+  return j;
+}
+
+// Scores of keys [j0, j1) for every row of group g (a row's keys past its own are scored
+// and never read).
+inline void score_keys(const Args& a, const float* qt, float* s, int g, int j0, int j1) {
+  const int Tp = (a.rows() + 7) / 8 * 8;
+  for (int v0 = 0; v0 < Tp / 8; v0 += 4) {
+    const int rv = std::min(4, Tp / 8 - v0);
+    if (rv == 1) score_run<1, 8>(a, qt, Tp, s, g, v0, j0, j1);
+    else if (rv == 2) score_run<2, 4>(a, qt, Tp, s, g, v0, j0, j1);
+    else if (rv == 3) score_run<3, 2>(a, qt, Tp, s, g, v0, j0, j1);
+    else score_run<4, 2>(a, qt, Tp, s, g, v0, j0, j1);
   }
 }
 
@@ -105,6 +134,30 @@ inline void apply_mask(const Args& a, float* row, int g, int t) {
   }
 }
 
+// The largest of row[0, n), NaN if any is (as MLX's maximum), in 8 lanes (a maximum is
+// exact in any order; the sign of a zero maximum changes no exp(x - max)).
+inline float row_max(const float* row, int n) {
+  v8 top = v8{} - INFINITY;
+  v8 nan = {};
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8 x = load(row + j);
+    nan = x != x ? x : nan;
+    top = x > top ? x : top;
+  }
+  float m = -INFINITY;
+  bool any_nan = false;
+  for (int i = 0; i < 8; i++) {
+    any_nan |= nan[i] != nan[i];
+    m = top[i] > m ? top[i] : m;
+  }
+  for (; j < n; j++) {
+    any_nan |= row[j] != row[j];
+    m = row[j] > m ? row[j] : m;
+  }
+  return any_nan ? NAN : m;
+}
+
 // MLX's precise softmax over rows [t0, t1) of group g, in place; the running sums of up to
 // four rows interleave (each still in order), which hides the adds' latency.
 inline void softmax_rows(const Args& a, float* s, int g, int t0, int t1) {
@@ -115,13 +168,7 @@ inline void softmax_rows(const Args& a, float* s, int g, int t0, int t1) {
     const int n = a.keys(t);
     shortest = std::min(shortest, n);
     if (a.mask_kind == BOOL || a.mask_kind == ADDITIVE) apply_mask(a, row, g, t);
-    float top = -INFINITY;  // NaN sticks, as in MLX's maximum
-    bool nan = false;
-    for (int j = 0; j < n; j++) {
-      nan |= row[j] != row[j];
-      top = row[j] > top ? row[j] : top;
-    }
-    if (nan) top = NAN;
+    float top = row_max(row, n);
     for (int j = 0; j < n; j++) row[j] = exp_mlx(row[j] - top);
   }
   const int m = t1 - t0;
@@ -138,26 +185,47 @@ inline void softmax_rows(const Args& a, float* s, int g, int t0, int t1) {
   }
 }
 
-// out[:, d0 : d0 + 8 * NV] of every row of group g: values [j, j + 64) stay in L1 while each
-// row adds its terms for them, in order, into NV vectors.
+// Terms [j0, j1) of out[d0 : d0 + 8 * NV] for R rows (R = 2: eight chains for the FMA
+// units; each row's terms still in order, as alone).
+template <int NV, int R>
+inline void add_terms(const Args& a, const float* const* p, float* const* o, int g, int d0,
+                      int j0, int j1) {
+  v8 acc[R][NV];
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < NV; i++) acc[r][i] = load(o[r] + 8 * i);
+  for (int j = j0; j < j1; j++) {
+    const float* vr = a.value(g, j) + d0;
+    for (int i = 0; i < NV; i++) {
+      const v8 x = load(vr + 8 * i);
+      for (int r = 0; r < R; r++) acc[r][i] = madd(acc[r][i], p[r][j], x);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int i = 0; i < NV; i++) store(o[r] + 8 * i, acc[r][i]);
+}
+
+// out[:, d0 : d0 + 8 * NV] of every row of group g: values [j, j + 64) stay in L1 while the
+// rows, two at a time, add their terms for them.
 template <int NV>
 inline void values(const Args& a, const float* s, int g, int d0) {
   const int T = a.rows();
   for (int t = 0; t < T; t++)
     for (int i = 0; i < NV; i++) store(a.out + a.row_of(g, t) * a.D + d0 + 8 * i, v8{0});
   for (int j0 = 0; j0 < a.S; j0 += VALUE_CHUNK) {
-    for (int t = 0; t < T; t++) {
-      const int n = std::min(j0 + VALUE_CHUNK, a.keys(t));
-      const float* p = s + static_cast<int64_t>(t) * a.S;
-      float* o = a.out + a.row_of(g, t) * a.D + d0;
-      v8 acc[NV];
-      for (int i = 0; i < NV; i++) acc[i] = load(o + 8 * i);
-      for (int j = j0; j < n; j++) {
-        const float* vr = a.value(g, j) + d0;
-        const float pj = p[j];
-        for (int i = 0; i < NV; i++) acc[i] += pj * load(vr + 8 * i);
+    for (int t = 0; t < T; t += 2) {
+      const int m = std::min(2, T - t);
+      const float* p[2];
+      float* o[2];
+      int end[2];
+      for (int u = 0; u < m; u++) {
+        p[u] = s + int64_t{t + u} * a.S;
+        o[u] = a.out + a.row_of(g, t + u) * a.D + d0;
+        end[u] = std::max(j0, std::min(j0 + VALUE_CHUNK, a.keys(t + u)));
       }
-      for (int i = 0; i < NV; i++) store(o + 8 * i, acc[i]);
+      const int both = m == 2 ? std::min(end[0], end[1]) : j0;
+      if (both > j0) add_terms<NV, 2>(a, p, o, g, d0, j0, both);
+      for (int u = 0; u < m; u++)
+        if (end[u] > both) add_terms<NV, 1>(a, p + u, o + u, g, d0, both, end[u]);
     }
   }
 }
@@ -172,13 +240,13 @@ inline void values_part(const Args& a, const float* s, int g, int part) {
 
 // Groups [g0, g1) (a KV head of a batch row each): scores, softmax, values.
 inline void run_groups(const Args& a, const float* qs, float* s, int g0, int g1) {
-  const int T = a.rows(), n = g1 - g0, chunks = (a.S + KEY_CHUNK - 1) / KEY_CHUNK;
+  const int T = a.rows(), Tp = (T + 7) / 8 * 8, n = g1 - g0, chunks = (a.S + KEY_CHUNK - 1) / KEY_CHUNK;
   const int64_t per = static_cast<int64_t>(T) * a.S, parts = (a.D + 31) / 32;
   const bool par = per * n * a.D >= (1L << 16);  // below this, threads cost more than they save
 #pragma omp parallel for schedule(static) if (par)
   for (int u = 0; u < n * chunks; u++) {
     const int g = g0 + u / chunks, j0 = (u % chunks) * KEY_CHUNK;
-    score_keys(a, qs + static_cast<int64_t>(g) * T * a.D, s + (g - g0) * per, g, j0,
+    score_keys(a, qs + static_cast<int64_t>(g) * Tp * a.D, s + (g - g0) * per, g, j0,
                std::min(a.S, j0 + KEY_CHUNK));
   }
   const int quads = (T + 3) / 4;
@@ -199,12 +267,13 @@ inline void run_groups(const Args& a, const float* qs, float* s, int g0, int g1)
 inline void run(const Args& a) {
   static thread_local std::vector<float> qs, s;
   const int G = a.B * a.Hk, T = a.rows(), D = a.D;
-  qs.resize(static_cast<size_t>(G) * T * D);
-  for (int g = 0; g < G; g++)
+  const int Tp = (T + 7) / 8 * 8;  // rows padded to whole vectors (zero lanes)
+  qs.assign(static_cast<size_t>(G) * Tp * D, 0.0f);
+  for (int g = 0; g < G; g++)  // [G, D, Tp]: each group's rows transposed
     for (int t = 0; t < T; t++) {
       const float* src = a.q + a.row_of(g, t) * D;
-      float* dst = qs.data() + (static_cast<int64_t>(g) * T + t) * D;
-      for (int d = 0; d < D; d++) dst[d] = a.scale * src[d];
+      float* dst = qs.data() + static_cast<int64_t>(g) * Tp * D + t;
+      for (int d = 0; d < D; d++) dst[int64_t{d} * Tp] = a.scale * src[d];
     }
   const int64_t per = static_cast<int64_t>(T) * a.S;
   const int step = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(G, SCRATCH / per)));

@@ -229,14 +229,14 @@ mx::array exact_softmax(const mx::array& x) {
 }
 
 // Whether the decode kernel takes this call: few query rows (a decode step or a verify),
-// float32 on the CPU, head dims the kernel's vectors divide, as many keys as queries.
+// float32 on the CPU, head dims the kernel's vectors divide, at least as many keys as queries.
 bool decode_fits(const mx::array& q, const mx::array& k, const mx::array& v, bool causal) {
   if (!on_cpu_f32(q, {}) || k.dtype() != mx::float32 || v.dtype() != mx::float32) return false;
   if (q.ndim() != 4 || k.ndim() != 4 || v.shape() != k.shape()) return false;
   const int L = q.shape(2), D = q.shape(3), S = k.shape(2);
-  return L >= 1 && L <= dflash_attention::MAX_ROWS && D % 8 == 0 && D <= dflash_attention::MAX_DIM &&
-         k.shape(3) == D && q.shape(0) == k.shape(0) && k.shape(1) >= 1 &&
-         q.shape(1) % k.shape(1) == 0 && S >= 1 && (!causal || S >= L);
+  return L >= 1 && L <= dflash_attention::MAX_ROWS && D % 8 == 0 && k.shape(3) == D &&
+         q.shape(0) == k.shape(0) && k.shape(1) >= 1 && q.shape(1) % k.shape(1) == 0 && S >= 1 &&
+         (!causal || S >= L);
 }
 
 mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
