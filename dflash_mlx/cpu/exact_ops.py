@@ -94,7 +94,9 @@ def build(out_dir: Path | None = None) -> Path:
     cmd = [cxx, *FLAGS, *(f"-I{d}" for d in p["includes"]), str(p["source"]), str(p["nb_source"])]
     cmd += [f"-L{p['mlx_lib']}", "-lmlx", f"-Wl,-rpath,{p['mlx_lib']}", "-o", "{out}"]
     versions = {"compiler": cxx, "versions": p["versions"]}
-    return builder.compile_once(lib, [cmd], p["source"].name, [f"PyInit_{MODULE}"], versions)
+    serial = [a for a in cmd if a != "-fopenmp"]  # a compiler without OpenMP: one thread
+    exports = [f"PyInit_{MODULE}"]
+    return builder.compile_once(lib, [cmd, serial], p["source"].name, exports, versions)
 
 
 def _import(path: Path):

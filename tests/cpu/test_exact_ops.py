@@ -226,3 +226,23 @@ def test_target_layers_use_the_kernels_with_the_same_logits(ops, pairs):
     assert all(same_bits(a, b) for a, b in zip(fast, mlx_silu))
     for a, b in zip(fast, mlx_ops):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiler_without_openmp_still_builds_the_extension(ops, tmp_path, monkeypatch):
+    """The decode attention's threads are OpenMP's; a C++ compiler without it (e.g. clang
+    with no libomp) builds the extension single-threaded instead of losing every kernel."""
+    real = exact_ops.compiler()
+    wrapper = tmp_path / "cxx"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {tmp_path}/calls\n'
+        'case " $* " in *" -fopenmp "*) echo "error: unsupported option -fopenmp" >&2; exit 1;; esac\n'
+        f'exec {real} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CXX", str(wrapper))
+    lib = exact_ops.build(tmp_path / "out")
+    assert lib.is_file()
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 2 and "-fopenmp" in calls[0].split()
+    assert "-fopenmp" not in calls[1].split()
