@@ -55,6 +55,7 @@ class Scheduler:
             copied) cost tables of a context band (``costs.Bands``); None: ``costs`` and
             ``lookup_costs`` at every length. context: tokens in the cache at the start.
         prior_weight: pseudo-observations behind ``prior`` (default ``PRIOR_WEIGHT``).
+        lookup_weight: the same behind ``lookup_priors``.
     """
 
     def __init__(
@@ -69,6 +70,7 @@ class Scheduler:
         bands=None,
         context: int = 0,
         prior_weight: float | None = None,
+        lookup_weight: float | None = None,
     ):
         self.costs, self.frozen = costs, frozen
         self.lookup_costs = lookup_costs
@@ -79,6 +81,8 @@ class Scheduler:
         if lookup_costs is not None and lookup_priors is None:
             lookup_priors = lookup.priors(costs.max_block - 1)
         self.lookup_acc = {c: Acceptance(list(p)) for c, p in (lookup_priors or {}).items()}
+        for acc in self.lookup_acc.values() if lookup_weight is not None else ():
+            acc.weight = lookup_weight  # learnt in another context band: held lightly
         self.lookup_history: Counter = Counter()
         self.max_block = costs.max_block
         self.min_block = min_block
@@ -271,7 +275,7 @@ class Tuning:
         self.costs: dict[str, Bands] = {}  # per mode, by context band
         self.lookup_costs: dict[str, Bands] = {}
         self.priors: dict[tuple, list[float]] = {}  # by (mode, selector, band)
-        self.lookup_priors: dict[str, dict[int, list[float]]] = {}  # per mode
+        self.lookup_priors: dict[tuple, dict[int, list[float]]] = {}  # by (mode, band)
         self.catch_priors: dict[tuple, list[float]] = {}  # sibling catch rates, by key
         # (probe_after, plain steps since the last speculative cycle) per (mode, selector):
         # the probe backoff carries across requests, so short requests on a pair that
@@ -316,6 +320,18 @@ class Tuning:
             return self.priors[mode, selector, max(below)], BORROWED_WEIGHT
         return [DEFAULT_PRIOR] * (self.max_block - 1), None
 
+    def _lookup_prior(self, mode: str, b: int) -> tuple[dict | None, float | None]:
+        """The lookup acceptance by match class learnt in context band b, else in the
+        nearest band below (held lightly: whether a long prompt's text repeats where the
+        answer goes says little about a shorter one's), else None (the default)."""
+        own = self.lookup_priors.get((mode, b))
+        if own is not None:
+            return own, None
+        below = [k[1] for k in self.lookup_priors if k[0] == mode and k[1] < b]
+        if below:
+            return self.lookup_priors[mode, max(below)], BORROWED_WEIGHT
+        return None, None
+
     def scheduler(
         self,
         greedy: bool,
@@ -351,16 +367,18 @@ class Tuning:
                 return drafted.at(b), None if copied is None else copied.at(b)
 
             prior, weight = self._prior(mode, selector, band(context))
+            lookup_prior, lookup_weight = self._lookup_prior(mode, band(context))
             costs, lk = bands(0)
             sched = Scheduler(
                 costs,
                 prior,
                 lookup_costs=lk,
-                lookup_priors=self.lookup_priors.get(mode) if lookup else None,
+                lookup_priors=lookup_prior if lookup else None,
                 catch_prior=self.catch_priors.get((mode, selector)),
                 bands=bands,
                 context=context,
                 prior_weight=weight,
+                lookup_weight=lookup_weight,
             )
             sched.probe_after, sched.since_spec = self.backoff.get(
                 (mode, selector), (PROBE_START, 0)
@@ -375,5 +393,5 @@ class Tuning:
             self.catch_priors[sched.key[:2]] = sched.catches.rates()
             if sched.lookup_acc:
                 rates = {c: a.rates() for c, a in sched.lookup_acc.items()}
-                self.lookup_priors[sched.key[0]] = rates
+                self.lookup_priors[sched.key[0], sched.band] = rates
             self.backoff[sched.key[:2]] = (sched.probe_after, sched.since_spec)

@@ -95,6 +95,38 @@ def test_a_prior_from_a_shorter_context_is_held_lightly():
     assert tuning.scheduler(True, True, context=5000).acc.weight == PRIOR_WEIGHT
 
 
+def test_lookup_acceptance_learnt_at_a_shorter_context_is_held_lightly():
+    """Copies that paid in a 3,500-token prompt say little about a 7,000-token one: a band
+    without its own lookup prior borrows the nearest shorter band's at BORROWED_WEIGHT, so a
+    few failed copies show, and keeps its own once it has one."""
+    t = CostTable(8)
+    t.seconds = {1: 1.0, **{b: 1.2 for b in range(2, 9)}}
+    tuning = Tuning(t, measured_lookup=t.copy())
+    learnt = tuning.scheduler(True, True, lookup=True, context=3500)
+    assert all(a.weight == PRIOR_WEIGHT for a in learnt.lookup_acc.values())  # the default's
+    for c in learnt.lookup_acc:
+        learnt.lookup_acc[c].prior = [0.8] * 7  # copies paid here
+    tuning.finish(learnt)
+    far = tuning.scheduler(True, True, lookup=True, context=7000)
+    same = tuning.scheduler(True, True, lookup=True, context=3000)
+    short = tuning.scheduler(True, True, lookup=True, context=100)
+    assert all(a.weight == BORROWED_WEIGHT for a in far.lookup_acc.values())
+    assert all(a.weight == PRIOR_WEIGHT for a in same.lookup_acc.values())
+    assert [a.rates()[0] for a in far.lookup_acc.values()] == pytest.approx([0.8] * 3)
+    assert [a.rates() for a in short.lookup_acc.values()] != [
+        a.rates() for a in far.lookup_acc.values()
+    ]
+    for sched in (far, same):
+        for _ in range(3):  # three copies of a 4-token match fail at once
+            sched.record(8, Cycle([5], accepted=0, lookup=4), None)
+    c = max(far.lookup_acc)
+    assert far.lookup_acc[c].rates()[0] < 0.45 and same.lookup_acc[c].rates()[0] > 0.55  # .40 .59
+    tuning.finish(far)
+    assert (
+        tuning.scheduler(True, True, lookup=True, context=5000).lookup_acc[c].weight == PRIOR_WEIGHT
+    )
+
+
 def test_auto_across_a_band_edge_decodes_the_greedy_reference(pairs):
     from references import reference
 
