@@ -256,6 +256,7 @@ mx::array decode_attention(const mx::array& q, const mx::array& k, const mx::arr
   return mx::array(q.shape(), mx::float32, std::move(prim), std::move(in));
 }
 
+// Decode widths (decode_fits): the kernel above, each row's bits its own. Otherwise
 // mx.fast.scaled_dot_product_attention as MLX's CPU backend evaluates it (the op graph of
 // its fallback in mlx/fast.cpp, op for op), with the softmax above: the same bits.
 mx::array exact_attention(const mx::array& queries, const mx::array& keys, const mx::array& values,
