@@ -309,28 +309,12 @@ class Tuning:
         return (self.measured if measured is None else measured).copy()
 
     def _prior(self, mode: str, selector: bool, b: int) -> tuple[list[float], float | None]:
-        """The acceptance prior of context band b and its weight: the band's own, else the
-        nearest band's below (held lightly: acceptance may drop at long context), else the
+        """The acceptance prior of context band b and its weight (``_banded``), else the
         default."""
-        own = self.priors.get((mode, selector, b))
-        if own is not None:
-            return own, None
-        below = [k[2] for k in self.priors if k[:2] == (mode, selector) and k[2] < b]
-        if below:
-            return self.priors[mode, selector, max(below)], BORROWED_WEIGHT
-        return [DEFAULT_PRIOR] * (self.max_block - 1), None
-
-    def _lookup_prior(self, mode: str, b: int) -> tuple[dict | None, float | None]:
-        """The lookup acceptance by match class learnt in context band b, else in the
-        nearest band below (held lightly: whether a long prompt's text repeats where the
-        answer goes says little about a shorter one's), else None (the default)."""
-        own = self.lookup_priors.get((mode, b))
-        if own is not None:
-            return own, None
-        below = [k[1] for k in self.lookup_priors if k[0] == mode and k[1] < b]
-        if below:
-            return self.lookup_priors[mode, max(below)], BORROWED_WEIGHT
-        return None, None
+        prior, weight = _banded(self.priors, (mode, selector), b)
+        return (
+            (prior, weight) if prior is not None else ([DEFAULT_PRIOR] * (self.max_block - 1), None)
+        )
 
     def scheduler(
         self,
@@ -367,7 +351,7 @@ class Tuning:
                 return drafted.at(b), None if copied is None else copied.at(b)
 
             prior, weight = self._prior(mode, selector, band(context))
-            lookup_prior, lookup_weight = self._lookup_prior(mode, band(context))
+            lookup_prior, lookup_weight = _banded(self.lookup_priors, (mode,), band(context))
             costs, lk = bands(0)
             sched = Scheduler(
                 costs,
@@ -395,3 +379,15 @@ class Tuning:
                 rates = {c: a.rates() for c, a in sched.lookup_acc.items()}
                 self.lookup_priors[sched.key[0], sched.band] = rates
             self.backoff[sched.key[:2]] = (sched.probe_after, sched.since_spec)
+
+
+def _banded(table: dict, head: tuple, b: int) -> tuple:
+    """What ``table`` learnt for context band b (keys ``(*head, band)``) and its weight:
+    the band's own (None: the default weight), else the nearest band's below held at
+    ``BORROWED_WEIGHT`` (acceptance, drafted or copied, may change at longer context), else
+    (None, None)."""
+    own = table.get((*head, b))
+    if own is not None:
+        return own, None
+    below = [k[-1] for k in table if k[:-1] == head and k[-1] < b]
+    return (table[(*head, max(below))], BORROWED_WEIGHT) if below else (None, None)
