@@ -295,12 +295,16 @@ class TargetAdapter:
         if rows == list(range(n)):
             self.rollback(cache, fed, n, None)
             return
-        for c in cache:
+        # a QuantizedKVCache holds (data, scales, biases): each is moved the same way
+        parts = [(c, x) for c in cache for x in _parts(c.keys) + _parts(c.values)]
+        kept = [x[..., mx.array([c.offset - fed + r for r in rows]), :] for c, x in parts]
+        # The kept rows are read out before any is written: a buffer written in the graph
+        # that also reads it is copied whole (the full context, per layer), not updated.
+        mx.eval(kept)
+        for (c, x), k in zip(parts, kept):
             o = c.offset - fed
-            src = mx.array([o + r for r in rows])
-            # a QuantizedKVCache holds (data, scales, biases): each is moved the same way
-            for x in _parts(c.keys) + _parts(c.values):
-                x[..., o : o + n, :] = x[..., src, :]
+            x[..., o : o + n, :] = k
+        for c in cache:
             c.trim(fed - n)
 
     # -- rollback ------------------------------------------------------------------
