@@ -101,11 +101,10 @@ inline void score_block(const Args& a, const float* qt, int Tp, float* s, int g,
 }
 
 template <int RV, int KJ>
-inline int score_run(const Args& a, const float* qt, int Tp, float* s, int g, int v0, int j,
+inline void score_run(const Args& a, const float* qt, int Tp, float* s, int g, int v0, int j,
                      int j1) {
   for (; j + KJ <= j1; j += KJ) score_block<RV, KJ>(a, qt, Tp, s, g, v0, j);
   for (; j < j1; j++) score_block<RV, 1>(a, qt, Tp, s, g, v0, j);
-  return j;
 }
 
 // Scores of keys [j0, j1) for every row of group g (a row's keys past its own are scored
