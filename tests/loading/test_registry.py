@@ -252,7 +252,8 @@ class _Sibling:
 
 
 def _mock_hub(monkeypatch, repos, calls):
-    """Mock the two network calls: model_info (listing) and snapshot_download (fetch).
+    """Mock the network calls: model_info (listing), hf_hub_download (one file) and
+    snapshot_download (fetch).
 
     repos: repo id -> source directory; unknown ids raise RepositoryNotFoundError.
     """
@@ -283,8 +284,16 @@ def _mock_hub(monkeypatch, repos, calls):
             raise LocalEntryNotFoundError("no network")
         return str(fake_cache_repo(Path(cache_dir), repo_id, repos[repo_id], sha))
 
+    def hf_hub_download(repo_id, filename, cache_dir=None, **kw):
+        # the memory plan reads a repo's config.json alone before the download
+        calls.append(("file", repo_id, filename))
+        if repo_id not in repos:
+            raise RepositoryNotFoundError(f"404 {repo_id}", response=_response(404))
+        return str(repos[repo_id] / filename)
+
     monkeypatch.setattr(huggingface_hub.HfApi, "model_info", model_info)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", hf_hub_download)
 
 
 def test_download_with_size_preview_and_fallback(hf_home, pair, monkeypatch):
