@@ -295,15 +295,17 @@ class TargetAdapter:
         if rows == list(range(n)):
             self.rollback(cache, fed, n, None)
             return
-        # a QuantizedKVCache holds (data, scales, biases): each is moved the same way
-        parts = [(c, x) for c in cache for x in _parts(c.keys) + _parts(c.values)]
-        kept = [x[..., mx.array([c.offset - fed + r for r in rows]), :] for c, x in parts]
+        moves = []  # (buffer, first fed row, its kept rows)
+        for c in cache:
+            o = c.offset - fed
+            src = mx.array([o + r for r in rows])
+            # a QuantizedKVCache holds (data, scales, biases): each is moved the same way
+            moves += [(x, o, x[..., src, :]) for x in _parts(c.keys) + _parts(c.values)]
         # The kept rows are read out before any is written: a buffer written in the graph
         # that also reads it is copied whole (the full context, per layer), not updated.
-        mx.eval(kept)
-        for (c, x), k in zip(parts, kept):
-            o = c.offset - fed
-            x[..., o : o + n, :] = k
+        mx.eval([kept for _, _, kept in moves])
+        for x, o, kept in moves:
+            x[..., o : o + n, :] = kept
         for c in cache:
             c.trim(fed - n)
 
