@@ -32,6 +32,7 @@ PROMPTS = (  # requests that read the source before them, and ones that do not n
 def measure(model, tok, prompts: list[str], args) -> dict:
     """Every method on every prompt of one length -> the bench's summary, plus the split."""
     from dflash_mlx.bench.parity import parity_report
+    from dflash_mlx.bench.prefix import copied, prefilled
     from dflash_mlx.bench.runner import (
         PromptResult,
         _autoregressive,
@@ -42,23 +43,27 @@ def measure(model, tok, prompts: list[str], args) -> dict:
     )
     from dflash_mlx.generation import encode_prompt
 
-    results, lengths = [], []
+    results, lengths, split = [], [], None
     top_k = model.drafter.args.selector_top_k
     for text in prompts:
         ids = encode_prompt(tok, text, False)
         lengths.append(len(ids))
+        prefix = prefilled(model, ids)  # once per prompt; each method decodes from a copy
         res = PromptResult()
-        _autoregressive(model, ids, args.max_tokens, 0.0, 0, res)
+        _autoregressive(model, ids, args.max_tokens, 0.0, 0, res, cache=copied(prefix))
         run = (model, ids, args.max_tokens, args.block, 0.0, 0, True)
-        _dflash(*run, "dflash2", res, lookup=False)
-        _dflash(*run, "auto", res, lookup=True)
-        _recall(model, ids, args.block, top_k, res)
+        _dflash(*run, "dflash2", res, lookup=False, cache=copied(prefix))
+        _dflash(*run, "auto", res, lookup=True, cache=copied(prefix))
+        _recall(model, ids, args.block, top_k, res, prefix=prefix)
+        if split is None:
+            split = latency_split(
+                model, ids, args.max_tokens, args.block, 0.0, cache=copied(prefix)
+            )
         results.append(res)
     rep = summarize(results, args.block, top_k, model, prompts, args.max_tokens, 0.0)
     rep["config"]["prompt_tokens"] = round(float(np.mean(lengths)))
     rep["parity"] = parity_report([r.outputs for r in results], 0.0, tok.decode)
-    ids = encode_prompt(tok, prompts[0], False)
-    rep["latency_split"] = latency_split(model, ids, args.max_tokens, args.block, 0.0)
+    rep["latency_split"] = split
     return rep
 
 

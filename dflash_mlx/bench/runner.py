@@ -27,6 +27,7 @@ from ..model.selector import top_candidates
 from ..settings import AUTO, check_block_size
 from .datasets import load_prompts  # noqa: F401  (scripts import it from here)
 from .parity import parity_report
+from .prefix import context_rows, copied, prefilled
 
 METHODS = ("autoregressive", "dflash1", "dflash2", "dflash2+lookup", "auto")
 
@@ -46,15 +47,18 @@ class PromptResult:
     outputs: dict[str, list[int]] = field(default_factory=dict)  # each method's tokens
 
 
-def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None):
+def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None, cache=None):
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
     if seed is not None:
         mx.random.seed(seed)
     out, t_first = [], None
+    # From a shared prefix (``prefix.prefilled``): mlx-lm runs the last prompt token only.
+    kw = {} if cache is None else {"prompt_cache": cache.target}
+    prompt = mx.array(ids if cache is None else ids[len(cache.tokens) :])
     for tok, _ in generate_step(
-        mx.array(ids), model.target, max_tokens=max_tokens, sampler=make_sampler(temp), **_kv(kv)
+        prompt, model.target, max_tokens=max_tokens, sampler=make_sampler(temp), **_kv(kv), **kw
     ):
         out.append(int(tok))
         if t_first is None:
@@ -71,7 +75,19 @@ def _kv(kv) -> dict:
 
 
 def _dflash(
-    model, ids, max_tokens, block, temp, seed, selector, name, res, lookup=False, tree=True, kv=None
+    model,
+    ids,
+    max_tokens,
+    block,
+    temp,
+    seed,
+    selector,
+    name,
+    res,
+    lookup=False,
+    tree=True,
+    kv=None,
+    cache=None,
 ):
     key = mx.random.key(seed if seed is not None else 0)
     stats, out, t_first = CycleStats(block), [], None
@@ -83,7 +99,7 @@ def _dflash(
     for c in decode(
         model,
         ids,
-        model.make_cache(),
+        model.make_cache() if cache is None else cache,
         SamplingParams(temperature=temp),
         DecodeOptions(
             max_tokens=max_tokens,
@@ -109,8 +125,9 @@ def _dflash(
         model.tuning.finish(sched)
 
 
-def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
-    """Teacher-forced Recall@1 / Recall@K per block position on the target's continuation."""
+def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32, prefix=None):
+    """Teacher-forced Recall@1 / Recall@K per block position on the target's continuation
+    (with ``prefix``, ``prefix.prefilled``'s cache, the prompt is not run again)."""
     drafter, adapter = model.drafter, model.adapter
     seq = list(ids) + res.continuation
     P, L = len(ids), block - 1
@@ -120,9 +137,11 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
         res.recall.setdefault(k, np.zeros(L))
     if len(anchors) == 0:
         return
-    _, feats = adapter(mx.array(seq)[None], None)
-    x_ctx = drafter.project_context(feats)
-    kv = drafter.context_kv(x_ctx, 0)
+    rows = None if prefix is None else context_rows(model, prefix, list(ids), res.continuation)
+    if rows is None:
+        _, feats = adapter(mx.array(seq)[None], None)
+        rows = drafter.context_kv(drafter.project_context(feats), 0), 0
+    kv, start = rows  # context rows of positions start .. T - 1
     T = len(seq)
     win = drafter.args.sliding_window
     for s in range(0, len(anchors), chunk):
@@ -130,7 +149,7 @@ def _recall(model, ids, block, top_k, res: PromptResult, chunk: int = 32):
         N = len(a)
         blk = np.full((N, block), drafter.args.mask_token_id, dtype=np.uint32)
         blk[:, 0] = np.array(seq)[a]
-        mask = mx.array(block_mask(a, T, block, win))
+        mask = mx.array(block_mask(a - start, T - start, block, win))
         emb = embed_block(adapter.embed, mx.array(blk), drafter.args, drafter.fc.weight.dtype)
         h = drafter(
             emb,
@@ -167,8 +186,12 @@ def run_bench(
     lookup: bool = True,
     tree: bool = True,
     kv: tuple[int, int, int] | None = None,
+    latency: bool = False,
 ) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
+
+    Each prompt is prefilled once; every method decodes from a copy of that cache, so the
+    timings and the greedy parity check compare decoding alone (``prefix.py``).
 
     Args:
         model, tokenizer: from ``load``. prompts: texts. max_tokens: per prompt.
@@ -178,7 +201,9 @@ def run_bench(
         lookup: also run DFlash 2 with copied drafts ("dflash2+lookup"), and ``auto`` with
             them; False: neither.
         tree: greedy DFlash cycles also verify the first draft's siblings (``tree.py``).
-        kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too.
+        kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too
+            (each method then prefills the prompt itself).
+        latency: add ``latency_split`` of the first prompt (one more profiled decode).
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
@@ -186,26 +211,48 @@ def run_bench(
     results, lengths = [], []
     warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
     _dflash(model, warm, 4, block, temperature, seed, True, "warm", PromptResult())
+    split = None
     for i, text in enumerate(prompts):
         ids = encode_prompt(tokenizer, text, raw)
         lengths.append(len(ids))
-        res = PromptResult()
-        _autoregressive(model, ids, max_tokens, temperature, seed, res, kv)
-        args, kw = (model, ids, max_tokens, block, temperature, seed), {"tree": tree, "kv": kv}
-        _dflash(*args, False, "dflash1", res, **kw)
-        if model.drafter.has_selector:
-            _dflash(*args, True, "dflash2", res, **kw)
-        if lookup:
-            _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw)
-        _dflash(*args, True, "auto", res, lookup=lookup, **kw)
-        _recall(model, ids, block, top_k, res)
+        # mlx-lm converts a quantized KV cache at a point set by the prompt's length, so
+        # with ``kv`` every method prefills its own prompt
+        prefix = prefilled(model, ids) if kv is None else None
+        res = _methods(model, ids, max_tokens, block, temperature, seed, lookup, tree, kv, prefix)
+        if latency and i == 0:
+            share = copied(prefix) if prefix is not None else None
+            split = latency_split(
+                model, ids, max_tokens, block, temperature, tree=tree, cache=share
+            )
+        _recall(model, ids, block, top_k, res, prefix=prefix)
         results.append(res)
+        del prefix
         if progress:
             progress(i + 1, len(prompts))
     rep = summarize(results, block, top_k, model, prompts, max_tokens, temperature)
     rep["config"].update(lookup=lookup, tree=tree, prompt_tokens=round(float(np.mean(lengths))))
     rep["parity"] = parity_report([r.outputs for r in results], temperature, tokenizer.decode)
+    if split is not None:
+        rep["latency_split"] = split
     return rep
+
+
+def _methods(model, ids, max_tokens, block, temp, seed, lookup, tree, kv, prefix) -> PromptResult:
+    """Every method on one prompt, each from its own copy of ``prefix`` (when given)."""
+    res = PromptResult()
+
+    def own():
+        return {"cache": None if prefix is None else copied(prefix)}
+
+    _autoregressive(model, ids, max_tokens, temp, seed, res, kv, **own())
+    args, kw = (model, ids, max_tokens, block, temp, seed), {"tree": tree, "kv": kv}
+    _dflash(*args, False, "dflash1", res, **kw, **own())
+    if model.drafter.has_selector:
+        _dflash(*args, True, "dflash2", res, **kw, **own())
+    if lookup:
+        _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw, **own())
+    _dflash(*args, True, "auto", res, lookup=lookup, **kw, **own())
+    return res
 
 
 def conv_seconds(drafter, block: int, reps: int = 10) -> float:
@@ -234,15 +281,16 @@ STAGES = ("drafter", "conv", "selector", "verify", "acceptance", "rollback", "ho
 
 
 def latency_split(
-    model, ids, max_tokens, block, temperature, selector=True, tree=True
+    model, ids, max_tokens, block, temperature, selector=True, tree=True, cache=None
 ) -> dict[str, float]:
-    """Share of a cycle per stage (docs/algorithm.md §5), from one profiled run."""
+    """Share of a cycle per stage (docs/algorithm.md §5), from one profiled run (from
+    ``cache`` when given, e.g. a copy of the prompt's shared prefix)."""
     key = mx.random.key(0)
     split, cycles, t0 = {}, 0, None
     for c in decode(
         model,
         ids,
-        model.make_cache(),
+        model.make_cache() if cache is None else cache,
         SamplingParams(temperature=temperature),
         DecodeOptions(
             max_tokens=max_tokens,

@@ -165,11 +165,10 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
     from rich.console import Console
     from rich.progress import Progress
 
-    from ..bench.runner import latency_split, run_bench
-    from ..generation import encode_prompt
+    from ..bench.runner import run_bench
 
-    block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
     con = Console(stderr=True, highlight=False)
+    _forecast(m, tok, prompts, cfg, raw, con)
     with Progress(console=con, transient=True, disable=not con.is_terminal) as bar:
         task = bar.add_task("prompts", total=len(prompts))
         rep = run_bench(
@@ -187,12 +186,28 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
             kv=None
             if cfg.kv_bits is None
             else (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start),
-        )
-        ids = encode_prompt(tok, prompts[0], raw)
-        rep["latency_split"] = latency_split(
-            m, ids, cfg.max_tokens, block, cfg.temperature, tree=cfg.tree
+            latency=True,
         )
     return rep
+
+
+LONG_BENCH = 2048  # prompt tokens in all from which a bench says how long it will take
+
+
+def _forecast(m, tok, prompts, cfg: GenerationConfig, raw: bool, con) -> None:
+    """Before a long bench starts: its prompt tokens and a rough expected time."""
+    from ..bench.prefix import expected_seconds
+    from ..generation import encode_prompt
+
+    lengths = [len(encode_prompt(tok, p, raw)) for p in prompts]
+    if sum(lengths) < LONG_BENCH:
+        return
+    methods = 3 + int(m.drafter.has_selector) + int(cfg.lookup) + 1  # and the latency split
+    secs = expected_seconds(m, lengths, cfg.max_tokens, methods)
+    con.print(
+        f"note: {len(prompts)} prompts of {sum(lengths):,} tokens in all, each prefilled once; "
+        f"expected about {secs / 60:.1f} min (a rough forecast from short-context speeds)"
+    )
 
 
 def print_report(rep: dict, console) -> None:
