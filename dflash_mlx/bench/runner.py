@@ -220,13 +220,10 @@ def run_bench(
         prefix = prefilled(model, ids) if kv is None else None
         res = _methods(model, ids, max_tokens, block, temperature, seed, lookup, tree, kv, prefix)
         if latency and i == 0:
-            share = copied(prefix) if prefix is not None else None
-            split = latency_split(
-                model, ids, max_tokens, block, temperature, tree=tree, cache=share
-            )
+            own = copied(prefix) if prefix is not None else None
+            split = latency_split(model, ids, max_tokens, block, temperature, tree=tree, cache=own)
         _recall(model, ids, block, top_k, res, prefix=prefix)
         results.append(res)
-        del prefix
         if progress:
             progress(i + 1, len(prompts))
     rep = summarize(results, block, top_k, model, prompts, max_tokens, temperature)

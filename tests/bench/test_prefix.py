@@ -2,8 +2,8 @@
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
 import pytest
+from mlx.utils import tree_flatten
 
 from dflash_mlx.bench import runner
 from dflash_mlx.bench.prefix import copied, prefilled
