@@ -104,8 +104,7 @@ def roofline(
         rollback=rollback,
     )
     rep = rl.estimate(inp)
-    total = rl.summary(rep, bandwidth)
-    total["compute"] = rl.compute(rep, inp, chip_name, bandwidth)
+    total = rl.summary(rep, bandwidth) | {"compute": rl.compute(rep, inp, chip_name, bandwidth)}
     head = {"model": name, "quant": inp.quant, "chip": chip_name, "bandwidth_gb_s": bandwidth}
     head |= {"block": inp.block, "context": context, "draft_quant": inp.draft_quant}
     head |= {"draft_vocab": draft_vocab, "rollback": rollback if rep.hybrid else None}
