@@ -183,3 +183,18 @@ def test_prepare_target_wraps_quantized_projections_only_on_a_metal_gpu(monkeypa
     monkeypatch.setattr(qmm, "on_metal", lambda: True)
     assert ops.prepare_target(holder) == 2
     assert all(isinstance(h.layers[0], qmm.FewRowLinear) for h in holder)
+
+
+def test_with_reference_kernels_a_wrapped_target_gives_mlxs_bits(monkeypatch):
+    """DFLASH_MLX_REFERENCE_KERNELS=1 on a Mac: the wrapper runs MLX's own quantized_matmul,
+    so a verify's logits keep their bits (greedy parity and sampling law unchanged)."""
+    from mlx import nn
+
+    monkeypatch.setattr(metal_kernel, "_metal_available", True)
+    monkeypatch.setenv(metal_kernel.REFERENCE_ENV, "1")
+    block = nn.Sequential(nn.Linear(128, 64, bias=True), nn.Linear(64, 32, bias=False))
+    nn.quantize(block, group_size=64, bits=8)
+    x = mx.random.normal((1, 6, 128), key=mx.random.key(4)).astype(mx.bfloat16)
+    want = block(x)
+    assert qmm.wrap_tree(block) == 2
+    assert mx.array_equal(block(x), want)
