@@ -43,14 +43,18 @@ def host_selector(top_k: int, rank: int, codebook_dtype) -> Callable | None:
 def prepare_target(layers: list) -> int:
     """Prepare a target's decoder layers for this backend; returns how many modules changed.
     Plain MLX: on a Metal GPU, a verify's attention is split into row chunks that keep the
-    fused vector kernel (``model/verify_attention.py``); elsewhere nothing.
+    fused vector kernel (``model/verify_attention.py``) and its quantized projections take
+    the few-row kernel (``model/qmm.py``); elsewhere nothing.
 
     Args:
         layers: the model's decoder layers (some wrapped by the target adapter).
     """
-    from .model import verify_attention
+    from .model import qmm, verify_attention
 
-    return verify_attention.wrap_layers(layers) if verify_attention.enabled() else 0
+    n = verify_attention.wrap_layers(layers) if verify_attention.enabled() else 0
+    if qmm.on_metal():
+        n += sum(qmm.wrap_tree(layer) for layer in layers)
+    return n
 
 
 def describe() -> dict[str, str]:

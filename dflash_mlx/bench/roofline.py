@@ -180,3 +180,46 @@ def summary(rep: Report, bandwidth: float) -> dict:
         "fused_attention_rows_per_chunk": rep.rows_per_chunk,
         "fused_attention_chunks": rep.chunks,
     }
+
+
+TAUS = (3.0, 4.8)  # tokens a cycle commits, for the predicted speedups
+
+
+def compute(rep: Report, inp: Inputs, chip_name: str, bandwidth: float) -> dict:
+    """The cycle with quantized matmul's cost per row, for MLX's kernel and the few-row one.
+
+    A verify of B rows costs the target's weights' bytes times the kernel's B-row ratio
+    (``roofline_data.mlx_qmm_ratio`` / ``few_row_ratio``); the drafter's quantized layers
+    pay MLX's ratio in both columns (only the target is wrapped); the rest stays bytes-bound.
+    A plain step is one row: bytes-bound. All estimated.
+
+    Args:
+        rep: ``estimate``'s report. inp: its inputs. chip_name: a ``CHIPS`` key.
+        bandwidth: GB/s.
+
+    Returns:
+        {"source": the MLX figure's origin, "block", "taus", "bytes_only" / "mlx_qmm" / "few_row": each's
+        rows ratio, cycle seconds, break-even tokens per cycle and speedups at ``TAUS``}.
+    """
+    sec = 1e9 * bandwidth
+    weights = rep.parts["target weights (verify)"]
+    draft = rep.group("drafter layers") if inp.draft_quant else 0.0
+    rest = rep.group("") - weights - draft
+    mlx = data.mlx_qmm_ratio(chip_name, inp.block)
+    ratios = {
+        "bytes_only": 1.0,
+        "mlx_qmm": mlx if inp.quant != "bf16" else 1.0,
+        "few_row": data.few_row_ratio(chip_name, inp.block)
+        if inp.quant in ("4bit", "8bit")
+        else 1.0,
+    }
+    if inp.quant not in ("4bit", "8bit", "bf16"):
+        ratios["few_row"] = ratios["mlx_qmm"]  # the kernel is affine-only: MLX's runs
+    out = {"source": data.qmm_rows(chip_name)[1], "block": inp.block, "taus": TAUS}
+    plain = rep.plain / sec
+    for name, r in ratios.items():
+        cycle = (rest + weights * r + draft * (1.0 if name == "bytes_only" else mlx)) / sec
+        even = cycle / plain
+        speed = {f"speedup_at_tau_{t:g}": t / even if t <= inp.block else None for t in TAUS}
+        out[name] = {"rows_ratio": r, "cycle_seconds": cycle, "break_even_tau": even, **speed}
+    return out

@@ -5,6 +5,8 @@ all of them estimates for a cost model, never a measurement (no Mac ran here).
 
 from __future__ import annotations
 
+import itertools
+
 # Memory bandwidth in GB/s (Apple's published figures). Where a chip came in two
 # bandwidths, the full chip's is listed and the note names the other.
 CHIPS: dict[str, tuple[float, str]] = {
@@ -24,7 +26,28 @@ CHIPS: dict[str, tuple[float, str]] = {
     "M4 Pro": (273.0, ""),
     "M4 Max": (546.0, "the 32-core-GPU M4 Max has 410 GB/s"),
     "M5": (153.0, ""),
+    "M5 Pro": (300.0, "reports disagree: 273 or 300 GB/s"),
+    "M5 Max": (614.0, "the smaller-GPU M5 Max has 460 GB/s"),
 }
+
+# MLX's 4-bit quantized matmul at M rows over its cost at one row (qmv), by chip: the
+# figures gathered in the mac-facts notes. Points are (rows, ratio), read between them
+# linearly and past the last one along its last segment. Estimates: none measured here.
+QMM_MEASURED: dict[str, tuple[tuple[tuple[int, float], ...], str]] = {
+    "M3 Ultra": (((1, 1.0), (8, 6.1)), "mlx #4265: 6.1x at 8 rows, before MLX 0.32's qmv_wide"),
+    "M4 Pro": (((1, 1.0), (8, 2.7)), "mlx #3839: ~2.7x at 8 rows with MLX 0.32's qmv_wide"),
+    "M5 Pro": (
+        ((1, 1.0), (4, 6.3 / 5.7), (5, 7.4 / 5.7)),
+        "a user report: 5.7 / 6.3 / 7.4 ms at 1 / 4 / 5 rows, a cliff after 4",
+    ),
+}
+# A chip without its own figure borrows its generation's nearest measured chip (M1-M3 share
+# the M3 Ultra's, from before qmv_wide: MLX 0.32 roughly halves it on M4, #3764).
+QMM_BORROW = {"M1": "M3 Ultra", "M2": "M3 Ultra", "M3": "M3 Ultra", "M4": "M4 Pro", "M5": "M5 Pro"}
+# A kernel that reads each weight once for all rows pays only a per-row compute term; assumed
+# equal to MLX's slope below the M5 Pro's cliff (4 rows: 6.3 / 5.7 ms, ~3.5% a row).
+FEW_ROW_SLOPE = (6.3 / 5.7 - 1.0) / 3
+FEW_ROW_MAX = 16  # rows the few-row kernel takes (model/qmm.py); wider goes to MLX's qmm
 
 
 # Bytes per weight as mlx-community stores a target: affine 4 / 8 bits with a 16-bit scale
@@ -140,3 +163,31 @@ def chip(name: str) -> tuple[str, float, str]:
         if k.lower() == key:
             return k, bw, note
     raise KeyError(name)
+
+
+def qmm_rows(chip_name: str) -> tuple[tuple[tuple[int, float], ...], str]:
+    """(points, source) of MLX's quantized-matmul row penalty on ``chip_name`` (a ``CHIPS``
+    key); a chip without its own figure names the chip whose figure it borrows."""
+    if chip_name in QMM_MEASURED:
+        return QMM_MEASURED[chip_name]
+    donor = QMM_BORROW[chip_name.split()[0]]
+    points, _ = QMM_MEASURED[donor]
+    return points, f"no figure for the {chip_name}: the {donor}'s ({QMM_MEASURED[donor][1]})"
+
+
+def mlx_qmm_ratio(chip_name: str, rows: int) -> float:
+    """MLX's quantized matmul at ``rows`` rows over one row on that chip (estimated)."""
+    points, _ = qmm_rows(chip_name)
+    for (m0, r0), (m1, r1) in itertools.pairwise(points):
+        if rows <= m1 or (m1, r1) == points[-1]:
+            return max(1.0, r0 + (r1 - r0) * (rows - m0) / (m1 - m0))
+    return 1.0
+
+
+def few_row_ratio(chip_name: str, rows: int) -> float:
+    """The few-row kernel at ``rows`` rows over one row: one pass over the weights plus a
+    per-row compute term; never above MLX's (the faster one is kept per shape). Estimated."""
+    mlx = mlx_qmm_ratio(chip_name, rows)
+    if rows > FEW_ROW_MAX:
+        return mlx
+    return min(mlx, 1.0 + FEW_ROW_SLOPE * (rows - 1))

@@ -104,7 +104,7 @@ def roofline(
         rollback=rollback,
     )
     rep = rl.estimate(inp)
-    total = rl.summary(rep, bandwidth)
+    total = rl.summary(rep, bandwidth) | {"compute": rl.compute(rep, inp, chip_name, bandwidth)}
     head = {"model": name, "quant": inp.quant, "chip": chip_name, "bandwidth_gb_s": bandwidth}
     head |= {"block": inp.block, "context": context, "draft_quant": inp.draft_quant}
     head |= {"draft_vocab": draft_vocab, "rollback": rollback if rep.hybrid else None}
@@ -146,3 +146,25 @@ def _print(head: dict, rep, total: dict, bandwidth: float, note: str) -> None:
         print(f"rollback by {kind} instead: {v / 1e9:.3f} GB ({v * ms:.2f} ms)")
     if note:
         print(f"note: {note}")
+    _print_compute(total["compute"])
+
+
+def _print_compute(c: dict) -> None:
+    """MLX's quantized matmul against the few-row kernel: their row cost, the break-even
+    tokens per cycle and the predicted speedups (``bench/roofline.compute``)."""
+    cols = ("bytes_only", "mlx_qmm", "few_row")
+    print(
+        f"quantized matmul at {c['block']} rows over 1 row (estimated): MLX's qmm "
+        f"{c['mlx_qmm']['rows_ratio']:.2f}x ({c['source']}); few-row kernel "
+        f"{c['few_row']['rows_ratio']:.2f}x (one pass over the weights and a small cost a row)"
+    )
+    print(f"{'(estimated)':<32}{'bytes only':>12}{'MLX qmm':>12}{'few-row':>12}")
+    rows = [
+        ("cycle ms", "cycle_seconds", 1e3),
+        ("break-even tokens per cycle", "break_even_tau", 1),
+    ]
+    rows += [(f"speedup at tau {t:g}", f"speedup_at_tau_{t:g}", 1) for t in c["taus"]]
+    for label, key, scale in rows:
+        cells = [c[col][key] for col in cols]
+        text = "".join(f"{'-' if v is None else f'{v * scale:.2f}':>12}" for v in cells)
+        print(f"{label:<32}{text}")

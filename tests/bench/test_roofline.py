@@ -126,3 +126,64 @@ def test_the_demo_is_read_from_its_files_with_its_own_draft_vocabulary(capsys):
     assert out["draft_vocab"] == 8192 and out["block"] == 8 and out["rollback"] is None
     assert out["parts"]["drafter head (8,192 rows)"]["bytes"] == 8192 * 576 * (0.5 + 4 / 64)
     assert out["fused_attention_chunks"] == 1  # 9 heads over 3 KV heads: 8 rows a chunk
+
+
+# ------------------------------------------------------------------ compute per row
+
+
+def test_mlxs_row_cost_is_the_cited_figures_and_never_falls_with_more_rows():
+    assert data.mlx_qmm_ratio("M4 Pro", 8) == pytest.approx(2.7)  # mlx #3839
+    assert data.mlx_qmm_ratio("M3 Ultra", 8) == pytest.approx(6.1)  # mlx #4265
+    assert data.mlx_qmm_ratio("M5 Pro", 4) == pytest.approx(6.3 / 5.7)
+    assert data.mlx_qmm_ratio("M5 Pro", 5) == pytest.approx(7.4 / 5.7)  # the cliff after 4
+    for chip in data.CHIPS:
+        costs = [data.mlx_qmm_ratio(chip, m) for m in range(1, 17)]
+        assert costs[0] == 1.0 and costs == sorted(costs), chip
+    assert "M4 Pro" in data.qmm_rows("M4 Max")[1]  # a borrowed figure names its donor
+
+
+def test_the_few_row_kernel_costs_one_pass_plus_a_small_term_and_never_more_than_mlx():
+    for chip in data.CHIPS:
+        few = [data.few_row_ratio(chip, m) for m in range(1, 17)]
+        assert few == sorted(few) and few[0] == 1.0, chip
+        assert all(f <= data.mlx_qmm_ratio(chip, m) for m, f in enumerate(few, 1)), chip
+        assert data.few_row_ratio(chip, 17) == data.mlx_qmm_ratio(chip, 17)  # past its rows
+    assert data.few_row_ratio("M4 Pro", 8) == pytest.approx(1 + 7 * (6.3 / 5.7 - 1) / 3)
+
+
+def test_mlxs_row_cost_moves_the_m4_pro_break_even_near_3_and_the_kernel_wins_it_back():
+    inp = rl.Inputs(data.ARCHS["Qwen3.8-27B"]["target"], data.ARCHS["Qwen3.8-27B"]["drafter"])
+    rep = rl.estimate(inp)
+    c = rl.compute(rep, inp, "M4 Pro", 273.0)
+    even = {k: c[k]["break_even_tau"] for k in ("bytes_only", "mlx_qmm", "few_row")}
+    assert even["bytes_only"] == pytest.approx(rl.summary(rep, 273.0)["break_even_tau"])
+    assert even["bytes_only"] < even["few_row"] < 1.6
+    assert 2.6 < even["mlx_qmm"] < 3.2  # the "closer to 3"
+    for k, e in even.items():
+        assert c[k]["speedup_at_tau_4.8"] == pytest.approx(4.8 / e)
+    assert 1.5 < c["mlx_qmm"]["speedup_at_tau_4.8"] < 1.8  # the "~1.6x"
+    dense = rl.compute(rep, rl.Inputs(inp.target, inp.drafter, quant="bf16"), "M4 Pro", 273.0)
+    assert dense["mlx_qmm"]["rows_ratio"] == dense["few_row"]["rows_ratio"] == 1.0
+    four = rl.Inputs(inp.target, inp.drafter, block=4)
+    short = rl.compute(rl.estimate(four), four, "M1", 68.25)
+    assert short["mlx_qmm"]["speedup_at_tau_4.8"] is None  # 4.8 tokens need a block over 4
+
+
+def test_the_command_prints_mlxs_qmm_and_the_few_row_kernel_with_their_break_even(capsys):
+    from dflash_mlx.cli.roofline import roofline
+
+    args = {"quant": "4bit", "chip": "M4 Pro", "context": 4096, "block": None, "drafter": None}
+    roofline(
+        model="Qwen3.8-27B", draft_quant="4", draft_vocab=0, rollback="tape", json_out=False, **args
+    )
+    text = capsys.readouterr().out
+    assert "MLX qmm" in text and "few-row" in text and "mlx #3839" in text
+    line = next(x for x in text.splitlines() if x.startswith("break-even tokens per cycle"))
+    bytes_only, mlx, few = map(float, line.split()[-3:])
+    assert bytes_only < few < mlx and 2.6 < mlx < 3.2
+    assert "speedup at tau 3" in text and "speedup at tau 4.8" in text and "(estimated)" in text
+    roofline(
+        model="Qwen3.8-27B", draft_quant="4", draft_vocab=0, rollback="tape", json_out=True, **args
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["compute"]["mlx_qmm"]["break_even_tau"] == pytest.approx(mlx, abs=0.01)

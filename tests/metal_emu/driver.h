@@ -50,7 +50,26 @@ void save(const std::string& dir, int idx, const std::vector<T>& v) {
   std::fclose(f);
 }
 
+// Write a vector of 32-bit integers as they are (read counts).
+inline void save_raw(const std::string& path, const std::vector<uint32_t>& v) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  std::fwrite(v.data(), sizeof(uint32_t), v.size(), f);
+  std::fclose(f);
+}
+
 namespace emu {
+// An input whose element reads are counted (EmulatedKernel's count_reads): the body may
+// only index it (x[i]), as it would a device pointer.
+template <typename T>
+struct Counted {
+  const T* data;
+  uint32_t* counts;
+  const T& operator[](size_t i) const {
+    ++counts[i];
+    return data[i];
+  }
+};
+
 // The launch's run-time numbers (sizes, shapes, strides, grid, threadgroup), read in order
 // from meta.txt: nothing shape-dependent is compiled in, as with MLX's Metal libraries.
 struct Meta {

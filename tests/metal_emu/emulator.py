@@ -78,6 +78,8 @@ class EmulatedKernel:
         ensure_row_contiguous: accepted for signature compatibility (inputs are always
             materialised row-contiguous here, as MLX does with the default True).
         atomic_outputs: must be False (atomics are not modelled).
+        count_reads: input names whose element reads are counted: after a call,
+            ``reads[name]`` holds how often each element was read (forward order's run).
     """
 
     def __init__(
@@ -90,6 +92,7 @@ class EmulatedKernel:
         ensure_row_contiguous=True,
         atomic_outputs=False,
         compile_options=None,
+        count_reads=(),
     ):
         if atomic_outputs or _UNSUPPORTED.search(_strip_comments(source + header)):
             raise NotImplementedError("SIMD-group, atomic and texture code is not emulated")
@@ -97,6 +100,8 @@ class EmulatedKernel:
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.calls = 0  # launches, for dispatch accounting in tests and benchmarks
         self.builds: set[str] = set()  # distinct compiled programs (MLX: Metal libraries)
+        self.count_reads = tuple(count_reads)
+        self.reads: dict[str, np.ndarray] = {}  # name -> reads per element, last call
 
     def __call__(
         self,
@@ -140,6 +145,10 @@ class EmulatedKernel:
                         for i, dt in enumerate(output_dtypes)
                     ]
                 )
+            for i, n in enumerate(self.input_names):
+                if n in self.count_reads:
+                    counts = np.fromfile(f"{tmp}/reads{i}.bin", dtype=np.uint32)
+                    self.reads[n] = counts.reshape(arrays[i].shape)
             for i, (a, b) in enumerate(zip(*runs)):
                 if a.tobytes() != b.tobytes():
                     raise RaceDetected(
@@ -179,8 +188,13 @@ class EmulatedKernel:
                 params.append(f"const {space} {ctype}& {n}")
                 args.append(f"in{i}[0]")
                 continue
-            params.append(f"const {space} {ctype}* {n}")
-            args.append(f"in{i}.data()")
+            if n in self.count_reads:
+                setup.append(f"  std::vector<uint32_t> reads{i}(in{i}.size(), 0u);")
+                params.append(f"emu::Counted<{ctype}> {n}")
+                args.append(f"emu::Counted<{ctype}>{{in{i}.data(), reads{i}.data()}}")
+            else:
+                params.append(f"const {space} {ctype}* {n}")
+                args.append(f"in{i}.data()")
             for suffix, ctype2 in (("shape", "int"), ("strides", "int64_t")):
                 # always read (meta.txt holds both); passed only when the body uses it
                 setup.append(f"  const auto {n}_{suffix}_v = meta.take<{ctype2}>(ndim_in{i});")
@@ -204,6 +218,11 @@ class EmulatedKernel:
                 params.append(f"uint {attr}")
                 args.append(attr)
         saves = [f"  save(dir, {i}, out{i});" for i in range(len(output_shapes))]
+        saves += [
+            f'  if (!reverse) save_raw(dir + "/reads{i}.bin", reads{i});'
+            for i, n in enumerate(self.input_names)
+            if n in self.count_reads
+        ]
         tdecl = f"template <{', '.join(tparams)}>\n" if tparams else ""
         tuse = f"<{', '.join(targs)}>" if targs else ""
         return "\n".join(

@@ -1,0 +1,200 @@
+"""The few-row quantized matmul (model/qmm.py, metal/few_row_qmm.metal) against its twin,
+MLX's own ``quantized_matmul``, through the CPU emulator of the Metal body.
+
+Every emulated launch runs its threads forward and in reverse and raises on a difference
+(metal_emu), so each case here is checked in both thread orders.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for metal_emu
+
+from metal_emu.emulator import EmulatedKernel, compiler
+
+from dflash_mlx import ops
+from dflash_mlx.model import metal_kernel, qmm
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to emulate Metal")
+EPS = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
+
+
+def _emulated(source: str | None = None, count=()):
+    """The kernel built with the emulator (optionally from another body)."""
+
+    def factory(**kw):
+        if source is not None:
+            kw["source"] = source
+        return EmulatedKernel(**kw, count_reads=count)
+
+    return metal_kernel.build(qmm.KERNEL, factory)
+
+
+def _case(M, K, N, bits, gs, dtype, seed=0):
+    key = mx.random.key(seed)
+    kx, kw = mx.random.split(key)
+    x = mx.random.normal((M, K), key=kx).astype(dtype)
+    w, s, b = mx.quantize(mx.random.normal((N, K), key=kw), group_size=gs, bits=bits)
+    return x, w, s.astype(dtype), b.astype(dtype)
+
+
+def _f64(a):
+    return np.array(a.astype(mx.float32)).astype(np.float64)
+
+
+@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.integers(2, 16),
+    groups=st.integers(1, 4),
+    N=st.integers(1, 9),
+    bits=st.sampled_from([4, 8]),
+    gs=st.sampled_from([32, 64, 128]),
+    dtype=st.sampled_from([mx.float16, mx.bfloat16]),
+)
+def test_the_emulated_kernel_equals_the_twin_within_the_dtypes_rounding(
+    M, groups, N, bits, gs, dtype
+):
+    x, w, s, b = _case(M, groups * gs, N, bits, gs, dtype, seed=M * 31 + N)
+    got, want = (
+        _f64(qmm.qmm_kernel(_emulated(), x, w, s, b, gs, bits)),
+        _f64(qmm.qmm_ops(x, w, s, b, gs, bits)),
+    )
+    deq = _f64(
+        mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=gs, bits=bits)
+    )
+    exact, mag = _f64(x) @ deq.T, np.abs(_f64(x)) @ np.abs(deq).T
+    eps = EPS[dtype]
+    # the kernel adds in float32 and rounds once; MLX's CPU twin rounds its dequantized
+    # weights and partial sums to the dtype, so it may stray by a few of its ulps
+    assert np.all(np.abs(got - exact) <= eps * np.abs(exact) + 1e-5 * mag)
+    assert np.all(np.abs(got - want) <= 4 * eps * mag + eps * np.abs(want))
+
+
+def test_each_row_equals_that_row_alone_bit_for_bit_and_a_reordered_reduction_is_caught():
+    kernel = _emulated()
+    x, w, s, b = _case(7, 1024, 6, 4, 64, mx.float32, seed=5)
+    rows = qmm.qmm_kernel(kernel, x, w, s, b, 64, 4)
+    alone = [qmm.qmm_kernel(kernel, x[i : i + 1], w, s, b, 64, 4) for i in range(7)]
+    assert all(mx.array_equal(rows[i], alone[i][0]) for i in range(7))
+    body = metal_kernel.source(qmm.KERNEL.name)
+    butterfly = "for (int off = LANES / 2; off > 0; off /= 2)"
+    assert butterfly in body and "if (int(lane) < off)" in body
+    pairs = body.replace(butterfly, "for (int off = 1; off < LANES; off *= 2)").replace(
+        "if (int(lane) < off)", "if (int(lane) % (2 * off) == 0)"
+    )  # the same sum, adjacent lanes first
+    other = qmm.qmm_kernel(_emulated(pairs), x, w, s, b, 64, 4)
+    np.testing.assert_allclose(np.array(other), np.array(rows), rtol=1e-5, atol=1e-4)
+    assert not all(mx.array_equal(other[i], alone[i][0]) for i in range(7))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_kernel_reads_each_weight_word_once_whatever_the_rows(bits):
+    reads = {}
+    for M in (2, 16):
+        kernel = _emulated(count=("w", "scales"))
+        x, w, s, b = _case(M, 384, 10, bits, 128, mx.bfloat16)
+        qmm.qmm_kernel(kernel, x, w, s, b, 128, bits)
+        assert np.all(kernel.reads["w"] == 1)  # one pass: 4 * w.size bytes, no repeat per row
+        reads[M] = kernel.reads["scales"]
+    assert np.array_equal(reads[2], reads[16])  # scales: per lane chunk, not per row
+
+
+@pytest.fixture
+def fake_metal(monkeypatch):
+    """use_metal() true with the emulated kernel; a clean kernel cache."""
+    monkeypatch.setattr(metal_kernel, "use_metal", lambda: True)
+    monkeypatch.setattr(metal_kernel, "_cache", {})
+    monkeypatch.setattr(metal_kernel, "_problems", {})
+    monkeypatch.setattr(metal_kernel, "factory", EmulatedKernel)
+
+
+def test_the_dispatch_takes_2_to_16_rows_and_leaves_one_row_and_prefill_to_mlx(fake_metal):
+    x, w, s, b = _case(17, 128, 8, 4, 64, mx.float32)
+    launches = []
+    for M in (1, 4, 17):
+        got = qmm.qmm(x[:M], w, s, b, 64, 4)
+        want = qmm.qmm_ops(x[:M], w, s, b, 64, 4)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-4)
+        launches.append(metal_kernel._cache[qmm.KERNEL.name].calls)
+        assert M == 4 or mx.array_equal(got, want)  # the twin itself
+    assert launches == [2, 3, 3]  # the first use's self-check (2 launches), then M = 4 only
+    assert qmm.report() in (
+        "ok",
+        "not applicable (no Metal GPU; the CPU backend has its own few-row kernel)",
+    )
+    assert metal_kernel.report() == {qmm.KERNEL.name: "ok"}
+
+
+def test_off_metal_and_with_reference_kernels_the_twin_runs(monkeypatch):
+    x, w, s, b = _case(8, 128, 8, 4, 64, mx.bfloat16)
+    assert mx.array_equal(qmm.qmm(x, w, s, b, 64, 4), qmm.qmm_ops(x, w, s, b, 64, 4))
+    monkeypatch.setattr(metal_kernel, "_metal_available", True)
+    monkeypatch.setenv(metal_kernel.REFERENCE_ENV, "1")
+    assert not metal_kernel.use_metal()
+    assert qmm.report().startswith(("not applicable", "off"))
+
+
+def test_a_kernel_that_fails_its_check_warns_once_and_the_twin_runs(
+    fake_metal, monkeypatch, capsys
+):
+    monkeypatch.setattr(metal_kernel, "factory", lambda **kw: _WrongNumbers())
+    x, w, s, b = _case(8, 128, 8, 8, 32, mx.float16)
+    for _ in range(2):
+        assert mx.array_equal(qmm.qmm(x, w, s, b, 32, 8), qmm.qmm_ops(x, w, s, b, 32, 8))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warning: the few_row_qmm Metal kernel failed")
+    assert metal_kernel.report()[qmm.KERNEL.name].startswith("failed: 4-bit")
+
+
+class _WrongNumbers:
+    def __call__(self, *, output_shapes, output_dtypes, **kw):
+        return [mx.ones(sh, dtype=d) for sh, d in zip(output_shapes, output_dtypes, strict=True)]
+
+
+def test_a_wrapped_quantized_linear_uses_the_kernel_for_a_verify_and_mlx_for_one_row(fake_metal):
+    from mlx import nn
+
+    block = nn.Sequential(nn.Linear(64, 32, bias=True), nn.Linear(32, 16, bias=False))
+    nn.quantize(block, group_size=32, bits=4)
+    x = mx.random.normal((1, 5, 64), key=mx.random.key(2))
+    want_rows, want_one = block(x), block(x[:, :1])
+    assert qmm.wrap_tree(block) == 2 and qmm.wrap_tree(block) == 0  # idempotent
+    assert all(isinstance(layer, qmm.FewRowLinear) for layer in block.layers)
+    np.testing.assert_allclose(np.array(block(x)), np.array(want_rows), rtol=1e-4, atol=1e-4)
+    assert mx.array_equal(block(x[:, :1]), want_one)  # one row: MLX's own kernel, same bits
+    assert metal_kernel._cache[qmm.KERNEL.name].calls > 2
+
+
+def test_prepare_target_wraps_quantized_projections_only_on_a_metal_gpu(monkeypatch):
+    from mlx import nn
+
+    monkeypatch.setattr(ops, "prepare_target", ops._DEFAULTS["prepare_target"])
+    layers = [nn.QuantizedLinear(64, 64, group_size=64, bits=4) for _ in range(2)]
+    holder = [nn.Sequential(layer) for layer in layers]
+    assert ops.prepare_target(holder) == 0  # Linux: nothing changes
+    monkeypatch.setattr(qmm, "on_metal", lambda: True)
+    assert ops.prepare_target(holder) == 2
+    assert all(isinstance(h.layers[0], qmm.FewRowLinear) for h in holder)
+
+
+def test_with_reference_kernels_a_wrapped_target_gives_mlxs_bits(monkeypatch):
+    """DFLASH_MLX_REFERENCE_KERNELS=1 on a Mac: the wrapper runs MLX's own quantized_matmul,
+    so a verify's logits keep their bits (greedy parity and sampling law unchanged)."""
+    from mlx import nn
+
+    monkeypatch.setattr(metal_kernel, "_metal_available", True)
+    monkeypatch.setenv(metal_kernel.REFERENCE_ENV, "1")
+    block = nn.Sequential(nn.Linear(128, 64, bias=True), nn.Linear(64, 32, bias=False))
+    nn.quantize(block, group_size=64, bits=8)
+    x = mx.random.normal((1, 6, 128), key=mx.random.key(4)).astype(mx.bfloat16)
+    want = block(x)
+    assert qmm.wrap_tree(block) == 2
+    assert mx.array_equal(block(x), want)
