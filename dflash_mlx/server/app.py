@@ -23,7 +23,8 @@ from pathlib import Path
 from .. import generation
 from ..decoding.prompt import context_length
 from ..errors import ContextLengthError, DFlashError
-from ..settings import GenerationConfig
+from ..settings import GenerationConfig, ServerConfig
+from .access import Access
 from .http import Handler
 from .prompt_cache import GB, check_gb
 from .prompt_cache_disk import DiskTier
@@ -58,6 +59,8 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         model_name: str,
         api_key: str | None,
         defaults: GenerationConfig | None,
+        host: str = "127.0.0.1",
+        config: ServerConfig | None = None,
     ):
         super().__init__(sock.getsockname()[:2], Handler, bind_and_activate=False)
         self.socket.close()  # the unbound one made above; serve the socket ``listen`` bound
@@ -65,6 +68,8 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.defaults = defaults or DEFAULTS
+        self.config = (config or ServerConfig()).validate()
+        self.access = Access(host, self.server_port, self.config.allow_origins)
         self.created = now()
         self.context = context_length(engine.model)
         model = engine.model
@@ -149,12 +154,13 @@ def make_server(
     max_batch: int = 8,
     cache_gb: float | None = None,
     cache_dir: str | None = None,
+    config: ServerConfig | None = None,
 ) -> DFlashHTTPServer:
     """Bind the HTTP server; ``run_server`` serves it.
 
     Args:
         model, tokenizer, model_name, host, api_key, defaults, max_queue, max_batch,
-            cache_gb, cache_dir: as for ``run_server``. port: 0 picks a free one. sock: a
+            cache_gb, cache_dir, config: as for ``run_server``. port: 0 picks a free one. sock: a
             socket from ``listen`` (host and port are then only names).
 
     Raises:
@@ -165,7 +171,7 @@ def make_server(
         cache_bytes = None if cache_gb is None else int(check_gb(cache_gb) * GB)
         disk = None if cache_dir is None else DiskTier.open(cache_dir, model)
         engine = Engine(model, tokenizer, max_queue, max_batch, cache_bytes, disk)
-        return DFlashHTTPServer(sock, engine, model_name, api_key, defaults)
+        return DFlashHTTPServer(sock, engine, model_name, api_key, defaults, host, config)
     except BaseException:
         sock.close()
         raise
@@ -197,6 +203,7 @@ def run_server(
     max_batch: int = 8,
     cache_gb: float | None = None,
     cache_dir: str | None = None,
+    config: ServerConfig | None = None,
 ) -> None:
     """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
 
@@ -212,9 +219,11 @@ def run_server(
             max_batch: requests decoded together (1: one at a time; hybrid targets always).
             cache_gb: the prompt caches' memory budget in GB (None: a quarter of what the
             device budget leaves beside the weights; 0: off). cache_dir: a folder keeping
-            evicted prompt caches as safetensors (None: none).
+            evicted prompt caches as safetensors (None: none). config: the origins web
+            pages may call from and the shutdown grace (``settings.ServerConfig``).
     """
     opts = (host, port, api_key, defaults, max_queue, sock, max_batch, cache_gb, cache_dir)
+    opts += (config,)
     httpd = make_server(model, tokenizer, model_name, *opts)
     print(banner(httpd), flush=True)
     engine = httpd.engine

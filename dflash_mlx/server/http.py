@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from ..decoding.prompt import room, with_default_stops
 from . import anthropic, reasoning, responses, structured
+from .access import ALLOWED_METHODS, MAX_AGE, check_json
 from .connection import Connection
 from .schema import (
     APIError,
@@ -41,8 +42,13 @@ class Handler(Connection):
 
     def _guard(self, fn) -> None:
         """Run a route; every error becomes the route's API's error answer (Anthropic's shape
-        on its routes), and a body the answer did not read is dropped after it."""
+        on its routes), and a body the answer did not read is dropped after it. A request
+        from a web page the server does not allow is refused first (``access``)."""
         try:
+            self.server.access.check(self.headers)
+            self._cors = self.server.access.cors(self.headers.get("Origin"))
+            if self.command == "POST":
+                check_json(self.headers.get("Content-Type"))
             fn()
             return
         except (BrokenPipeError, ConnectionResetError):
@@ -67,6 +73,22 @@ class Handler(Connection):
     def do_POST(self):
         self._guard(self._post)
 
+    def do_OPTIONS(self):
+        """A browser's preflight from a page ``--allow-origin`` names: 204 with the CORS
+        headers; otherwise (and from anyone else) 405."""
+        cors = self.server.access.cors(self.headers.get("Origin"))
+        if cors is None or not self.headers.get("Access-Control-Request-Method"):
+            return self._not_allowed()
+        self._cors = cors
+        self.send_response(204)
+        self.send_header("Access-Control-Allow-Methods", ALLOWED_METHODS)
+        asked = self.headers.get("Access-Control-Request-Headers", "")
+        if asked and asked.isascii() and asked.isprintable():
+            self.send_header("Access-Control-Allow-Headers", asked)
+        self.send_header("Access-Control-Max-Age", MAX_AGE)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def _not_allowed(self):
         self._safe_error(
             APIError(
@@ -77,7 +99,7 @@ class Handler(Connection):
         )
         self._drain()
 
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+    do_PUT = do_DELETE = do_PATCH = _not_allowed
     do_HEAD = do_GET  # the same answer without its body (see _send_json)
 
     def _path(self) -> str:
