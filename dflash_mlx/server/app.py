@@ -46,11 +46,19 @@ def bind_warning(host: str, api_key: str | None) -> str | None:
     )
 
 
+def backlog(max_queue: int, max_batch: int = 8) -> int:
+    """Connections the kernel holds for the server before it accepts them: twice what may
+    wait or run, at least 128. A burst past the stdlib's 5 got resets, not answers; past
+    this a client still gets its 503."""
+    return max(128, 2 * (max(1, max_queue) + max(1, max_batch)))
+
+
 class DFlashHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer holding the engine and the serving options."""
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = backlog(16)  # ``listen``'s; ``make_server`` sizes it to the queue
 
     def __init__(
         self,
@@ -168,6 +176,7 @@ def make_server(
     """
     sock = sock or listen(host, port)
     try:
+        sock.listen(backlog(max_queue, max_batch))  # a listening socket takes a new backlog
         cache_bytes = None if cache_gb is None else int(check_gb(cache_gb) * GB)
         disk = None if cache_dir is None else DiskTier.open(cache_dir, model)
         engine = Engine(model, tokenizer, max_queue, max_batch, cache_bytes, disk)
