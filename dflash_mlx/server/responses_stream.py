@@ -54,10 +54,12 @@ class Answer:
     Args:
         h: the ``http.Handler``. req: the translated chat request. job: its queued job.
         body: the Responses request (fields echoed in the response). rid: the response id.
+        hold: called with the finished response before it is sent (the store), or None.
     """
 
-    def __init__(self, h, req, job, body: dict, rid: str):
+    def __init__(self, h, req, job, body: dict, rid: str, hold=None):
         self.h, self.req, self.job, self.body, self.id = h, req, job, body, rid
+        self.hold = hold
         self.created, self.seq, self.sending = int(time.time()), 0, False
         self.output: list[dict] = []  # the items so far; an open one is last
         self.open: dict | None = None  # the message whose text is streaming
@@ -105,6 +107,8 @@ class Answer:
             self._open_message()
             self._close_message()
         final = self.response(last)
+        if self.hold is not None:  # held before sent: a continuation at once finds it
+            self.hold(final)
         if self.req.stream:
             self.send({"type": f"response.{final['status']}", "response": final})
         else:
@@ -338,7 +342,7 @@ class Answer:
             "parallel_tool_calls": spec.parallel if spec is not None else True,
             "previous_response_id": b.get("previous_response_id"),
             "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
-            "store": b.get("store", True) is not False,
+            "store": b.get("store") is not False,  # null: the default
             "temperature": gen.temperature,
             "top_p": gen.top_p,
             "text": b.get("text") or {"format": {"type": "text"}},

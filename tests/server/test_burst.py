@@ -9,41 +9,9 @@ import json
 import socket
 import threading
 
-import pytest
-
-from dflash_mlx.server.app import backlog, make_server
+from dflash_mlx.server.app import backlog
 
 CLIENTS = 64
-
-
-@pytest.fixture
-def served(pairs):
-    """Starts a server on the tiny pair with its worker; yields a function that starts one
-    (keywords as ``make_server``'s) and returns (server, port)."""
-    model, tok = pairs("qwen3", "d2")
-    running = []
-
-    def go(serve: bool = True, **kw):
-        httpd = make_server(model, tok, "tiny", port=0, **kw)
-        threads = []
-        if serve:
-            threads = [
-                threading.Thread(target=httpd.serve_forever, daemon=True),
-                threading.Thread(target=httpd.engine.run, daemon=True),
-            ]
-            for t in threads:
-                t.start()
-        running.append((httpd, threads))
-        return httpd, httpd.server_address[1]
-
-    yield go
-    for httpd, threads in running:
-        httpd.engine.stop()
-        if threads:
-            httpd.shutdown()
-        for t in threads:
-            t.join(30)
-        httpd.server_close()
 
 
 def test_the_backlog_covers_the_queue_and_more():
@@ -51,10 +19,10 @@ def test_the_backlog_covers_the_queue_and_more():
     assert backlog(200, 8) == 416
 
 
-def test_a_burst_past_the_queue_is_held_by_the_listen_backlog(served):
+def test_a_burst_past_the_queue_is_held_by_the_listen_backlog(inproc):
     """64 connections to a server not accepting yet: all are held (the stdlib's backlog of 5
     dropped the rest: they hung here on Linux and were reset on macOS)."""
-    _, port = served(serve=False, max_queue=16, max_batch=8)
+    _, port = inproc(serve=False, max_queue=16, max_batch=8)
     held = []
     try:
         for _ in range(CLIENTS):
@@ -65,8 +33,8 @@ def test_a_burst_past_the_queue_is_held_by_the_listen_backlog(served):
     assert len(held) == CLIENTS
 
 
-def test_64_concurrent_clients_get_an_answer_or_a_503_never_a_reset(served):
-    _, port = served(max_queue=4, max_batch=2)
+def test_64_concurrent_clients_get_an_answer_or_a_503_never_a_reset(inproc):
+    _, port = inproc(max_queue=4, max_batch=2)
     body = json.dumps({"prompt": "def f(", "max_tokens": 2, "temperature": 0})
     start, got = threading.Barrier(CLIENTS), []
 
