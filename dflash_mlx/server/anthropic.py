@@ -20,7 +20,7 @@ from typing import Any
 from .anthropic_request import AnthropicError, bad, to_chat
 from .limits import ANTHROPIC, InputError, check_body
 from .reasoning import Splitter, split
-from .schema import APIError, parse_body
+from .schema import APIError, ended, parse_body
 from .structured import prepare
 from .tools import CallStream
 
@@ -96,7 +96,9 @@ class Answer:
                 return
             tag, val = item
             if tag == "end":
-                break
+                tag, val = "error", ended(last)  # unfinished: the server stopped it
+                if val is None:
+                    break
             if tag == "error":
                 if not started:
                     raise AnthropicError.of(val)
@@ -111,8 +113,6 @@ class Answer:
                     start = {"type": "message_start", "message": self._message(last, [], None)}
                     self.send("message_start", start)
                 self._stream(val.text, bool(val.finish_reason))
-        if last is None:
-            raise AnthropicError(500, "the generation produced nothing")
         if not self.req.stream:
             thought, whole = split("".join(self.text), self.req.marks, self.req.started_open)
             events = (

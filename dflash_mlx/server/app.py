@@ -14,7 +14,6 @@ Start it with ``dflash serve`` (or ``python -m dflash_mlx.server``, the same com
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import threading
 from http.server import ThreadingHTTPServer
@@ -29,6 +28,7 @@ from .http import Handler
 from .prompt_cache import GB, check_gb
 from .prompt_cache_disk import DiskTier
 from .schema import DEFAULTS, bad, now
+from .shutdown import InFlight, serve
 from .worker import Engine
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -87,6 +87,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
                 names |= {str(p), Path(str(p)).name}
         self.names = {n.lower() for n in names if n}
         self._tok_lock = threading.Lock()
+        self.inflight = InFlight()  # requests being answered, waited for at a stop
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is the served model (its name or its directory, any case)."""
@@ -214,7 +215,8 @@ def run_server(
     cache_dir: str | None = None,
     config: ServerConfig | None = None,
 ) -> None:
-    """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
+    """Serve the OpenAI-compatible API until SIGTERM or Ctrl-C, then stop in order
+    (``shutdown``: running requests get ``config.shutdown_grace`` seconds); blocking.
 
     Call it from the main thread: generation runs in the calling thread, HTTP in others.
     The caller warns about a non-loopback host without a key (see ``bind_warning``).
@@ -235,21 +237,4 @@ def run_server(
     opts += (config,)
     httpd = make_server(model, tokenizer, model_name, *opts)
     print(banner(httpd), flush=True)
-    engine = httpd.engine
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        old = signal.signal(signal.SIGTERM, lambda *_: engine.stop())
-    web = threading.Thread(target=httpd.serve_forever, name="dflash-http", daemon=True)
-    web.start()
-    try:
-        engine.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        engine.stop()
-        engine._drain()
-        httpd.shutdown()
-        httpd.server_close()
-        engine.pool.close()  # the prompt caches in memory go to --prompt-cache-dir
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+    serve(httpd)

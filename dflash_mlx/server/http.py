@@ -26,9 +26,11 @@ from .schema import (
     completion,
     delta_chunks,
     dflash_stats,
+    ended,
     new_id,
     now,
     parse_request,
+    shutting_down,
     usage,
     usage_chunk,
 )
@@ -44,6 +46,10 @@ class Handler(Connection):
         """Run a route; every error becomes the route's API's error answer (Anthropic's shape
         on its routes), and a body the answer did not read is dropped after it. A request
         from a web page the server does not allow is refused first (``access``)."""
+        with self.server.inflight:
+            self._guarded(fn)
+
+    def _guarded(self, fn) -> None:
         try:
             self.server.access.check(self.headers)
             self._cors = self.server.access.cors(self.headers.get("Origin"))
@@ -208,6 +214,8 @@ class Handler(Connection):
             req.started_open = reasoning.starts_open(tok, ids, req.marks)
         job = Job(ids, req.gen, structured.processors(req, tok, vocab))
         if not srv.engine.submit(job):
+            if srv.engine.closing or srv.engine.stopping.is_set():
+                raise shutting_down()
             raise APIError(
                 503, "the server is busy (request queue full); retry later", code="server_busy"
             )
@@ -245,11 +253,13 @@ class Handler(Connection):
                 return
             tag, val = item
             if tag == "end":
-                break
+                tag, val = "error", ended(last)  # unfinished: the server stopped it
+                if val is None:
+                    break
             if tag == "error":
                 if not started:  # nothing sent yet: the error is the answer
                     raise val
-                self._send_event(val.body())
+                self._send_event(val.body())  # the stream's error chunk, never a bare end
                 self.wfile.write(b"data: [DONE]\n\n")
                 return
             last = val
@@ -289,11 +299,9 @@ class Handler(Connection):
 
     def _finish(self, req, head: tuple, text: str, last, accepted: int, thought=None) -> None:
         """End the answer: the whole ``text`` as JSON, or the stream's usage chunk and [DONE].
-        ``last``: the last GenerationResponse (None: the generation produced nothing);
+        ``last``: the last GenerationResponse (a finished one);
         ``accepted``: draft tokens accepted over the whole generation; ``thought``: its
         reasoning tokens (None: not a thinking model)."""
-        if last is None:
-            raise APIError(500, "the generation produced nothing")
         block = req.gen.block_size or self.server.engine.model.block_size
         use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
         if thought is not None:

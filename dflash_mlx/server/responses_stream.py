@@ -17,7 +17,7 @@ import time
 import uuid
 
 from . import reasoning
-from .schema import APIError, dflash_stats
+from .schema import APIError, dflash_stats, ended
 from .tools import HERMES, CallStream
 
 
@@ -84,7 +84,9 @@ class Answer:
                 return None
             tag, val = item
             if tag == "end":
-                break
+                tag, val = "error", ended(last)  # unfinished: the server stopped it
+                if val is None:
+                    break
             if tag == "error":
                 if not self.sending:  # nothing sent yet: the error is the answer
                     raise val
@@ -98,8 +100,6 @@ class Answer:
                 if not self.sending:
                     self._begin(last)
                 self._feed(val.text)
-        if last is None:
-            raise APIError(500, "the generation produced nothing")
         self._feed("" if self.req.stream else "".join(texts), True)
         self._close_reasoning()
         self._close_message()
