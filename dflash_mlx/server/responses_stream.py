@@ -69,7 +69,8 @@ class Answer:
         self.accepted, self.tokens = 0, []
         tok = h.server.engine.tokenizer
         self.marks = reasoning.markers(tok)  # a thinking model's answer: reasoning first
-        self.think = reasoning.Splitter(self.marks, reasoning.starts_open(tok, job.ids, self.marks))
+        self.started_open = reasoning.starts_open(tok, job.ids, self.marks)
+        self.think = reasoning.Splitter(self.marks, self.started_open)
         self.thought: dict | None = None  # the reasoning item whose text is streaming
 
     # ------------------------------------------------------------------ the loop
@@ -308,11 +309,11 @@ class Answer:
         self._done(item)
 
     def _reasoning_tokens(self) -> int:
-        """Tokens of the thinking section: up to its closing marker (all when unclosed)."""
-        if self.marks is None or not self.think.saw_reasoning:
-            return 0
-        close = reasoning.marker_ids(self.h.server.engine.tokenizer, self.marks)[1]
-        return self.tokens.index(close) + 1 if close in self.tokens else len(self.tokens)
+        """Tokens of the thinking section, counted as chat and Anthropic count them."""
+        tok = self.h.server.engine.tokenizer
+        count = reasoning.ReasoningTokens(tok, self.marks, self.started_open)
+        count.feed(self.tokens)
+        return count.count or 0
 
     # ------------------------------------------------------------------ the object
     def response(self, last, finished: bool = True) -> dict:
