@@ -141,3 +141,26 @@ def test_past_the_grace_each_api_ends_its_requests_explicitly(tiny_dir, tmp_path
     assert b"event: response.failed" in out["responses"]
     assert b"response.completed" not in out["responses"]
     assert b"Traceback" not in log.read_bytes()
+
+
+def test_a_second_signal_ends_running_requests_at_once(tiny_dir, tmp_path):
+    proc, url, log = _start(
+        tmp_path, tiny_dir / "qwen3", tiny_dir / "d2_qwen3", "--shutdown-grace", "600"
+    )
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        s = _post(port, "/v1/chat/completions", {"messages": MSG, **LONG, "stream": True})
+        head = _read(s, b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # still in its grace of 600 s
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0 and time.monotonic() - t < 15
+        out = head + _read(s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    events = [e for e in out.split(b"\n\n") if e.startswith(b"data: ")]
+    assert b'"server_shutting_down"' in events[-2] and events[-1] == b"data: [DONE]"
+    assert "stopping now" in log.read_text()
