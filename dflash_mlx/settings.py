@@ -335,3 +335,64 @@ OPTIONS = (
 
 # The flag that carries each field's value, for messages (a negating switch carries none).
 FLAGS = {f.field: f.name for f in OPTIONS if not f.negate}
+
+
+SHUTDOWN_GRACE = 5.0  # seconds in-flight requests get to finish after SIGTERM / Ctrl-C
+MAX_SHUTDOWN_GRACE = 3600.0  # an hour; a timer's wait overflows far past it
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Who may call ``dflash serve`` from a web page, and how it stops.
+
+    Attributes:
+        allow_origins: web origins (``scheme://host[:port]``, or "*" for any page) whose
+            pages may call the server from a browser; requests from other origins get a 403.
+        shutdown_grace: seconds (0 .. 3600) in-flight requests get to finish after SIGTERM or
+            Ctrl-C before the rest are ended with a 503 or their stream's error event.
+    """
+
+    allow_origins: tuple[str, ...] = ()
+    shutdown_grace: float = SHUTDOWN_GRACE
+
+    def validate(self, *, flags: bool = False) -> ServerConfig:
+        """Check both settings; return a copy with the origins normalized (lower case, no
+        trailing '/'). Args: flags: name settings by their command-line flags in messages.
+
+        Raises:
+            SettingError: one line naming the setting, the bad value and the fix.
+        """
+        g = self.shutdown_grace
+        try:
+            ok = not isinstance(g, bool) and isinstance(g, Real) and 0 <= g <= MAX_SHUTDOWN_GRACE
+        except OverflowError:  # an integer beyond any float
+            ok = False
+        if not ok:
+            raise SettingError(
+                f"{'--shutdown-grace' if flags else 'shutdown_grace'} must be in "
+                f"0..{MAX_SHUTDOWN_GRACE:g} seconds (got {_shown(g)}); 0 ends running "
+                "requests at once",
+                "shutdown_grace",
+            )
+        name = "--allow-origin" if flags else "allow_origins"
+        return ServerConfig(tuple(_origin(o, name) for o in self.allow_origins), float(g))
+
+
+def _origin(text, name: str) -> str:
+    """An origin as browsers send it: 'scheme://host[:port]' in lower case, or '*'."""
+    o = text.strip().lower().rstrip("/") if isinstance(text, str) else ""
+    scheme, sep, rest = o.partition("://")
+    if o == "*" or (
+        sep
+        and scheme.isascii()
+        and scheme.isalpha()
+        and rest.isprintable()
+        and rest
+        and not set(rest) & set("/?#@ ")
+    ):
+        return o
+    raise SettingError(
+        f"{name} {_shown(text)!r} is not an origin; give scheme://host[:port] as the browser "
+        "shows it (e.g. http://localhost:3000), or '*' for any page",
+        "allow_origins",
+    )

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from ..errors import DFlashError
-from ..settings import GenerationConfig
+from ..settings import SHUTDOWN_GRACE, GenerationConfig, ServerConfig
 from . import common as c
 from .options import MODEL, ModelOptions, decoding, expand
 
@@ -23,6 +23,18 @@ CACHE_DIR = typer.Option(
     None,
     "--prompt-cache-dir",
     help="Keep prompt caches evicted from memory in this folder (safetensors); restore them.",
+)
+
+ALLOW_ORIGIN = typer.Option(
+    None,
+    "--allow-origin",
+    help="Let web pages of this origin (scheme://host[:port], or '*') call the server; "
+    "repeatable. Other pages' requests get 403.",
+)
+SHUTDOWN = typer.Option(
+    SHUTDOWN_GRACE,
+    "--shutdown-grace",
+    help="Seconds running requests get to finish after SIGTERM or Ctrl-C; the rest get 503.",
 )
 
 
@@ -43,15 +55,16 @@ def serve(
     ),
     prompt_cache_gb: float | None = CACHE_GB,
     prompt_cache_dir: str | None = CACHE_DIR,
+    allow_origin: list[str] | None = ALLOW_ORIGIN,
+    shutdown_grace: float = SHUTDOWN,
     cfg: GenerationConfig = SETTINGS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No download notices."),
 ):
-    """Serve an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models).
-
-    The decoding options are the defaults of requests that do not set them.
-    """
+    """Serve the OpenAI and Anthropic APIs; the decoding options are the defaults of
+    requests that do not set them."""
     check_server_options(port, api_key, max_queue, max_batch, prompt_cache_gb, prompt_cache_dir)
+    config = ServerConfig(tuple(allow_origin or ()), shutdown_grace).validate(flags=True)
     if cfg.kv_bits is not None and max_batch > 1:
         raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
     from .. import server
@@ -82,6 +95,7 @@ def serve(
         max_batch=max_batch,
         cache_gb=prompt_cache_gb,
         cache_dir=prompt_cache_dir,
+        config=config,
     )
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from .anthropic_request import AnthropicError, bad, to_chat
 from .limits import ANTHROPIC, InputError, check_body
-from .reasoning import Splitter, split
-from .schema import APIError, parse_body
+from .reasoning import ReasoningTokens, Splitter, split
+from .schema import APIError, ended, parse_body
 from .structured import prepare
 from .tools import CallStream
 
@@ -83,6 +83,8 @@ class Answer:
         self.tools = spec is not None and spec.active
         self.show = bool((req.template_kwargs or {}).get("enable_thinking"))  # thinking blocks
         self.thinking = Splitter(req.marks, req.started_open) if req.marks else None
+        tok = h.server.engine.tokenizer
+        self.thought = ReasoningTokens(tok, req.marks, req.started_open)  # counted as chat's
 
     def send(self, event: str, data: dict) -> None:
         self.h.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
@@ -96,7 +98,9 @@ class Answer:
                 return
             tag, val = item
             if tag == "end":
-                break
+                tag, val = "error", ended(last)  # unfinished: the server stopped it
+                if val is None:
+                    break
             if tag == "error":
                 if not started:
                     raise AnthropicError.of(val)
@@ -104,6 +108,7 @@ class Answer:
             last = val
             self.text.append(val.text)
             self.tokens += val.tokens
+            self.thought.feed(val.tokens)
             if self.req.stream:
                 if not started:
                     started = True
@@ -111,8 +116,6 @@ class Answer:
                     start = {"type": "message_start", "message": self._message(last, [], None)}
                     self.send("message_start", start)
                 self._stream(val.text, bool(val.finish_reason))
-        if last is None:
-            raise AnthropicError(500, "the generation produced nothing")
         if not self.req.stream:
             thought, whole = split("".join(self.text), self.req.marks, self.req.started_open)
             events = (
@@ -126,7 +129,7 @@ class Answer:
         self._close_block()
         reason, seq = self._reason(last.finish_reason, self.blocks)
         delta = {"stop_reason": reason, "stop_sequence": seq}
-        usage = {"output_tokens": last.generation_tokens}
+        usage = {"output_tokens": last.generation_tokens, **self._reasoning()}
         self.send("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
         self.send("message_stop", {"type": "message_stop"})
 
@@ -206,8 +209,17 @@ class Answer:
                     return "stop_sequence", s
         return STOP_REASONS.get(finish, "end_turn"), None
 
+    def _reasoning(self) -> dict:
+        """The reasoning tokens (a dflash extension, as chat's and Responses' count them);
+        nothing for a model that does not think."""
+        n = self.thought.count
+        return {} if n is None else {"output_tokens_details": {"reasoning_tokens": n}}
+
     def _message(self, last, content, reason) -> dict:
+        """The message object; ``input_tokens`` is the uncached part of the prompt (as
+        Anthropic defines it), ``cache_read_input_tokens`` the part taken from the cache."""
         stop_reason, seq = reason if reason else (None, None)
+        cached = max(0, last.prompt_tokens - last.prompt_processed)
         return {
             "id": self.id,
             "type": "message",
@@ -217,9 +229,10 @@ class Answer:
             "stop_reason": stop_reason,
             "stop_sequence": seq,
             "usage": {
-                "input_tokens": last.prompt_tokens,
+                "input_tokens": last.prompt_tokens - cached,
                 "output_tokens": last.generation_tokens if reason else 0,
-                "cache_read_input_tokens": max(0, last.prompt_tokens - last.prompt_processed),
+                "cache_read_input_tokens": cached,
+                **(self._reasoning() if reason else {}),
             },
         }
 

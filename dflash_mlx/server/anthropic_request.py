@@ -12,6 +12,7 @@ from .schema import APIError
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
     500: "api_error",

@@ -14,7 +14,6 @@ Start it with ``dflash serve`` (or ``python -m dflash_mlx.server``, the same com
 from __future__ import annotations
 
 import logging
-import signal
 import socket
 import threading
 from http.server import ThreadingHTTPServer
@@ -23,11 +22,13 @@ from pathlib import Path
 from .. import generation
 from ..decoding.prompt import context_length
 from ..errors import ContextLengthError, DFlashError
-from ..settings import GenerationConfig
+from ..settings import GenerationConfig, ServerConfig
+from .access import Access
 from .http import Handler
 from .prompt_cache import GB, check_gb
 from .prompt_cache_disk import DiskTier
 from .schema import DEFAULTS, bad, now
+from .shutdown import InFlight, serve
 from .worker import Engine
 
 logger = logging.getLogger("dflash_mlx.server")
@@ -45,11 +46,19 @@ def bind_warning(host: str, api_key: str | None) -> str | None:
     )
 
 
+def backlog(max_queue: int, max_batch: int = 8) -> int:
+    """Connections the kernel holds for the server before it accepts them: twice what may
+    wait or run, at least 128. A burst past the stdlib's 5 got resets, not answers; past
+    this a client still gets its 503."""
+    return max(128, 2 * (max(1, max_queue) + max(1, max_batch)))
+
+
 class DFlashHTTPServer(ThreadingHTTPServer):
     """ThreadingHTTPServer holding the engine and the serving options."""
 
     daemon_threads = True
     allow_reuse_address = True
+    request_queue_size = backlog(16)  # ``listen``'s; ``make_server`` sizes it to the queue
 
     def __init__(
         self,
@@ -58,6 +67,8 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         model_name: str,
         api_key: str | None,
         defaults: GenerationConfig | None,
+        host: str = "127.0.0.1",
+        config: ServerConfig | None = None,
     ):
         super().__init__(sock.getsockname()[:2], Handler, bind_and_activate=False)
         self.socket.close()  # the unbound one made above; serve the socket ``listen`` bound
@@ -65,6 +76,8 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.defaults = defaults or DEFAULTS
+        self.config = (config or ServerConfig()).validate()
+        self.access = Access(host, self.server_port, self.config.allow_origins)
         self.created = now()
         self.context = context_length(engine.model)
         model = engine.model
@@ -74,6 +87,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
                 names |= {str(p), Path(str(p)).name}
         self.names = {n.lower() for n in names if n}
         self._tok_lock = threading.Lock()
+        self.inflight = InFlight()  # requests being answered, waited for at a stop
 
     def knows(self, name: str) -> bool:
         """Whether ``name`` is the served model (its name or its directory, any case)."""
@@ -149,12 +163,13 @@ def make_server(
     max_batch: int = 8,
     cache_gb: float | None = None,
     cache_dir: str | None = None,
+    config: ServerConfig | None = None,
 ) -> DFlashHTTPServer:
     """Bind the HTTP server; ``run_server`` serves it.
 
     Args:
         model, tokenizer, model_name, host, api_key, defaults, max_queue, max_batch,
-            cache_gb, cache_dir: as for ``run_server``. port: 0 picks a free one. sock: a
+            cache_gb, cache_dir, config: as for ``run_server``. port: 0 picks a free one. sock: a
             socket from ``listen`` (host and port are then only names).
 
     Raises:
@@ -162,10 +177,11 @@ def make_server(
     """
     sock = sock or listen(host, port)
     try:
+        sock.listen(backlog(max_queue, max_batch))  # a listening socket takes a new backlog
         cache_bytes = None if cache_gb is None else int(check_gb(cache_gb) * GB)
         disk = None if cache_dir is None else DiskTier.open(cache_dir, model)
         engine = Engine(model, tokenizer, max_queue, max_batch, cache_bytes, disk)
-        return DFlashHTTPServer(sock, engine, model_name, api_key, defaults)
+        return DFlashHTTPServer(sock, engine, model_name, api_key, defaults, host, config)
     except BaseException:
         sock.close()
         raise
@@ -197,8 +213,10 @@ def run_server(
     max_batch: int = 8,
     cache_gb: float | None = None,
     cache_dir: str | None = None,
+    config: ServerConfig | None = None,
 ) -> None:
-    """Serve the OpenAI-compatible API until interrupted (Ctrl-C or SIGTERM); blocking.
+    """Serve the OpenAI-compatible API until SIGTERM or Ctrl-C, then stop in order
+    (``shutdown``: running requests get ``config.shutdown_grace`` seconds); blocking.
 
     Call it from the main thread: generation runs in the calling thread, HTTP in others.
     The caller warns about a non-loopback host without a key (see ``bind_warning``).
@@ -212,26 +230,11 @@ def run_server(
             max_batch: requests decoded together (1: one at a time; hybrid targets always).
             cache_gb: the prompt caches' memory budget in GB (None: a quarter of what the
             device budget leaves beside the weights; 0: off). cache_dir: a folder keeping
-            evicted prompt caches as safetensors (None: none).
+            evicted prompt caches as safetensors (None: none). config: the origins web
+            pages may call from and the shutdown grace (``settings.ServerConfig``).
     """
     opts = (host, port, api_key, defaults, max_queue, sock, max_batch, cache_gb, cache_dir)
+    opts += (config,)
     httpd = make_server(model, tokenizer, model_name, *opts)
     print(banner(httpd), flush=True)
-    engine = httpd.engine
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        old = signal.signal(signal.SIGTERM, lambda *_: engine.stop())
-    web = threading.Thread(target=httpd.serve_forever, name="dflash-http", daemon=True)
-    web.start()
-    try:
-        engine.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        engine.stop()
-        engine._drain()
-        httpd.shutdown()
-        httpd.server_close()
-        engine.pool.close()  # the prompt caches in memory go to --prompt-cache-dir
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+    serve(httpd)

@@ -54,6 +54,7 @@ class Connection(BaseHTTPRequestHandler):
     _probed = 0.0  # when a half-closed connection was last written to
     _body_read = False  # the body was read (or dropped): nothing left to drain
     _started = False  # an answer of server-sent events began
+    _cors: str | None = None  # the page origin answers name (``--allow-origin``), if any
 
     def log_message(self, fmt, *args):
         logger.info("%s %s", self.address_string(), fmt % args)
@@ -69,6 +70,12 @@ class Connection(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
         self.wfile.flush()
+
+    def end_headers(self) -> None:
+        if self._cors:  # a page --allow-origin names may read the answer
+            self.send_header("Access-Control-Allow-Origin", self._cors)
+            self.send_header("Vary", "Origin")
+        super().end_headers()
 
     def _error(self, err: APIError) -> None:
         headers = [("Retry-After", RETRY_AFTER)] if err.status == 503 else []

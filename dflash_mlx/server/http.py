@@ -17,6 +17,7 @@ from dataclasses import replace
 
 from ..decoding.prompt import room, with_default_stops
 from . import anthropic, reasoning, responses, structured
+from .access import ALLOWED_METHODS, MAX_AGE, check_json
 from .connection import Connection
 from .schema import (
     APIError,
@@ -25,9 +26,11 @@ from .schema import (
     completion,
     delta_chunks,
     dflash_stats,
+    ended,
     new_id,
     now,
     parse_request,
+    shutting_down,
     usage,
     usage_chunk,
 )
@@ -41,8 +44,17 @@ class Handler(Connection):
 
     def _guard(self, fn) -> None:
         """Run a route; every error becomes the route's API's error answer (Anthropic's shape
-        on its routes), and a body the answer did not read is dropped after it."""
+        on its routes), and a body the answer did not read is dropped after it. A request
+        from a web page the server does not allow is refused first (``access``)."""
+        with self.server.inflight:
+            self._guarded(fn)
+
+    def _guarded(self, fn) -> None:
         try:
+            self.server.access.check(self.headers)
+            self._cors = self.server.access.cors(self.headers.get("Origin"))
+            if self.command == "POST":
+                check_json(self.headers.get("Content-Type"))
             fn()
             return
         except (BrokenPipeError, ConnectionResetError):
@@ -67,6 +79,22 @@ class Handler(Connection):
     def do_POST(self):
         self._guard(self._post)
 
+    def do_OPTIONS(self):
+        """A browser's preflight from a page ``--allow-origin`` names: 204 with the CORS
+        headers; otherwise (and from anyone else) 405."""
+        cors = self.server.access.cors(self.headers.get("Origin"))
+        if cors is None or not self.headers.get("Access-Control-Request-Method"):
+            return self._not_allowed()
+        self._cors = cors
+        self.send_response(204)
+        self.send_header("Access-Control-Allow-Methods", ALLOWED_METHODS)
+        asked = self.headers.get("Access-Control-Request-Headers", "")
+        if asked and asked.isascii() and asked.isprintable():
+            self.send_header("Access-Control-Allow-Headers", asked)
+        self.send_header("Access-Control-Max-Age", MAX_AGE)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def _not_allowed(self):
         self._safe_error(
             APIError(
@@ -77,7 +105,7 @@ class Handler(Connection):
         )
         self._drain()
 
-    do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed
+    do_PUT = do_DELETE = do_PATCH = _not_allowed
     do_HEAD = do_GET  # the same answer without its body (see _send_json)
 
     def _path(self) -> str:
@@ -186,6 +214,8 @@ class Handler(Connection):
             req.started_open = reasoning.starts_open(tok, ids, req.marks)
         job = Job(ids, req.gen, structured.processors(req, tok, vocab))
         if not srv.engine.submit(job):
+            if srv.engine.closing or srv.engine.stopping.is_set():
+                raise shutting_down()
             raise APIError(
                 503, "the server is busy (request queue full); retry later", code="server_busy"
             )
@@ -223,11 +253,13 @@ class Handler(Connection):
                 return
             tag, val = item
             if tag == "end":
-                break
+                tag, val = "error", ended(last)  # unfinished: the server stopped it
+                if val is None:
+                    break
             if tag == "error":
                 if not started:  # nothing sent yet: the error is the answer
                     raise val
-                self._send_event(val.body())
+                self._send_event(val.body())  # the stream's error chunk, never a bare end
                 self.wfile.write(b"data: [DONE]\n\n")
                 return
             last = val
@@ -267,11 +299,9 @@ class Handler(Connection):
 
     def _finish(self, req, head: tuple, text: str, last, accepted: int, thought=None) -> None:
         """End the answer: the whole ``text`` as JSON, or the stream's usage chunk and [DONE].
-        ``last``: the last GenerationResponse (None: the generation produced nothing);
+        ``last``: the last GenerationResponse (a finished one);
         ``accepted``: draft tokens accepted over the whole generation; ``thought``: its
         reasoning tokens (None: not a thinking model)."""
-        if last is None:
-            raise APIError(500, "the generation produced nothing")
         block = req.gen.block_size or self.server.engine.model.block_size
         use = usage(last.prompt_tokens, last.generation_tokens, last.prompt_processed)
         if thought is not None:

@@ -206,8 +206,10 @@ class Splitter:
 
 
 class ReasoningTokens:
-    """Counts an answer's reasoning tokens (those between the markers) as they stream, for
-    ``usage.completion_tokens_details.reasoning_tokens``.
+    """Counts an answer's reasoning tokens as they stream: its thinking section, with the
+    markers the model wrote (so the rest of ``completion_tokens`` is the content's). The
+    one count of every API: chat's ``completion_tokens_details``, Responses'
+    ``output_tokens_details`` and Anthropic's ``usage.output_tokens_details``.
 
     Args:
         tokenizer: the model's. marks: from ``markers`` (None: nothing is counted).
@@ -227,11 +229,11 @@ class ReasoningTokens:
         for t in tokens:
             if self.state == "start":  # the answer may open the reasoning itself
                 self.state = "reasoning" if t == opened else "done"
+                self.n += t == opened
             elif self.state == "reasoning":
+                self.n += 1
                 if t == closed:
                     self.state = "done"
-                else:
-                    self.n += 1
 
     @property
     def count(self) -> int | None:

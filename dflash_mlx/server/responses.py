@@ -294,8 +294,8 @@ def to_chat(body: Any, store: Store) -> tuple[dict, list]:
     """
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object", code="invalid_json")
-    if not isinstance(body.get("store", True), bool):
-        raise bad("'store' must be a boolean", "store")
+    if body.get("store") is not None and not isinstance(body["store"], bool):
+        raise bad("'store' must be a boolean (null: the default, true)", "store")
     for key, why in REFUSED.items():
         if body.get(key):
             raise bad(why, key)
@@ -344,8 +344,8 @@ def _load(raw: bytes) -> Any:
 
 
 def handle(h, path: str) -> None:
-    """Answer ``POST /v1/responses`` and hold the finished response (unless ``store`` is
-    false).
+    """Answer ``POST /v1/responses``, holding the finished response (unless ``store`` is
+    false) before its answer is sent, so a continuation sent at once finds it.
 
     Args:
         h: the ``http.Handler``. path: the route.
@@ -363,12 +363,15 @@ def handle(h, path: str) -> None:
         job = h.submit(req)
     except APIError as e:
         raise respell(e) from None
+
+    def hold(done: dict) -> None:
+        if body.get("store") is not False:
+            store.put(done, items + done["output"])
+
     try:
-        done = Answer(h, req, job, body, new_id()).run()
+        Answer(h, req, job, body, new_id(), hold).run()
     finally:
         job.cancel.set()  # no-op when finished; stops the generation otherwise
-    if done is not None and body.get("store", True) is not False:
-        store.put(done, items + done["output"])
 
 
 def get(h, path: str) -> None:

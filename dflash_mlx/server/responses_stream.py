@@ -17,7 +17,7 @@ import time
 import uuid
 
 from . import reasoning
-from .schema import APIError, dflash_stats
+from .schema import APIError, dflash_stats, ended
 from .tools import HERMES, CallStream
 
 
@@ -54,10 +54,12 @@ class Answer:
     Args:
         h: the ``http.Handler``. req: the translated chat request. job: its queued job.
         body: the Responses request (fields echoed in the response). rid: the response id.
+        hold: called with the finished response before it is sent (the store), or None.
     """
 
-    def __init__(self, h, req, job, body: dict, rid: str):
+    def __init__(self, h, req, job, body: dict, rid: str, hold=None):
         self.h, self.req, self.job, self.body, self.id = h, req, job, body, rid
+        self.hold = hold
         self.created, self.seq, self.sending = int(time.time()), 0, False
         self.output: list[dict] = []  # the items so far; an open one is last
         self.open: dict | None = None  # the message whose text is streaming
@@ -67,7 +69,8 @@ class Answer:
         self.accepted, self.tokens = 0, []
         tok = h.server.engine.tokenizer
         self.marks = reasoning.markers(tok)  # a thinking model's answer: reasoning first
-        self.think = reasoning.Splitter(self.marks, reasoning.starts_open(tok, job.ids, self.marks))
+        self.started_open = reasoning.starts_open(tok, job.ids, self.marks)
+        self.think = reasoning.Splitter(self.marks, self.started_open)
         self.thought: dict | None = None  # the reasoning item whose text is streaming
 
     # ------------------------------------------------------------------ the loop
@@ -82,7 +85,9 @@ class Answer:
                 return None
             tag, val = item
             if tag == "end":
-                break
+                tag, val = "error", ended(last)  # unfinished: the server stopped it
+                if val is None:
+                    break
             if tag == "error":
                 if not self.sending:  # nothing sent yet: the error is the answer
                     raise val
@@ -96,8 +101,6 @@ class Answer:
                 if not self.sending:
                     self._begin(last)
                 self._feed(val.text)
-        if last is None:
-            raise APIError(500, "the generation produced nothing")
         self._feed("" if self.req.stream else "".join(texts), True)
         self._close_reasoning()
         self._close_message()
@@ -105,6 +108,8 @@ class Answer:
             self._open_message()
             self._close_message()
         final = self.response(last)
+        if self.hold is not None:  # held before sent: a continuation at once finds it
+            self.hold(final)
         if self.req.stream:
             self.send({"type": f"response.{final['status']}", "response": final})
         else:
@@ -304,11 +309,11 @@ class Answer:
         self._done(item)
 
     def _reasoning_tokens(self) -> int:
-        """Tokens of the thinking section: up to its closing marker (all when unclosed)."""
-        if self.marks is None or not self.think.saw_reasoning:
-            return 0
-        close = reasoning.marker_ids(self.h.server.engine.tokenizer, self.marks)[1]
-        return self.tokens.index(close) + 1 if close in self.tokens else len(self.tokens)
+        """Tokens of the thinking section, counted as chat and Anthropic count them."""
+        tok = self.h.server.engine.tokenizer
+        count = reasoning.ReasoningTokens(tok, self.marks, self.started_open)
+        count.feed(self.tokens)
+        return count.count or 0
 
     # ------------------------------------------------------------------ the object
     def response(self, last, finished: bool = True) -> dict:
@@ -338,7 +343,7 @@ class Answer:
             "parallel_tool_calls": spec.parallel if spec is not None else True,
             "previous_response_id": b.get("previous_response_id"),
             "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
-            "store": b.get("store", True) is not False,
+            "store": b.get("store") is not False,  # null: the default
             "temperature": gen.temperature,
             "top_p": gen.top_p,
             "text": b.get("text") or {"format": {"type": "text"}},

@@ -84,6 +84,22 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param, code)
 
 
+def shutting_down() -> APIError:
+    """The answer of a request the server's stop ended before it was complete."""
+    return APIError(
+        503,
+        "the server is shutting down and ended this request before its answer was complete; "
+        "retry it when the server is back",
+        code="server_shutting_down",
+    )
+
+
+def ended(last) -> APIError | None:
+    """The error of a job that ended without a finished result (``last``: its last
+    GenerationResponse, or None): only a stop does that, and it is never a whole answer."""
+    return shutting_down() if last is None or not last.finish_reason else None
+
+
 @dataclass
 class CompletionRequest:
     """A validated request.

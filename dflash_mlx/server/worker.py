@@ -22,7 +22,7 @@ from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from .prompt_cache import PromptPool, default_bytes
-from .schema import APIError, bad
+from .schema import APIError, bad, shutting_down
 
 logger = logging.getLogger("dflash_mlx.server")
 
@@ -68,7 +68,11 @@ class Engine:
         self.current: Job | None = None
         self.active: dict[int, Job] = {}  # batched jobs by row uid
         self.served = self.cancelled = 0
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # no new job starts; the loop ends when idle
+        self.finished = threading.Event()  # ``run`` returned
+        self.closing = False  # new jobs are refused (a stop began)
+        self.forced = False  # running jobs are ended with a 503 (``stop``)
+        self._gate = threading.Lock()  # a job is queued, or refused, never left behind
 
     @property
     def occupancy(self) -> int:
@@ -76,19 +80,33 @@ class Engine:
         return len(self.active) if self.max_batch > 1 else int(self.current is not None)
 
     def submit(self, job: Job) -> bool:
-        """Queue a job; False when the queue is full."""
-        if self.stopping.is_set():
-            return False
-        try:
-            self.jobs.put_nowait(job)
-            return True
-        except queue.Full:
-            return False
+        """Queue a job; False when the queue is full or the server is stopping."""
+        with self._gate:
+            if self.closing or self.stopping.is_set():
+                return False
+            try:
+                self.jobs.put_nowait(job)
+                return True
+            except queue.Full:
+                return False
 
     def run(self) -> None:
-        """Serve jobs until ``stop``; call from the thread that owns the MLX stream."""
-        if self.max_batch > 1:
-            return self._run_batched()
+        """Serve jobs until ``close`` or ``stop``; call from the thread that owns the MLX
+        stream."""
+        try:
+            self._run_batched() if self.max_batch > 1 else self._run_serial()
+        finally:
+            self.finished.set()
+
+    def close(self) -> None:
+        """Begin an orderly stop: refuse new jobs, answer the queued ones 503, and let
+        ``run`` return once the running ones end (``stop`` ends them)."""
+        with self._gate:
+            self.closing = True
+            self._drain()
+        self.stopping.set()
+
+    def _run_serial(self) -> None:
         while not self.stopping.is_set():
             try:
                 job = self.jobs.get(timeout=0.1)
@@ -96,14 +114,15 @@ class Engine:
                 continue
             try:
                 self._run(job)
-            except BaseException:  # KeyboardInterrupt mid-generation: answer, then stop
-                job.out.put(("error", APIError(503, "the server is shutting down")))
+            except BaseException:  # KeyboardInterrupt mid-generation: answered, stop
                 job.out.put(("end", None))
                 raise
-        self._drain()
+        self.close()  # what was queued meanwhile gets its 503
 
     def stop(self) -> None:
-        """Stop after the current generation, which is cancelled at its next cycle."""
+        """Stop now: the running jobs are ended at their next cycle (or prefill chunk) with
+        a 503 (a stream: its error event), never passed off as finished."""
+        self.forced = True
         self.stopping.set()
         for job in [self.current, *list(self.active.values())]:
             if job is not None:
@@ -115,7 +134,7 @@ class Engine:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 return
-            job.out.put(("error", APIError(503, "the server is shutting down")))
+            job.out.put(("error", shutting_down()))
             job.out.put(("end", None))
 
     def _run(self, job: Job) -> None:
@@ -141,17 +160,23 @@ class Engine:
                 if job.cancel.is_set() and not r.finish_reason:
                     logger.info("generation cancelled (client gone or server stopping)")
                     self.cancelled += 1
+                    if self.forced:
+                        job.out.put(("error", shutting_down()))
                     break
         except Interrupted:
             logger.info("prefill cancelled (client gone or server stopping)")
             self.cancelled += 1
-            job.out.put(("error", APIError(503, "the request was cancelled before its answer")))
+            job.out.put(("error", shutting_down()))
         except DFlashError as e:
             job.out.put(("error", bad(str(e))))
         except Exception as e:
             logger.exception("generation failed")
             keep = False  # the cache's contents are unknown now
             job.out.put(("error", APIError(500, f"generation failed: {type(e).__name__}: {e}")))
+        except BaseException:  # Ctrl-C mid-cycle: the answer first, then stop
+            keep = False
+            job.out.put(("error", shutting_down()))
+            raise
         finally:
             gen.close()
             self.pool.give(cache, keep)
@@ -189,15 +214,17 @@ class Engine:
                     logger.info("generation cancelled (client gone or server stopping)")
                     gen.remove(uid)
                     self.cancelled += 1
+                    if self.forced:  # in prefill or mid-answer: a 503, never a cut 200
+                        self.active[uid].out.put(("error", shutting_down()))
                     self._end(uid)
                 if not self.active:
                     mx.clear_cache()  # the batch's caches are gone: give their memory back
         except BaseException:  # KeyboardInterrupt mid-generation: answer, then stop
-            self._fail_all(APIError(503, "the server is shutting down"))
+            self._fail_all(shutting_down())
             raise
         finally:
             self.running = False
-        self._drain()
+        self.close()  # what was queued meanwhile gets its 503
 
     def _admit(self, gen) -> None:
         """Move queued jobs into free rows (waiting briefly when nothing is decoding)."""

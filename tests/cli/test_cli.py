@@ -479,6 +479,18 @@ def test_serve_warns_without_key_off_loopback(pair, fake_server):
     assert fake_server[-1][1]["api_key"] == "k"
 
 
+def test_serve_passes_allowed_origins_and_the_shutdown_grace(pair, fake_server):
+    from dflash_mlx.settings import ServerConfig
+
+    ui = ("--allow-origin", "http://UI:3000/", "--allow-origin", "https://chat.example")
+    r = invoke("serve", *model_args(pair), *ui, "--shutdown-grace", "0.5")
+    assert r.exit_code == 0, r.stderr
+    want = ServerConfig(("http://ui:3000", "https://chat.example"), 0.5)
+    assert fake_server[-1][1]["config"] == want
+    assert invoke("serve", *model_args(pair)).exit_code == 0
+    assert fake_server[-1][1]["config"] == ServerConfig()
+
+
 def test_sparkline():
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
     assert sparkline([]) == ""

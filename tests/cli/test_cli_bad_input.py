@@ -134,3 +134,12 @@ def test_serve_refuses_an_api_key_clients_cannot_send(tmp_path):
         one_error_line(invoke("serve", *nowhere, "--api-key", key), "must be printable ASCII")
     for key in ("", " key"):
         one_error_line(invoke("serve", *nowhere, "--api-key", key), "--api-key is empty or")
+
+
+def test_serve_refuses_a_bad_origin_or_grace_before_loading(tmp_path):
+    nowhere = ["--model", tmp_path / "no-such-model"]  # never reached: the option fails first
+    r = invoke("serve", *nowhere, "--allow-origin", "localhost:3000")
+    one_error_line(r, "--allow-origin 'localhost:3000' is not an origin")
+    for grace in ("-1", "nan", "1e300"):
+        r = invoke("serve", *nowhere, "--shutdown-grace", grace)
+        one_error_line(r, "--shutdown-grace must be in 0..3600 seconds")

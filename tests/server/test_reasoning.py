@@ -145,17 +145,17 @@ def test_template_variables_the_template_cannot_use_are_a_one_line_error():
         chat_ids(tok, [{"role": "user", "content": "hi"}])
 
 
-def test_reasoning_tokens_are_those_between_the_markers():
+def test_reasoning_tokens_are_the_thinking_section_with_the_markers_the_model_wrote():
     from dflash_mlx.server.reasoning import ReasoningTokens
 
     tok = FakeTokenizer({"<think>": 5, "</think>": 6}, "<think>")
-    opened = ReasoningTokens(tok, M, True)
+    opened = ReasoningTokens(tok, M, True)  # the prompt wrote <think>: not the answer's
     for piece in ([1, 2], [3, 6, 4], [5, 7]):
         opened.feed(piece)
-    assert opened.count == 3
+    assert opened.count == 4  # 1, 2, 3 and </think>
     own = ReasoningTokens(tok, M, False)
     own.feed([5, 1, 1, 6, 2])
-    assert own.count == 2
+    assert own.count == 4  # <think>, 1, 1, </think>
     none = ReasoningTokens(tok, M, False)
     none.feed([1, 5, 2])  # no opening marker first: no reasoning
     assert none.count == 0

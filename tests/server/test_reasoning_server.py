@@ -88,7 +88,7 @@ def test_the_budget_closes_the_reasoning_and_the_split_equals_plain_greedy(clien
     assert tokens[5] == CLOSE  # forced after 5 reasoning tokens
     reasoning, content = split(text, ("<think>", "</think>"), True)
     assert (msg.reasoning_content, msg.content) == (reasoning, content)
-    assert r.usage.completion_tokens_details.reasoning_tokens == 5
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6  # 5 and </think>
     assert content and "</think>" not in msg.content and "<think>" not in reasoning
 
 
@@ -304,3 +304,33 @@ def test_anthropic_count_tokens_renders_the_thinking_switch(served):
 
     on = count(thinking={"type": "enabled", "budget_tokens": 8})
     assert count() == count(thinking={"type": "disabled"}) > on  # "<think>\n\n</think>\n\n"
+
+
+def test_usage_adds_up_the_same_way_in_every_api(served, client):
+    """One greedy answer (5 reasoning tokens, then </think> forced, 14 in all) through chat,
+    Responses and Anthropic: the same prompt, output and reasoning tokens (the thinking
+    section with its closing marker) in each; Anthropic's ``input_tokens`` is the uncached
+    part of the prompt, ``cache_read_input_tokens`` the rest."""
+    budget = {"thinking_budget": 5}  # no logit_bias: Anthropic's API has none
+    chat = client.chat.completions.create(
+        model="think_t", messages=ASK, max_tokens=14, temperature=0, extra_body=budget
+    ).usage
+    resp = client.responses.create(
+        model="think_t", input=ASK, max_output_tokens=14, temperature=0, extra_body=budget
+    ).usage
+    body = {
+        "model": "think_t",
+        "messages": ASK,
+        "max_tokens": 14,
+        "thinking": {"type": "enabled", "budget_tokens": 5},
+    }
+    status, anth = _http(served + "/v1/messages", body)
+    assert status == 200, anth
+    anth = anth["usage"]
+    assert chat.completion_tokens == resp.output_tokens == anth["output_tokens"] > 6
+    reasoning = chat.completion_tokens_details.reasoning_tokens
+    assert reasoning == resp.output_tokens_details.reasoning_tokens == 6
+    assert anth["output_tokens_details"]["reasoning_tokens"] == 6
+    cached = anth["cache_read_input_tokens"]
+    assert cached > 0  # the same prompt a third time
+    assert anth["input_tokens"] + cached == chat.prompt_tokens == resp.input_tokens

@@ -252,6 +252,7 @@ def test_stream_ends_with_done_raw(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     req = urllib.request.Request(server + "/v1/chat/completions", json.dumps(body).encode())
     req.add_header("Authorization", f"Bearer {KEY}")
+    req.add_header("Content-Type", "application/json")
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
         events = [ln for ln in r.read().decode().split("\n\n") if ln.strip()]
@@ -435,7 +436,7 @@ def test_disconnected_non_streaming_client_is_cancelled(server, client, name):
     host, port = server.rsplit("/", 1)[1].split(":")
     sock = socket.create_connection((host, int(port)), timeout=10)
     sock.sendall(
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
         b"application/json\r\nAuthorization: Bearer "
         + KEY.encode()
         + b"\r\nContent-Length: "

@@ -50,14 +50,17 @@ def _openai_error(body) -> dict:
 
 
 def _post(url, path, body: bytes):
-    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    head += f"Content-Length: {len(body)}\r\n\r\n"
     return _raw(url, head.encode() + body)
 
 
 def test_http_layer_errors_are_openai_json(served):
     url, _ = served
     for method in ("PUT", "DELETE", "PATCH", "OPTIONS"):
-        st, headers, body = _raw(url, f"{method} /v1/models HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        st, headers, body = _raw(
+            url, f"{method} /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+        )
         assert st == 405 and headers["Allow"] == "GET, POST"
         assert _openai_error(body)["code"] == "method_not_allowed"
     st, _, body = _raw(url, b"BREW /v1/models HTTP/1.1\r\n\r\n")
@@ -175,7 +178,8 @@ def test_a_body_shorter_than_its_content_length_is_a_prompt_408(in_process):
     import time
 
     url = in_process()
-    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n"
+    head += b"Content-Type: application/json\r\n\r\n"
     t = time.monotonic()
     st, _, body = _raw(url, head + b'{"pr')
     assert st == 408 and _openai_error(body)["code"] == "request_timeout"
@@ -186,6 +190,8 @@ def test_a_body_shorter_than_its_content_length_is_a_prompt_408(in_process):
 def test_a_non_ascii_api_key_matches_the_utf8_bytes_clients_send(in_process):
     url = in_process(api_key="clé-ключ")
     for key, want in (("clé-ключ", 200), ("cle-kljuch", 401)):
-        head = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+        head = (
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + key.encode()
+        )
         st, _, body = _raw(url, head + b"\r\n\r\n")
         assert st == want, body

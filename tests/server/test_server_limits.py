@@ -195,13 +195,15 @@ def test_early_401_and_413_reach_a_client_still_sending_its_body(served):
 def test_half_closed_requests_are_answered(served):
     for path, body in ((COMPLETIONS, {"prompt": "hi", "max_tokens": 3}), (MESSAGES, _chat())):
         conn = _connect(served)
-        conn.request("POST", path, json.dumps(body).encode(), {"x-api-key": KEY})
+        headers = {"x-api-key": KEY, "Content-Type": "application/json"}
+        conn.request("POST", path, json.dumps(body).encode(), headers)
         conn.sock.shutdown(socket.SHUT_WR)  # the request is whole: no more to send
         r = conn.getresponse()  # http.client skips the interim 100 the server probes with
         assert r.status == 200 and json.loads(r.read()), path
         conn.close()
     data = json.dumps({**_chat(), "stream": True}).encode()
-    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
+    head += "Content-Type: application/json\r\n"
     head += f"Content-Length: {len(data)}\r\n\r\n"
     host, port = served.rsplit("/", 1)[1].split(":")
     with socket.create_connection((host, int(port)), timeout=60) as s:

@@ -1,0 +1,40 @@
+"""The server tests' shared fixture: a server on the tiny pair in this process."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+
+@pytest.fixture
+def inproc(pairs):
+    """Starts a server on the tiny qwen3 pair in this process, its worker in a thread;
+    yields ``go(serve=True, **make_server keywords) -> (server, port)`` (``serve=False``:
+    bound and listening, nothing accepted). Stops them all after the test."""
+    from dflash_mlx.server.app import make_server
+
+    model, tok = pairs("qwen3", "d2")
+    running = []
+
+    def go(serve: bool = True, **kw):
+        httpd = make_server(model, tok, "tiny", port=0, **kw)
+        threads = []
+        if serve:
+            threads = [
+                threading.Thread(target=httpd.serve_forever, daemon=True),
+                threading.Thread(target=httpd.engine.run, daemon=True),
+            ]
+            for t in threads:
+                t.start()
+        running.append((httpd, threads))
+        return httpd, httpd.server_address[1]
+
+    yield go
+    for httpd, threads in running:
+        httpd.engine.stop()
+        if threads:
+            httpd.shutdown()
+        for t in threads:
+            t.join(30)
+        httpd.server_close()
