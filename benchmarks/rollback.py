@@ -110,6 +110,56 @@ def cycle_ms(model, tok, prompt: str, block: int, tokens: int, rounds: int) -> d
     return {m: statistics.median(v) for m, v in times.items()}
 
 
+def accepted_share(model, tok, prompt: str, block: int, tokens: int, accepts) -> dict:
+    """Rollback's share of profiled decoding cycles whose drafts are accepted ``accepts``
+    of ``block - 1`` in turn (e.g. 5 then 7 of 7). The drafter runs as usual (its cost is
+    in the cycle) but its drafts are replaced by the target's own greedy continuation, cut
+    wrong after ``accept`` tokens: the verify, the acceptance and the rollback are real."""
+    from mlx_lm.generate import generate_step
+
+    from dflash_mlx.decoding import steps
+    from dflash_mlx.decoding.acceptance import SamplingParams
+    from dflash_mlx.decoding.loop import DecodeOptions, decode
+
+    ids = tok.encode(prompt)
+    cont = [
+        int(t) for t, _ in generate_step(mx.array(ids), model.target, max_tokens=tokens + 8 * block)
+    ]
+    real, turn = steps._draft, [0]
+
+    def oracle(model_, cache, params, anchor, chain, n_sib, key, clock, selector=True):
+        drafts, _q, _s = real(model_, cache, params, anchor, chain, n_sib, key, clock, selector)
+        at = len(cache.tokens) - len(ids) + 1  # the anchor is cont[at - 1]
+        want = cont[at : at + chain - 1]
+        n = accepts[turn[0] % len(accepts)]
+        turn[0] += 1
+        if n < len(want):
+            want[n] = (want[n] + 1) % model_.adapter.vocab_size  # rejected from here on
+        mx.eval(drafts)  # the drafter's work is done and timed, then set aside
+        return mx.array(want, dtype=mx.uint32), None, None
+
+    steps._draft = oracle
+    try:
+        opts = DecodeOptions(max_tokens=tokens, block_size=block, profile=True, lookup=False)
+        split, t0, kept = {}, None, []
+        for c in decode(model, ids, model.make_cache(), SamplingParams(0.0), opts):
+            if t0 is None:
+                t0 = time.perf_counter()
+                continue
+            kept.append(c.accepted)
+            for k, v in c.timings.items():
+                split[k] = split.get(k, 0.0) + v
+        total = time.perf_counter() - t0
+    finally:
+        steps._draft = real
+    return {
+        "share": split.get("rollback", 0.0) / total,
+        "cycle_ms": 1e3 * total / len(kept),
+        "rollback_ms": 1e3 * split.get("rollback", 0.0) / len(kept),
+        "accepted": sorted(set(kept)),
+    }
+
+
 def tiny_pair(root: Path):
     from tiny_models import build_drafter, build_target
 
@@ -127,6 +177,15 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json")
+    ap.add_argument(
+        "--accept",
+        default=None,
+        help="e.g. 5,7: instead, the rollback's share of profiled cycles accepting 5 then 7 "
+        "drafts (the tape mode; median of --rounds runs)",
+    )
+    ap.add_argument(
+        "--no-record", action="store_true", help="with --accept: the verify keeps no states"
+    )
     args = ap.parse_args(argv)
     from dflash_mlx import load
 
@@ -136,6 +195,8 @@ def main(argv=None):
     if not model.adapter.is_hybrid:
         raise SystemExit("error: the target has no recurrent layers; pass a qwen3_5 target")
     text = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n" * 4
+    if args.accept:
+        return _accepted(model, tok, text, args)
     costs = rollback_costs(model, tok.encode(text), args.block, args.reps)
     cycles = cycle_ms(model, tok, text, args.block, args.tokens, args.rounds)
     rows = []
@@ -163,6 +224,31 @@ def main(argv=None):
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return rows
+
+
+def _accepted(model, tok, text, args) -> list:
+    from dflash_mlx.model import tape
+
+    accepts = [int(a) for a in args.accept.split(",")]
+    set_mode(model.adapter, "tape")
+    if args.no_record:
+        tape.RECORD_BYTES = 0  # the rewind runs the recurrence again over the kept steps
+    runs = [
+        accepted_share(model, tok, text, args.block, args.tokens, accepts)
+        for _ in range(args.rounds)
+    ]
+    runs.sort(key=lambda r: r["share"])
+    med = runs[len(runs) // 2]
+    print(f"accepted per cycle {med['accepted']}; rollback share per run (sorted):")
+    for r in runs:
+        print(
+            f"  {100 * r['share']:.2f}%  (rollback {r['rollback_ms']:.3f} ms of a "
+            f"{r['cycle_ms']:.2f} ms cycle)"
+        )
+    print(f"median {100 * med['share']:.2f}%")
+    if args.json:
+        Path(args.json).write_text(json.dumps(runs, indent=2))
+    return runs
 
 
 if __name__ == "__main__":

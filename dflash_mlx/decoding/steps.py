@@ -226,12 +226,13 @@ def cycle(
         a, committed, feats = _verify_path(
             model, cache, params, history, a_arr, drafts, q_full, keys[1], clock
         )
+    clock.lap("rollback", [c.state for c in cache.target])  # the target holds the kept rows
     model.drafter.append_context(feats, cache.drafter, lazy=False)
     cache.tokens += [anchor] + committed[:-1]
     cache.quantize()
     # Roll back / append on the device while the host builds the next cycle.
     mx.async_eval(cache.state)
-    clock.lap("rollback", cache.state)
+    clock.lap("drafter", cache.state)  # the kept rows' features into the drafter's context
     cache.busy = False
     return Cycle(committed, a, block - 1, timings=dict(clock.split), siblings=n_sib, sibling=taken)
 

@@ -10,12 +10,18 @@ Unknown mixer classes are not taped; the adapter replays them (``target.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 from mlx import nn
+from mlx_lm.models import gated_delta
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.gated_delta import compute_g, gated_delta_update, normalize_qk
+
+# mlx-lm's one step of its ops path: a verify off the Metal kernel runs it step by step as
+# ``gated_delta_ops`` does, keeping each step's state (None: that mlx-lm has no such step)
+_STEP = getattr(gated_delta, "_gated_delta_step_ops", None)
+RECORD_BYTES = 64 << 20  # most bytes of per-step states one verify keeps per mixer
 
 
 @dataclass
@@ -26,6 +32,8 @@ class Tape:
         conv_input: [B, K-1+S, C] the conv state before the call, then the S new conv rows.
         q, k: [B, S, Hk, Dk] after the conv and the L2 norm. v: [B, S, Hv, Dv].
         a, b: [B, S, Hv] the gate and beta inputs (``gated_delta_update`` maps them).
+        states: the recurrent state after each step, S x [B, Hv, Dv, Dk], when the verify
+            ran mlx-lm's ops path step by step (``_recorded``); then a rewind runs nothing.
     """
 
     conv_input: mx.array
@@ -34,6 +42,7 @@ class Tape:
     v: mx.array
     a: mx.array
     b: mx.array
+    states: list | None = None
 
 
 def _front_qwen3_5(m, x: mx.array):
@@ -98,14 +107,50 @@ def forward(m: nn.Module, x: mx.array, mask=None, cache=None) -> tuple[mx.array,
     q, k, v = [t.reshape(B, S, h, d) for t, h, d in zip(parts, heads, dims)]
     state = cache[1] if cache else None
     q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-    out, state = gated_delta_update(
-        q, k, v, a, b, m.A_log, m.dt_bias, state, mask, use_kernel=not m.training
-    )
+    states = None
+    if mask is None and _recordable(m, k, v):
+        out, states = _recorded(m, q, k, v, a, b, state)
+        state = states[-1]
+    else:
+        out, state = gated_delta_update(
+            q, k, v, a, b, m.A_log, m.dt_bias, state, mask, use_kernel=not m.training
+        )
     if cache is not None:
         cache[1] = state
         cache.advance(S)
     out = m.out_proj(m.norm(out, z).reshape(B, S, -1))
-    return out, Tape(conv_input, q, k, v, a, b)
+    return out, Tape(conv_input, q, k, v, a, b, states)
+
+
+def _recordable(m, k, v) -> bool:
+    """Whether ``forward`` may run the recurrence itself and keep every step's state: off
+    the Metal kernel, with mlx-lm's step at hand, and within ``RECORD_BYTES``."""
+    B, S, _, Dk = k.shape
+    Hv, Dv = v.shape[2], v.shape[3]
+    small = S * B * Hv * Dv * Dk * 4 <= RECORD_BYTES  # float32 states
+    return _STEP is not None and small and not _kernel_path(m, k)
+
+
+def _recorded(m, q, k, v, a, b, state):
+    """``gated_delta_update`` without the kernel, as mlx-lm's ``gated_delta_ops`` runs it
+    (its functions, its order: the same bits), keeping the state after every step.
+
+    Shapes: q, k [B, S, Hk, Dk]; v [B, S, Hv, Dv]; a, b [B, S, Hv]; state [B, Hv, Dv, Dk]
+    or None. Returns (y [B, S, Hv, Dv], S states).
+    """
+    beta, g = mx.sigmoid(b), compute_g(m.A_log, a, m.dt_bias)
+    B, S, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if Hv // Hk > 1:
+        q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    ys, states = [], []
+    for t in range(S):
+        y, state = _STEP(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
+        ys.append(y)
+        states.append(state)
+    return mx.stack(ys, axis=1), states
 
 
 def _steps(k, v, g, beta, state):
@@ -157,6 +202,10 @@ def rewind(m: nn.Module, tape: Tape, cache, snap: list, keep: int, own: bool = T
         return
     n_keep = m.conv_kernel_size - 1
     cache[0] = mx.contiguous(tape.conv_input[:, keep : keep + n_keep, :])  # [B, K-1, C]
+    if tape.states is not None:  # the verify kept the state after each step
+        cache[1] = tape.states[keep - 1]
+        cache.advance(keep)
+        return
     q, k, v, a, b = (x[:, :keep] for x in (tape.q, tape.k, tape.v, tape.a, tape.b))
     state = snap[1]
     if own and not _kernel_path(m, k):
@@ -212,7 +261,7 @@ def _probe(m: nn.Module) -> tuple[bool, bool]:
     rewound = []
     for own in (True, False):
         c = ArraysCache(2)
-        rewind(m, t, c, snap, 3, own)
+        rewind(m, replace(t, states=None), c, snap, 3, own)  # the recurrence, run again
         rewound.append(c.cache)
     mx.eval(got, want, rewound)
     same = all(mx.array_equal(g, w, equal_nan=True).item() for g, w in zip(got, want))

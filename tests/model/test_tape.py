@@ -2,6 +2,8 @@
 mixer's own bits, and a rollback from the tape gives the states of feeding the kept steps
 one at a time; unknown mixers are replayed."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models import qwen3_5, qwen3_next
@@ -75,8 +77,10 @@ def test_a_recurrence_that_differs_on_the_probe_is_not_used(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("keep", [0, 1, 3, 4])
-@pytest.mark.parametrize("own", [True, False])
+@pytest.mark.parametrize("own", [True, False, "recorded"])
 def test_rewind_equals_feeding_the_kept_steps_one_at_a_time(kind, keep, own):
+    """From the states the verify kept (``recorded``), or by running the recurrence again
+    (``_steps``, or mlx-lm's as on the Metal kernel path)."""
     m = _mixer(kind)
     x = mx.random.normal((1, 9, 64), key=mx.random.key(1))
     taped, single = ArraysCache(2), ArraysCache(2)
@@ -84,7 +88,10 @@ def test_rewind_equals_feeding_the_kept_steps_one_at_a_time(kind, keep, own):
     m(x[:, :4], None, single)
     snap = list(taped.cache)
     _, t = tape.forward(m, x[:, 4:], None, taped)  # a verify of 5 steps
-    tape.rewind(m, t, taped, snap, keep, own)
+    assert t.states is not None and len(t.states) == 5  # off the Metal kernel: recorded
+    if own != "recorded":
+        t = replace(t, states=None)
+    tape.rewind(m, t, taped, snap, keep, own is not False)
     for i in range(keep):
         m(x[:, 4 + i : 5 + i], None, single)
     assert all(_equal(a, b) for a, b in zip(taped.cache, single.cache))
