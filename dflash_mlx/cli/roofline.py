@@ -58,8 +58,10 @@ def _check(quant, context: int, block: int | None, draft_vocab: int | None, roll
         raise DFlashError(f"--rollback must be tape or replay (got {rollback!r})")
 
 
-def _check_sizes(tcfg: dict, dcfg: dict, context: int, draft_vocab: int | None) -> None:
-    """Refuse a context past the model's and a draft vocabulary past its vocabulary."""
+def _check_sizes(configs: tuple, context: int, draft_vocab: int | None) -> tuple:
+    """``_configs``'s answer, after refusing a context past the model's and a draft
+    vocabulary past its vocabulary."""
+    _, tcfg, dcfg, _ = configs
     from ..loading.footprint import config_int
     from ..loading.memory import MAX_CONTEXT
 
@@ -75,6 +77,7 @@ def _check_sizes(tcfg: dict, dcfg: dict, context: int, draft_vocab: int | None) 
             f"--draft-vocab {draft_vocab} is past this model's vocabulary ({vocab} ids); "
             f"use --draft-vocab {vocab} or less (0: the full vocabulary)"
         )
+    return configs
 
 
 def roofline(
@@ -109,8 +112,7 @@ def roofline(
         chip_name, bandwidth, note = data.chip(chip)
     except KeyError:
         raise DFlashError(f"--chip {chip!r} is unknown; use one of: {', '.join(data.CHIPS)}")
-    name, tcfg, dcfg, stored = _configs(model, drafter)
-    _check_sizes(tcfg, dcfg, context, draft_vocab)
+    name, tcfg, dcfg, stored = _check_sizes(_configs(model, drafter), context, draft_vocab)
     dc = dcfg.get("dflash_config", {})
     draft_vocab = dc.get("draft_vocab_size") or 0 if draft_vocab is None else draft_vocab
     inp = rl.Inputs(
