@@ -123,7 +123,7 @@ def fork(model, cache: PromptCache, n: int) -> PromptCache | None:
         new.offset = n
         target.append(new)
     drafter = [_context_prefix(c, len(cache.tokens) - n) for c in cache.drafter]
-    out = PromptCache(target, drafter, list(cache.tokens[:n]), kv=cache.kv)
+    out = PromptCache(target, drafter, list(cache.tokens[:n]), kv=cache.kv, owner=cache.owner)
     mx.eval(out.state)  # own buffers now: the entry may be evicted without pinning them
     return out
 

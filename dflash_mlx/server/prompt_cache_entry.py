@@ -114,7 +114,7 @@ def read(model, entry: Path, meta: dict, want: dict[str, str]) -> PromptCache:
         drafter.append(_context_load(c, own, m))
     if any(c.position != n for c in drafter):
         raise ValueError("a drafter context of another length")
-    cache = PromptCache(target, drafter, list(meta["tokens"]))
+    cache = PromptCache(target, drafter, list(meta["tokens"]), owner=fresh.owner)
     ck = meta.get("checkpoint")
     if ck is not None:
         shape = json.loads(info["checkpoint"])
