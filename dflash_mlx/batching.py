@@ -134,7 +134,7 @@ class BatchGenerator:
             DFlashError: as ``stream_generate`` (bad settings, a prompt of another type or
                 that does not fit), at once.
         """
-        prompt, system, _ = inputs.check_request(prompt, system, cache)
+        prompt, system, _ = inputs.check_request(prompt, system, cache, 1, self.model)
         cfg = inputs.settings_config(config, settings).validate(self.model.block_size)
         with self.model.lock:  # the tokenizer is shared with other threads
             ids, cfg = fit_prompt(self.model, self.tokenizer, prompt, cfg, raw=raw, system=system)

@@ -143,6 +143,7 @@ def fit_prompt(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCon
     Raises:
         DFlashError: as ``encode_prompt``; token ids outside the vocabulary.
     """
+    inputs.check_tokenizer(model, tokenizer)
     ctx = context_length(model)
     ids = encode_prompt(tokenizer, prompt, context=ctx, **kw)
     vocab = model.adapter.vocab_size
@@ -331,7 +332,7 @@ def stream_generate(
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
     stats = RequestStats(len(ids), block_size)
     eos = eos_ids(tokenizer)
-    cache = prompt_cache if prompt_cache is not None else model.make_cache()
+    cache = inputs.own_cache(model, prompt_cache)
     opts = {"profile": profile, "prefill_step_size": step, "policy": sched}
     cycles = _decode(model, ids, cache, params, cfg, block_size, **opts)
     try:

@@ -194,27 +194,60 @@ def check_count(value, name: str) -> int:
     return int(value)
 
 
-def check_request(prompt, system, cache, prefill_step_size: int = 1) -> tuple:
+def check_request(prompt, system, cache, prefill_step_size: int = 1, model=None) -> tuple:
     """(prompt, system, prefill_step_size) of one request, checked as ``check_prompt``,
     ``check_system`` and ``check_count`` do; ``cache`` as ``check_cache``.
 
     Raises:
         DFlashError: the first input at fault.
     """
-    check_cache(cache)
+    check_cache(cache, model)
     step = check_count(prefill_step_size, "prefill_step_size")
     return check_prompt(prompt), check_system(system), step
 
 
-def check_cache(cache) -> None:
-    """A ``prompt_cache``: None or what ``model.make_cache()`` returns.
+def check_cache(cache, model=None) -> None:
+    """A ``prompt_cache``: None or what ``model.make_cache()`` returns, for this model.
 
     Raises:
-        DFlashError: anything else (e.g. an mlx-lm cache list).
+        DFlashError: anything else (e.g. an mlx-lm cache list, another pair's cache).
     """
     from .decoding.state import PromptCache
 
     if cache is not None and not isinstance(cache, PromptCache):
         raise DFlashError(
             f"prompt_cache must come from model.make_cache() (got {type(cache).__name__})"
+        )
+    owner = getattr(cache, "owner", "")
+    if model is not None and owner and owner != model.identity:
+        raise DFlashError(
+            f"prompt_cache was made by {owner}, not by this model {model.identity}; "
+            "make one with this model's make_cache()"
+        )
+
+
+def own_cache(model, cache):
+    """cache, checked to be model's (``check_cache``), or a fresh one of model's when None."""
+    check_cache(cache, model)
+    return cache if cache is not None else model.make_cache()
+
+
+def check_tokenizer(model, tokenizer) -> None:
+    """Refuse a tokenizer whose vocabulary is larger than the model's (another model's:
+    its ids would index past the embedding and decode to garbage).
+
+    Raises:
+        DFlashError: naming the tokenizer and the model.
+    """
+    inner = getattr(tokenizer, "_tokenizer", tokenizer)
+    try:
+        size = len(inner)
+    except TypeError:  # a tokenizer without a length: nothing to check
+        return
+    vocab = model.adapter.vocab_size
+    if size > vocab:
+        named = getattr(inner, "name_or_path", "") or type(inner).__name__
+        raise DFlashError(
+            f"the tokenizer ({named}, {size} ids) is not this model's ({model.identity}, "
+            f"{vocab} ids); pass the tokenizer load() returned with this model"
         )

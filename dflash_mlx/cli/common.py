@@ -62,7 +62,38 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
         )
     if cfg is not None:
         cfg.validate(m.block_size, flags=True)
+    note_lost_kernels()
     return m, tok
+
+
+_noted: set = set()
+
+
+def note_lost_kernels() -> None:
+    """One ``note:`` line on stderr, once a process, when the CPU backend's few-row kernel
+    or exact ops failed to build or load (a documented switch turning one off is silent):
+    greedy DFlash is then no longer bit-identical to plain decoding (algorithm.md §4.2.1)."""
+    from .. import ops
+    from ..loading import cachedir
+
+    st = ops.backend_status() or {}
+    parts = [(k, st.get(k) or {}) for k in ("small_gemm", "exact_ops")]
+    failed = [
+        (k, p) for k, p in parts if p.get("error") and not p.get("off") and not p.get("active")
+    ]
+    if not failed or "kernels" in _noted:
+        return
+    _noted.add("kernels")
+    names = " and ".join(
+        {"small_gemm": "the few-row kernel", "exact_ops": "the exact ops"}[k] for k, _ in failed
+    )
+    error = " ".join(str(failed[0][1]["error"]).split())[:160]
+    cachedir.note(
+        f"{names} could not be built or loaded ({error}): greedy DFlash is no longer "
+        f"bit-identical to plain decoding, and decodes slower; make {cachedir.cache_dir()} "
+        f"writable (or point {cachedir.ENV_DIR} at a writable folder) and check that a C "
+        "compiler is installed, then run again (dflash doctor shows the kernels)"
+    )
 
 
 def print_plan(src: ModelOptions, kv: tuple[int, int, int] | None) -> None:

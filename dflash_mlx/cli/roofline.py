@@ -58,6 +58,28 @@ def _check(quant, context: int, block: int | None, draft_vocab: int | None, roll
         raise DFlashError(f"--rollback must be tape or replay (got {rollback!r})")
 
 
+def _check_sizes(configs: tuple, context: int, draft_vocab: int | None) -> tuple:
+    """``_configs``'s answer, after refusing a context past the model's and a draft
+    vocabulary past its vocabulary."""
+    _, tcfg, dcfg, _ = configs
+    from ..loading.footprint import config_int
+    from ..loading.memory import MAX_CONTEXT
+
+    limit = config_int(tcfg, "max_position_embeddings") or MAX_CONTEXT
+    if context > limit:
+        raise DFlashError(
+            f"--context {context} is past this model's context ({limit} tokens); "
+            f"use --context {limit} or less"
+        )
+    vocab = config_int(dcfg, "vocab_size") or config_int(tcfg, "vocab_size")
+    if draft_vocab and vocab and draft_vocab > vocab:
+        raise DFlashError(
+            f"--draft-vocab {draft_vocab} is past this model's vocabulary ({vocab} ids); "
+            f"use --draft-vocab {vocab} or less (0: the full vocabulary)"
+        )
+    return configs
+
+
 def roofline(
     model: str = typer.Option(
         ..., "--model", help="Registry alias, local pair or cached Hub id.", show_default=False
@@ -90,7 +112,7 @@ def roofline(
         chip_name, bandwidth, note = data.chip(chip)
     except KeyError:
         raise DFlashError(f"--chip {chip!r} is unknown; use one of: {', '.join(data.CHIPS)}")
-    name, tcfg, dcfg, stored = _configs(model, drafter)
+    name, tcfg, dcfg, stored = _check_sizes(_configs(model, drafter), context, draft_vocab)
     dc = dcfg.get("dflash_config", {})
     draft_vocab = dc.get("draft_vocab_size") or 0 if draft_vocab is None else draft_vocab
     inp = rl.Inputs(

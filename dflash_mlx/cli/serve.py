@@ -79,6 +79,9 @@ def serve(
             from ..decoding.warmup import ensure
 
             ensure(m)
+        from ..server.prompt_cache import pool_gb
+
+        prompt_cache_gb = pool_gb(m, prompt_cache_gb, src.max_memory)  # inside the budget
     except BaseException:
         sock.close()
         raise

@@ -139,7 +139,7 @@ def load():
         return _state["module"]
     _state["tried"] = True
     if not env.switch(ENV):
-        _state["error"] = f"turned off ({ENV}=0)"
+        _state["error"], _state["off"] = f"turned off ({ENV}=0)", True
         return None
     if sys.platform != "linux":
         _state["error"] = "only built on Linux (MLX's exp is vectorised elsewhere)"
@@ -163,6 +163,7 @@ def status() -> dict:
         "active": _state["module"] is not None,
         "path": _state["path"],
         "error": _state["error"],
+        "off": bool(_state.get("off")),  # turned off on purpose: not a failure
     }
 
 

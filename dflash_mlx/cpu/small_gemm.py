@@ -111,7 +111,7 @@ def load(
     if _state["lib"] is not None:
         return _state["path"]
     if not env.switch(ENV):
-        _state["error"] = f"turned off ({ENV}=0)"
+        _state["error"], _state["off"] = f"turned off ({ENV}=0)", True
         return None
     try:
         path, lib = builder.open_built(build, _open, "the few-row kernel")
@@ -140,6 +140,7 @@ def status() -> dict:
     "forwarded_calls", "forwarded_ms")."""
     lib = _state["lib"]
     out = {"active": lib is not None, "path": _state["path"], "error": _state["error"]}
+    out["off"] = bool(_state.get("off"))  # turned off on purpose: not a failure
     out["split"] = _state["split"]
     for fwd, name in ((0, "small"), (1, "forwarded")):
         out[f"{name}_calls"] = lib.dflash_small_gemm_counter(fwd, 0) if lib is not None else 0

@@ -86,8 +86,17 @@ class DFlashModel:
         return self.adapter.vocab_size if self.draft_head is None else self.draft_head.size
 
     def make_cache(self) -> PromptCache:
-        """An empty cache for one conversation."""
-        return PromptCache(self.adapter.make_cache(), self.drafter.make_cache())
+        """An empty cache for one conversation (it knows the pair it was made for)."""
+        cache = PromptCache(self.adapter.make_cache(), self.drafter.make_cache())
+        cache.owner = self.identity
+        return cache
+
+    @property
+    def identity(self) -> str:
+        """What a ``PromptCache`` records of the pair that made it: its name and paths
+        (a pair loaded twice from the same files shares its caches)."""
+        paths = f"{self.target_path}, {self.drafter_path}" if self.target_path else id(self)
+        return f"{self.name or 'a pair'} ({paths})"
 
     @contextmanager
     def turn(self):
@@ -163,6 +172,8 @@ class PromptCache:
     # KV quantization of the target's attention caches: (bits, group size, the cache
     # length at which they are converted), set by ``set_kv`` for each decode; None: off.
     kv: tuple[int, int, int] | None = None
+    # ``DFlashModel.identity`` of the pair that made it ("": not recorded, never checked)
+    owner: str = ""
 
     def _reset(self, model: DFlashModel) -> None:
         self.target, self.drafter = model.adapter.make_cache(), model.drafter.make_cache()

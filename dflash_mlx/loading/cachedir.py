@@ -219,7 +219,10 @@ def unseal(folder: Path) -> None:
 
 
 def discard(folder: Path) -> None:
-    """Remove an entry (its manifest first, so a half-removed entry is never read)."""
+    """Remove an entry (its manifest first, so a half-removed entry is never read); a
+    symbolic link is left alone (removing through it would reach outside the cache)."""
+    if folder.is_symlink():
+        return
     unseal(folder)
     shutil.rmtree(folder, ignore_errors=True)
 

@@ -17,6 +17,8 @@ from .footprint import config_int, drafter_size, kv_cache_bytes, target_size, tr
 from .wired import _WIRED, decoding  # noqa: F401  (importable from here as before)
 
 GB = 1e9
+MAX_MEMORY_GB = 1e6  # a petabyte: past it a budget is a typo (and 1e300 overflows)
+MAX_CONTEXT = 2**31 - 1  # tokens: past it no model has a context
 
 
 def _metal_budget() -> int | None:
@@ -57,8 +59,8 @@ def device_budget(max_memory_gb: float | None = None) -> tuple[int, str]:
         (bytes, description): e.g. ``(22906503168, "Metal's recommended working set")``;
         ``(0, "unknown")`` when nothing can be measured.
     """
-    if max_memory_gb is not None:
-        return int(max_memory_gb * GB), f"--max-memory {max_memory_gb:g} GB"
+    if max_memory_gb is not None:  # at least a byte: 0 would mean "unknown", unchecked
+        return max(1, int(max_memory_gb * GB)), f"--max-memory {max_memory_gb:g} GB"
     size = _metal_budget()
     if size:
         return size, "Metal's recommended working set (mx.device_info)"
@@ -287,7 +289,7 @@ class Fit:
     def __init__(
         self, res, quant, max_memory=None, max_context=None, kv=None, offline=True, bits=0
     ):
-        check_limits(max_memory, max_context)
+        check_limits(max_memory, max_context, kv=kv)
         entry = res.entry
         self.quants = (list(entry.targets), quant) if entry and not entry.local else ((), None)
         self.limits = (max_memory, max_context, kv, bits)
@@ -329,11 +331,13 @@ class Fit:
             pass
 
 
-def check_limits(max_memory, max_context, flags: bool = False) -> None:
-    """The one check of ``max_memory`` (GB, > 0, finite) and ``max_context`` (tokens, >= 1).
+def check_limits(max_memory, max_context, flags: bool = False, kv=None) -> None:
+    """The one check of ``max_memory`` (GB, > 0, finite, at most ``MAX_MEMORY_GB``),
+    ``max_context`` (tokens, 1 to ``MAX_CONTEXT``) and ``load``'s ``kv``.
 
     Args:
         max_memory, max_context: the values, or None. flags: name them as command-line flags.
+        kv: (kv_bits, kv_group_size, quantized_kv_start) or None.
 
     Raises:
         DFlashError: one line naming the setting, the value and the fix.
@@ -347,15 +351,42 @@ def check_limits(max_memory, max_context, flags: bool = False) -> None:
         isinstance(max_memory, bool)
         or not isinstance(max_memory, Real)
         or not math.isfinite(max_memory)
-        or max_memory <= 0
+        or not 0 < max_memory <= MAX_MEMORY_GB
     ):
         raise DFlashError(
-            f"{mem} must be a positive number of GB (got {max_memory!r}); e.g. {mem}{sep}16, "
-            "or leave it out to use what the device reports"
+            f"{mem} must be a positive number of GB, at most {MAX_MEMORY_GB:g} (got "
+            f"{max_memory!r}); e.g. {mem}{sep}16, or leave it out to use what the device reports"
         )
     if max_context is not None and (
-        isinstance(max_context, bool) or not isinstance(max_context, Integral) or max_context < 1
+        isinstance(max_context, bool)
+        or not isinstance(max_context, Integral)
+        or not 1 <= max_context <= MAX_CONTEXT
     ):
         raise DFlashError(
-            f"{ctx} must be a positive number of tokens (got {max_context!r}); e.g. {ctx}{sep}8192"
+            f"{ctx} must be a positive number of tokens, at most {MAX_CONTEXT} (got "
+            f"{max_context!r}); e.g. {ctx}{sep}8192"
+        )
+    check_kv(kv)
+
+
+def check_kv(kv) -> None:
+    """Refuse a ``load(kv=...)`` that is not (kv_bits, kv_group_size, quantized_kv_start)
+    with values ``GenerationConfig`` accepts.
+
+    Raises:
+        DFlashError: one line naming kv, the value and the fix.
+    """
+    from numbers import Integral
+
+    from ..settings import KV_BITS, KV_GROUP_SIZES
+
+    if kv is None:
+        return
+    ints = isinstance(kv, (tuple, list)) and len(kv) == 3
+    ints = ints and all(isinstance(v, Integral) and not isinstance(v, bool) for v in kv)
+    if not (ints and kv[0] in KV_BITS and kv[1] in KV_GROUP_SIZES and kv[2] >= 0):
+        raise DFlashError(
+            f"kv must be (kv_bits, kv_group_size, quantized_kv_start) with kv_bits 4 or 8, "
+            f"kv_group_size 32, 64 or 128 and quantized_kv_start 0 or more (got {kv!r}); "
+            "e.g. kv=(8, 64, 0), or None for a full-precision cache"
         )

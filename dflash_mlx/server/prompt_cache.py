@@ -35,41 +35,70 @@ logger = logging.getLogger("dflash_mlx.server")
 GB = 10**9
 DEFAULT_SHARE = 0.25  # of the memory the budget leaves beside the pair's weights
 FALLBACK_BYTES = 2 * GB  # when the budget cannot be measured
+MAX_GB = 1e6  # a petabyte: past it the number is a typo (and 1e300 overflows)
 FORK_MIN = 256  # a branch cutting more cached tokens than this copies the shared prefix
 
 
-def default_bytes(model) -> int:
+def default_bytes(model, max_memory: float | None = None) -> int:
     """``--prompt-cache-gb``'s default: a quarter of what the device budget
     (``memory.device_budget``) leaves beside the pair's weights.
 
     Args:
-        model: the loaded pair.
+        model: the loaded pair. max_memory: ``--max-memory`` in GB (None: the device's).
     """
     from ..loading.memory import device_budget
 
-    budget, _ = device_budget()
+    budget, _ = device_budget(max_memory)
     if not budget:
         return FALLBACK_BYTES
+    return int(max(0, budget - weight_bytes(model)) * DEFAULT_SHARE)
+
+
+def weight_bytes(model) -> int:
+    """The bytes of the pair's weights (target and drafter)."""
     weights = sum(a.nbytes for _, a in tree_flatten(model.target.parameters()))
-    weights += sum(a.nbytes for _, a in tree_flatten(model.drafter.parameters()))
-    return int(max(0, budget - weights) * DEFAULT_SHARE)
+    return weights + sum(a.nbytes for _, a in tree_flatten(model.drafter.parameters()))
+
+
+def pool_gb(model, cache_gb: float | None, max_memory: float | None) -> float | None:
+    """``--prompt-cache-gb`` inside ``--max-memory``: the default sized from that budget,
+    a larger value refused (None: no budget given, the device's default applies).
+
+    Args:
+        model: the loaded pair. cache_gb: ``--prompt-cache-gb`` or None. max_memory: GB.
+
+    Raises:
+        DFlashError: cache_gb is more than the budget leaves beside the weights.
+    """
+    if max_memory is None:
+        return cache_gb
+    if cache_gb is None:
+        return default_bytes(model, max_memory) / GB
+    left = max(0, max_memory * GB - weight_bytes(model))
+    if check_gb(cache_gb) * GB > left:
+        raise DFlashError(
+            f"--prompt-cache-gb {cache_gb:g} does not fit in --max-memory {max_memory:g} beside "
+            f"the weights ({left / GB:.3g} GB left); use --prompt-cache-gb "
+            f"{left * DEFAULT_SHARE / GB:.3g} or less, or a larger --max-memory"
+        )
+    return cache_gb
 
 
 def check_gb(value) -> float | None:
     """``--prompt-cache-gb`` as a number of GB (None: the default).
 
     Raises:
-        DFlashError: not a finite number at least 0.
+        DFlashError: not a finite number from 0 to ``MAX_GB``.
     """
     if value is None:
         return None
     try:
         gb = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         gb = float("nan")
-    if not gb >= 0 or gb == float("inf"):
+    if not 0 <= gb <= MAX_GB:
         raise DFlashError(
-            f"--prompt-cache-gb must be a number of GB, 0 or more (got {value}); "
+            f"--prompt-cache-gb must be a number of GB from 0 to {MAX_GB:g} (got {value}); "
             "e.g. --prompt-cache-gb 4 (0 turns the prompt cache off)"
         )
     return gb
@@ -94,7 +123,7 @@ def fork(model, cache: PromptCache, n: int) -> PromptCache | None:
         new.offset = n
         target.append(new)
     drafter = [_context_prefix(c, len(cache.tokens) - n) for c in cache.drafter]
-    out = PromptCache(target, drafter, list(cache.tokens[:n]), kv=cache.kv)
+    out = PromptCache(target, drafter, list(cache.tokens[:n]), kv=cache.kv, owner=cache.owner)
     mx.eval(out.state)  # own buffers now: the entry may be evicted without pinning them
     return out
 

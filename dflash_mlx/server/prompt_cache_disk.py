@@ -4,35 +4,40 @@ memory are kept as safetensors and restored when a request can reuse them.
 One folder per pair (a hash of the target's and drafter's paths, their weights' sizes and
 times, and the versions), one sealed entry per prefix in it: ``target.safetensors``
 (mlx-lm's ``save_prompt_cache``), ``drafter.safetensors`` (the drafter's context caches and
-a hybrid's checkpoint) and ``meta.json`` (the tokens). Entries are written atomically and
-sealed with a manifest (``loading/cachedir.py``); an entry that fails its manifest, was made
-for another pair or version, or does not load as this pair's caches is removed, never used.
+a hybrid's checkpoint) and ``meta.json`` (the tokens). An entry is written whole in a
+temporary folder, sealed with a manifest (``loading/cachedir.py``) and renamed into place.
+Both safetensors files record a hash of the entry's tokens and of the pair; an entry that
+fails its manifest, was made for another pair or version, holds other tokens than its name
+and the index say, or does not load as this pair's caches is removed, never used.
+
+Nothing outside the root is read, written or removed: a symbolic link, or a path resolving
+outside the root, at the pair, entry or file level is refused with one warning. A folder
+that cannot be written (read-only, vanished) turns the tier's writes off with one warning:
+the pool keeps its entries in memory and requests never fail for it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import errno
 import logging
 import os
 import threading
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, load_prompt_cache, save_prompt_cache
 
 from ..decoding.state import PromptCache, common_prefix
 from ..errors import DFlashError
 from ..loading import cachedir
+from . import prompt_cache_entry as files
+from .prompt_cache_entry import FILES, LOAD_ERRORS, entry_name, escapes
 
 logger = logging.getLogger("dflash_mlx.server")
 
-FORMAT = "dflash_mlx.PromptCache/1"
-FILES = ("target.safetensors", "drafter.safetensors", "meta.json")
-# what reading a file of another pair, format or version raises (MLX raises RuntimeError
-# and ValueError on a bad safetensors file; mlx-lm KeyError on an unknown cache class)
-LOAD_ERRORS = (OSError, RuntimeError, ValueError, KeyError, TypeError, IndexError, AttributeError)
+FORMAT = "dflash_mlx.PromptCache/2"
 MAX_ENTRIES = 64  # per pair; the least recently used go first
+# a write failing so means the folder cannot take entries at all: stop writing
+UNWRITABLE = {errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR}
 
 
 def check_dir(path: str | None) -> None:
@@ -78,59 +83,83 @@ def identity(model) -> dict[str, str]:
     return out
 
 
-def _context_load(fresh, arrays: dict, meta: dict):
-    """A drafter context cache saved with ``save_state``, checked against this pair's."""
-    c = type(fresh).load_state(arrays, meta)
-    if c.window != fresh.window:
-        raise ValueError("a context cache of another window")
-    return c
-
-
-def _same_kind(saved, fresh) -> bool:
-    """Whether a loaded target layer cache fits where this pair makes ``fresh`` (an attention
-    cache may have been quantized by ``--kv-bits``)."""
-    return type(saved) is type(fresh) or (
-        type(fresh) is KVCache and type(saved) is QuantizedKVCache
-    )
-
-
 class DiskTier:
     """Prompt caches on disk for one pair.
 
     Args:
-        folder: this pair's folder (``open`` picks it). model: the loaded pair.
-        versions: ``identity(model)``.
+        folder: this pair's folder (``open`` picks it; its parent is the root, resolved).
+        model: the loaded pair. versions: ``identity(model)``.
     """
 
     def __init__(self, folder: Path, model, versions: dict[str, str]):
         self.folder, self.model, self.versions = folder, model, versions
+        self.root, self.pair = folder.parent, files.digest(versions)
         self.lock = threading.Lock()
         self.index: dict[str, dict] = {}  # entry name -> meta.json (tokens, checkpoint)
         self.restored = self.saved = self.dropped = 0
-        cachedir.sweep_temps(folder)
-        for entry in sorted(folder.glob("e-*")):
+        self.writable, self.refused = True, set()
+        why = escapes(folder, self.root)
+        if why is None:
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                self._unwritable(e)
+        else:
+            self._refuse(folder, why)
+        if why is None and folder.is_dir():
+            cachedir.sweep_temps(folder)
+            self._scan()
+
+    @classmethod
+    def open(cls, root: str, model) -> DiskTier:
+        """The tier for this pair under ``root`` (``--prompt-cache-dir``; a link the user
+        named is resolved once, links inside it are never followed)."""
+        versions = identity(model)
+        name = Path(str(getattr(model, "target_path", "") or "model")).name or "model"
+        base = Path(root).expanduser()
+        try:
+            base = base.resolve(strict=True)
+        except (OSError, RuntimeError):
+            base = base.absolute()
+        return cls(base / f"{name[:40]}-{files.digest(versions)[:16]}", model, versions)
+
+    def _scan(self) -> None:
+        for entry in sorted(self.folder.glob("e-*")):
+            why = escapes(entry, self.root) or files.irregular(entry)
+            if why is not None:
+                self._refuse(entry, why)
+                continue
             meta = cachedir.read_json(entry / "meta.json") if cachedir.sealed(entry) else None
             if meta is None or not isinstance(meta.get("tokens"), list):
                 self._drop(entry.name, "it is incomplete or damaged")
                 continue
             self.index[entry.name] = meta
 
-    @classmethod
-    def open(cls, root: str, model) -> DiskTier:
-        """The tier for this pair under ``root`` (``--prompt-cache-dir``)."""
-        versions = identity(model)
-        digest = hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()
-        name = Path(str(getattr(model, "target_path", "") or "model")).name or "model"
-        folder = Path(root).expanduser() / f"{name[:40]}-{digest[:16]}"
-        folder.mkdir(parents=True, exist_ok=True)
-        return cls(folder, model, versions)
+    def _refuse(self, path: Path, why: str) -> None:
+        """Leave path alone (never read, written or removed), with one warning."""
+        self.index.pop(path.name, None)
+        if str(path) not in self.refused:
+            self.refused.add(str(path))
+            logger.warning("prompt cache %s left alone: %s", path, why)
+
+    def _unwritable(self, e: OSError) -> None:
+        if self.writable:
+            self.writable = False
+            logger.warning(
+                "prompt cache folder %s cannot be written (%s): prompt caches are kept in "
+                "memory only; name a writable --prompt-cache-dir to keep them on disk",
+                self.folder,
+                e.strerror or e,
+            )
 
     def _drop(self, name: str, why: str | None = None) -> None:
         if why:
             logger.warning("prompt cache %s removed: %s", name, why)
         self.index.pop(name, None)
-        cachedir.discard(self.folder / name)
         self.dropped += why is not None
+        entry = self.folder / name
+        if self.writable and escapes(entry, self.root) is None:
+            cachedir.discard(entry)
 
     @staticmethod
     def _usable(meta: dict, prompt: list[int]) -> int:
@@ -146,6 +175,10 @@ class DiskTier:
         stays); None when there is none. A damaged or foreign entry is removed and the next
         best tried."""
         with self.lock:
+            why = escapes(self.folder, self.root)
+            if why is not None:
+                self._refuse(self.folder, why)
+                return None
             ranked = sorted(
                 ((self._usable(m, prompt), name) for name, m in self.index.items()), reverse=True
             )
@@ -155,108 +188,82 @@ class DiskTier:
                 cache = self._load(name)
                 if cache is not None:
                     self.restored += 1
-                    os.utime(self.folder / name / "meta.json")  # recently used
+                    self._touch(name)
                     return cache
         return None
 
+    def _touch(self, name: str) -> None:
+        """Mark an entry recently used (its meta.json's time orders ``_limit``)."""
+        if not self.writable:
+            return
+        try:
+            os.utime(self.folder / name / "meta.json")
+        except OSError as e:
+            if e.errno in UNWRITABLE:
+                self._unwritable(e)
+
     def _load(self, name: str) -> PromptCache | None:
         entry = self.folder / name
+        why = escapes(entry, self.root) or files.irregular(entry)
+        if why is not None:
+            self._refuse(entry, why)
+            return None
         why = cachedir.check(entry, FILES, self.versions)
+        meta = None if why else cachedir.read_json(entry / "meta.json")
+        if why is None and (
+            meta is None
+            or meta.get("tokens") != self.index[name].get("tokens")
+            or entry_name(meta["tokens"]) != name
+        ):  # the index chose it for these tokens: an entry moved here holds others
+            why = "it holds other tokens than its name says (moved or renamed)"
         if why is not None:
             self._drop(name, why)
             return None
         try:
-            return self._read(entry, self.index[name])
+            return files.read(self.model, entry, meta, files.tags(meta["tokens"], self.pair))
         except LOAD_ERRORS as e:  # a file of another pair or format: never a crash
             self._drop(name, f"it does not load as this pair's caches ({type(e).__name__})")
             return None
 
-    def _read(self, entry: Path, meta: dict) -> PromptCache:
-        fresh = self.model.make_cache()
-        target = load_prompt_cache(str(entry / "target.safetensors"))
-        n = len(meta["tokens"])
-        if not all(_same_kind(a, b) for a, b in zip(target, fresh.target, strict=True)):
-            raise ValueError("other cache layers")
-        if any(getattr(c, "offset", n) != n for c in target):
-            raise ValueError("caches of another length")
-        arrays, info = mx.load(str(entry / "drafter.safetensors"), return_metadata=True)
-        layers = json.loads(info["layers"])
-        if len(layers) != len(fresh.drafter):
-            raise ValueError("another drafter")
-        drafter = []
-        for i, (c, m) in enumerate(zip(fresh.drafter, layers)):
-            own = {k.split("/", 1)[1]: a for k, a in arrays.items() if k.startswith(f"c{i}/")}
-            drafter.append(_context_load(c, own, m))
-        if any(c.position != n for c in drafter):
-            raise ValueError("a drafter context of another length")
-        cache = PromptCache(target, drafter, list(meta["tokens"]))
-        ck = meta.get("checkpoint")
-        if ck is not None:
-            shape = json.loads(info["checkpoint"])
-            snap = [
-                None if s is None else [arrays.get(f"k{i}/{j}") for j in range(s)]
-                for i, s in enumerate(shape)
-            ]
-            cache.checkpoint = (int(ck), snap)
-        mx.eval(cache.state)
-        return cache
-
     def put(self, cache: PromptCache) -> None:
         """Save an entry evicted from memory (failures are logged, never raised)."""
-        if not cache.tokens or cache.busy:
+        if not cache.tokens or cache.busy or not self.writable:
             return
         self.model.drafter.flush_context(cache.drafter)  # save projected rows only
-        name = "e-" + hashlib.sha256(json.dumps(cache.tokens).encode()).hexdigest()[:24]
+        name = entry_name(cache.tokens)
         with self.lock:
-            entry = self.folder / name
+            for path in (self.folder, self.folder / name):
+                why = escapes(path, self.root)
+                if why is not None:
+                    self._refuse(path, why)
+                    return
             try:
-                self._write(entry, cache)
-            except (OSError, RuntimeError, ValueError) as e:  # a full disk, a read-only folder
+                files.write(self.folder, cache, self.versions, self.pair)
+            except OSError as e:
+                if e.errno in UNWRITABLE:
+                    self._unwritable(e)
+                else:  # a full disk: later entries may fit
+                    logger.warning("prompt cache not saved: %s", e.strerror or e)
+                return
+            except (RuntimeError, ValueError) as e:  # MLX's write errors
                 logger.warning("prompt cache not saved: %s: %s", type(e).__name__, e)
-                cachedir.discard(entry)
                 return
             self.saved += 1
-            self.index[name] = cachedir.read_json(entry / "meta.json") or {}
-            if cache.trimmable():  # entries holding a prefix of this one add nothing
+            ck = None if cache.checkpoint is None else cache.checkpoint[0]
+            trimmable = cache.trimmable()
+            self.index[name] = {"tokens": list(cache.tokens), "checkpoint": ck}
+            self.index[name]["trimmable"] = trimmable
+            if trimmable:  # entries holding a prefix of this one add nothing
                 for other, m in list(self.index.items()):
                     t = m.get("tokens") or []
                     if other != name and cache.tokens[: len(t)] == t:
                         self._drop(other)
             self._limit()
 
-    def _write(self, entry: Path, cache: PromptCache) -> None:
-        cachedir.unseal(entry)
-        entry.mkdir(parents=True, exist_ok=True)
-        ok = cachedir.write_atomic(
-            entry / "target.safetensors", lambda t: save_prompt_cache(str(t), cache.target)
-        )
-        arrays, layers = {}, []
-        for i, c in enumerate(cache.drafter):
-            own, m = c.save_state()
-            arrays.update({f"c{i}/{k}": a for k, a in own.items()})
-            layers.append(m)
-        info = {"layers": json.dumps(layers), "checkpoint": "null"}
-        ck = None
-        if cache.checkpoint is not None:
-            ck, snap = cache.checkpoint
-            info["checkpoint"] = json.dumps([None if s is None else len(s) for s in snap])
-            for i, s in enumerate(snap):
-                for j, a in enumerate(s or ()):
-                    if a is not None:
-                        arrays[f"k{i}/{j}"] = a
-        ok = ok and cachedir.write_atomic(
-            entry / "drafter.safetensors",
-            lambda t: mx.save_safetensors(str(t), arrays, metadata=info),
-        )
-        meta = {"tokens": cache.tokens, "checkpoint": ck, "trimmable": cache.trimmable()}
-        ok = ok and cachedir.write_json(entry / "meta.json", meta)
-        if not (ok and cachedir.seal(entry, FILES, self.versions)):
-            raise OSError("the entry could not be written")
-
     def _limit(self) -> None:
         def used(name: str) -> int:
             try:
-                return (self.folder / name / "meta.json").stat().st_mtime_ns
+                return (self.folder / name / "meta.json").lstat().st_mtime_ns
             except OSError:
                 return 0
 
@@ -264,13 +271,14 @@ class DiskTier:
             self._drop(name)
 
     def stats(self) -> dict:
-        """Entries, bytes on disk, restores, saves and damaged entries removed."""
+        """Entries, bytes on disk, restores, saves, damaged entries removed, and whether
+        the folder takes new entries."""
         with self.lock:
             size = 0
             for name in self.index:
                 for f in FILES:
                     try:
-                        size += (self.folder / name / f).stat().st_size
+                        size += (self.folder / name / f).lstat().st_size
                     except OSError:
                         pass
             return {
@@ -279,4 +287,5 @@ class DiskTier:
                 "restored": self.restored,
                 "saved": self.saved,
                 "removed_damaged": self.dropped,
+                "writable": self.writable,
             }

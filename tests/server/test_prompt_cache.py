@@ -277,6 +277,7 @@ def test_a_corrupt_disk_entry_is_removed_not_used(pairs, tmp_path):
         "restored": 0,
         "saved": 0,
         "removed_damaged": 1,
+        "writable": True,
     }
 
 
