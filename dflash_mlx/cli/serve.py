@@ -74,14 +74,7 @@ def serve(
     if warning:
         print(warning, file=sys.stderr, flush=True)
     try:
-        m, tok = c.load_pair(src, quiet, verbose, cfg)
-        if cfg.block_size == "auto":  # measured now, not under the first request's lock
-            from ..decoding.warmup import ensure
-
-            ensure(m)
-        from ..server.prompt_cache import pool_gb
-
-        prompt_cache_gb = pool_gb(m, prompt_cache_gb, src.max_memory)  # inside the budget
+        m, tok, prompt_cache_gb = _load(src, quiet, verbose, cfg, prompt_cache_gb)
     except BaseException:
         sock.close()
         raise
@@ -100,6 +93,18 @@ def serve(
         cache_dir=prompt_cache_dir,
         config=config,
     )
+
+
+def _load(src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb: float | None):
+    """(model, tokenizer, the prompt caches' GB inside the memory budget) for ``serve``."""
+    from ..server.prompt_cache import pool_gb
+
+    m, tok = c.load_pair(src, quiet, verbose, cfg)
+    if cfg.block_size == "auto":  # measured now, not under the first request's lock
+        from ..decoding.warmup import ensure
+
+        ensure(m)
+    return m, tok, pool_gb(m, cache_gb, src.max_memory)
 
 
 def check_server_options(
