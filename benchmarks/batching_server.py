@@ -28,13 +28,15 @@ sys.path.insert(0, str(ROOT))
 from agents_cache import start  # the server subprocess on a free port
 
 
-def prompts(n: int) -> list[str]:
-    """n unseen prompts, code and chat alternating."""
-    rows = [json.loads(line)["prompt"] for line in (ROOT / "unseen_prompts.jsonl").open()]
-    code = [p for p in rows if "function" in p.lower() or "python" in p.lower()]
-    chat = [p for p in rows if p not in code]
-    mixed = [x for pair in zip(code, chat) for x in pair]
-    return (mixed * (n // len(mixed) + 1))[:n]
+def prompts(n: int, path: str | None = None) -> list[str]:
+    """n prompts: a JSONL file's in order, or the unseen ones, code and chat alternating."""
+    src = Path(path) if path else ROOT / "unseen_prompts.jsonl"
+    rows = [json.loads(line)["prompt"] for line in src.open() if line.strip()]
+    if path is None:
+        code = [p for p in rows if "function" in p.lower() or "python" in p.lower()]
+        chat = [p for p in rows if p not in code]
+        rows = [x for pair in zip(code, chat) for x in pair]
+    return (rows * (n // len(rows) + 1))[:n]
 
 
 def ask(url: str, text: str, max_tokens: int) -> tuple[str, int]:
@@ -84,18 +86,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve-args", default="", help="extra `dflash serve` flags")
+    ap.add_argument("--prompts", default=None, help="a JSONL file of {'prompt': ...} rows")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="no warm-up request, and each round sends the concurrent requests first (the "
+        "first batch on a fresh server pays its one-time costs)",
+    )
     args = ap.parse_args()
     proc, url = start(args.model, args.serve_args.split())
     rows = []
     try:
-        ask(url, "Hi", 8)  # the first request's one-time costs are not the batch's
+        if not args.cold:
+            ask(url, "Hi", 8)  # the first request's one-time costs are not the batch's
         print("clients | tokens | sequential tok/s | concurrent tok/s | ratio | same text")
         for n in args.clients:
             for m in args.max_tokens:
-                texts, seq, con, same = prompts(n), [], [], True
+                texts, seq, con, same = prompts(n, args.prompts), [], [], True
                 for _ in range(args.rounds):
+                    if args.cold:
+                        t_c, got = concurrent(url, texts, m)
                     t_s, ref = sequential(url, texts, m)
-                    t_c, got = concurrent(url, texts, m)
+                    if not args.cold:
+                        t_c, got = concurrent(url, texts, m)
                     tokens = sum(k for _, k in ref)
                     seq.append(tokens / t_s)
                     con.append(sum(k for _, k in got) / t_c)
