@@ -74,28 +74,49 @@ def context_rows(model, cache: PromptCache, ids: list[int], continuation: list[i
     return rows, len(ids) - 1 - held
 
 
-def speeds(model, tokens: int = 256, steps: int = 4) -> tuple[float, float]:
-    """(prompt tokens per second of one prefill chunk, seconds per plain step after it), on
-    filler ids: a long bench's first forecast, before it starts."""
-    n = min(tokens, prefill_chunk(2048))
-    ids = np.random.default_rng(0).integers(100, 1000, n + 1).tolist()
+def _timed(model, cache: PromptCache, ids: list[int], steps: int) -> tuple[float, float]:
+    """(seconds of one prefill chunk of ``ids`` after cache, seconds per plain step after
+    it); the cache grows by both."""
     t = time.perf_counter()
-    cache = prefilled(model, ids)
-    rate = n / max(time.perf_counter() - t, 1e-9)
+    prefill(model, ids, cache, SamplingParams(0.0), mx.random.key(0))
+    chunk = time.perf_counter() - t
     t = time.perf_counter()
     for tok in ids[:steps]:
         logits, _ = model.adapter(mx.array([[tok]]), cache.target)
         mx.eval(logits)
-    return rate, (time.perf_counter() - t) / steps
+    return chunk, (time.perf_counter() - t) / steps
+
+
+def speeds(model, context: int, steps: int = 4) -> tuple[tuple, tuple]:
+    """A prefill chunk's seconds and a plain step's, timed after no context and after
+    ``context`` rows (grown without running the target, ``warmup.grow_context``): a long
+    bench's forecast, before it starts. Filler ids; nothing is kept."""
+    from ..decoding.warmup import grow_context
+
+    n = prefill_chunk(2048)
+    ids = np.random.default_rng(0).integers(100, 1000, n).tolist()
+    cache = model.make_cache()
+    short = _timed(model, cache, ids, steps)  # (its plain steps are not in cache.tokens)
+    grow_context(model, cache, list(cache.tokens) + [ids[0]], context - len(cache.tokens))
+    long = _timed(model, cache, cache.tokens + ids, steps)
+    return short, long
 
 
 def expected_seconds(model, lengths: list[int], max_tokens: int, methods: int) -> float:
-    """A rough forecast of a bench's time (short-context speeds: a long context decodes
-    slower): each prompt prefilled once, every method decoding ``max_tokens`` plainly.
+    """A rough forecast of a bench's time: each prompt prefilled once in chunks, and every
+    method decoding ``max_tokens`` plainly, with both costs linear in the context between
+    the two timings of ``speeds``.
 
     Args:
         model: the pair. lengths: the prompts' token counts. max_tokens: per method.
         methods: how many methods decode each prompt.
     """
-    rate, step = speeds(model)
-    return sum(lengths) / rate + len(lengths) * methods * max_tokens * step
+    top = max(lengths)
+    (c0, s0), (c1, s1) = speeds(model, top)
+    n = prefill_chunk(2048)
+    total = 0.0
+    for length in lengths:
+        mid = length / 2 / max(top, 1)  # a prompt's chunks sit at half its length on average
+        total += length / n * (c0 + (c1 - c0) * mid)
+        total += methods * max_tokens * (s0 + (s1 - s0) * length / max(top, 1))
+    return total

@@ -206,7 +206,8 @@ def _forecast(m, tok, prompts, cfg: GenerationConfig, raw: bool, con) -> None:
     secs = expected_seconds(m, lengths, cfg.max_tokens, methods)
     con.print(
         f"note: {len(prompts)} prompts of {sum(lengths):,} tokens in all, each prefilled once; "
-        f"expected about {secs / 60:.1f} min (a rough forecast from short-context speeds)"
+        f"expected about {secs / 60:.1f} min (a rough forecast from short-context speeds)",
+        soft_wrap=True,  # one line, however narrow the terminal or pipe
     )
 
 

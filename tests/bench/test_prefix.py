@@ -99,3 +99,25 @@ def test_recall_from_the_prefix_equals_running_the_whole_sequence(pairs, monkeyp
     for k in ("1", "128"):
         assert shared.recall[k].tolist() == whole.recall[k].tolist()
     assert whole.recall["128"].sum() > 0
+
+
+def test_the_forecast_grows_with_the_prompts_and_the_methods(pairs):
+    from dflash_mlx.bench.prefix import expected_seconds
+
+    model, _ = pairs("qwen3", "d2")
+    one = expected_seconds(model, [300], 8, 3)
+    assert 0 < one < expected_seconds(model, [300, 300], 8, 3)
+    assert one < expected_seconds(model, [300], 8, 6)
+
+
+def test_a_long_bench_says_its_size_and_expected_time_first(tiny_dir):
+    from typer.testing import CliRunner
+
+    from dflash_mlx.cli import app
+
+    model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
+    args = ["-n", "2", "-m", "8", "--block-size", "4", "--context", "1100", "--no-lookup"]
+    res = CliRunner().invoke(app, ["bench", *model, *args])
+    assert res.exit_code == 0, res.output
+    notes = [line for line in res.stderr.splitlines() if line.startswith("note: 2 prompts")]
+    assert len(notes) == 1 and "2,200 tokens in all" in notes[0] and "expected about" in notes[0]
