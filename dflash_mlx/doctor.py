@@ -156,7 +156,7 @@ def cpu_backend() -> Check:
 
 def metal_kernels() -> Check:
     """Each Metal kernel built and equal to its MLX twin on small inputs (Mac)."""
-    from .model import conv, metal_kernel, qmm, selector
+    from .model import conv, metal_kernel, qmm, qmm_choice, selector
 
     if not metal_kernel.use_metal():
         if _is_mac() and _metal_info():
@@ -171,7 +171,10 @@ def metal_kernels() -> Check:
     metal_kernel.cached(qmm.KERNEL, qmm.self_check)  # the verify's few-row quantized matmul
     report = metal_kernel.report()
     ok = all(v == "ok" for v in report.values())
-    return Check("metal kernels", ", ".join(f"{n} {v}" for n, v in report.items()), ok)
+    text = ", ".join(f"{n} {v}" for n, v in report.items())
+    if qmm_choice.CHOOSER.table:  # shapes timed against MLX's qmm in this process
+        text += f"; few_row_qmm {qmm_choice.CHOOSER.report()}"
+    return Check("metal kernels", text, ok)
 
 
 def parity() -> Check:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import env
-from . import metal_kernel
+from . import metal_kernel, qmm_choice
 from .metal_kernel import KernelSpec
 from .wrapper import Wrapper
 
@@ -80,9 +80,26 @@ def qmm(x, w, scales, biases, group_size: int, bits: int) -> mx.array:
         x, w, scales, biases, group_size, bits: as :func:`qmm_ops`.
     """
     kernel = metal_kernel.cached(KERNEL, self_check) if metal_kernel.use_metal() else None
-    if kernel is not None and fits(x, w, group_size, bits):
+    if (
+        kernel is not None
+        and fits(x, w, group_size, bits)
+        and _faster(kernel, x, w, scales, biases, group_size, bits)
+    ):
         return qmm_kernel(kernel, x, w, scales, biases, group_size, bits)
     return qmm_ops(x, w, scales, biases, group_size, bits)
+
+
+def _faster(kernel, x, w, scales, biases, group_size: int, bits: int) -> bool:
+    """Whether the kernel is at least as fast as MLX's qmm for this call's shape: timed
+    once per shape on stand-in rows (``qmm_choice``), the faster kept."""
+
+    def args():  # random rows of x's shape: x itself is a node of the graph being built
+        rows = mx.random.normal(x.shape, key=mx.random.key(0)).astype(x.dtype)
+        return rows, w, scales, biases, group_size, bits
+
+    key = qmm_choice.shape_key(x, w, group_size, bits)
+    mine, theirs = (lambda: qmm_kernel(kernel, *args())), (lambda: qmm_ops(*args()))
+    return qmm_choice.CHOOSER.use_kernel(mine, theirs, key)
 
 
 def self_check(kernel) -> str | None:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for meta
 from metal_emu.emulator import EmulatedKernel, compiler
 
 from dflash_mlx import ops
-from dflash_mlx.model import metal_kernel, qmm
+from dflash_mlx.model import metal_kernel, qmm, qmm_choice
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to emulate Metal")
 EPS = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
@@ -114,6 +114,9 @@ def fake_metal(monkeypatch):
     monkeypatch.setattr(metal_kernel, "_cache", {})
     monkeypatch.setattr(metal_kernel, "_problems", {})
     monkeypatch.setattr(metal_kernel, "factory", EmulatedKernel)
+    # the emulator is slower than MLX's CPU qmm: here the kernel wins every timing
+    chooser = qmm_choice.Chooser(timer=lambda kind, fn: 0.0 if kind == "kernel" else 1.0)
+    monkeypatch.setattr(qmm_choice, "CHOOSER", chooser)
 
 
 def test_the_dispatch_takes_2_to_16_rows_and_leaves_one_row_and_prefill_to_mlx(fake_metal):
@@ -198,3 +201,21 @@ def test_with_reference_kernels_a_wrapped_target_gives_mlxs_bits(monkeypatch):
     want = block(x)
     assert qmm.wrap_tree(block) == 2
     assert mx.array_equal(block(x), want)
+
+
+def test_mlx_keeps_the_shapes_where_it_is_faster(fake_metal, monkeypatch):
+    """Never slower than MLX: a shape whose timing MLX wins goes to MLX's qmm."""
+    x, w, s, b = _case(8, 128, 8, 4, 64, mx.float32)
+    timed = []
+
+    def timer(kind, fn):
+        mx.eval(fn())  # both thunks run the product
+        timed.append(kind)
+        return 1.0 if kind == "kernel" else 0.5  # MLX wins
+
+    monkeypatch.setattr(qmm_choice, "CHOOSER", qmm_choice.Chooser(timer=timer))
+    got = qmm.qmm(x, w, s, b, 64, 4)
+    assert mx.array_equal(got, qmm.qmm_ops(x, w, s, b, 64, 4))  # MLX's own bits
+    assert qmm_choice.CHOOSER.table == {qmm_choice.shape_key(x, w, 64, 4): False}
+    qmm.qmm(x, w, s, b, 64, 4)
+    assert timed == ["kernel", "mlx"]  # timed once per shape
