@@ -39,22 +39,38 @@ def prompts(n: int, path: str | None = None) -> list[str]:
     return (rows * (n // len(rows) + 1))[:n]
 
 
+STREAM = False  # --stream: every request streamed (server-sent events), as chat UIs do
+
+
 def ask(url: str, text: str, max_tokens: int) -> tuple[str, int]:
-    """One whole greedy chat completion: (text, completion tokens)."""
+    """One greedy chat completion, whole or streamed: (text, completion tokens)."""
     body = {
         "model": "default_model",
         "messages": [{"role": "user", "content": text}],
         "max_tokens": max_tokens,
         "temperature": 0,
     }
+    if STREAM:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     req = urllib.request.Request(
         f"{url}/v1/chat/completions",
         json.dumps(body).encode(),
         {"Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=900) as r:
-        out = json.loads(r.read())
-    return out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]
+        if not STREAM:
+            out = json.loads(r.read())
+            return out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]
+        text, tokens = "", 0
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices", []):
+                text += choice.get("delta", {}).get("content") or ""
+            tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
+        return text, tokens
 
 
 def sequential(url: str, texts: list[str], max_tokens: int):
@@ -93,7 +109,10 @@ def main() -> None:
         help="no warm-up request, and each round sends the concurrent requests first (the "
         "first batch on a fresh server pays its one-time costs)",
     )
+    ap.add_argument("--stream", action="store_true", help="stream every request (SSE)")
     args = ap.parse_args()
+    global STREAM
+    STREAM = args.stream
     proc, url = start(args.model, args.serve_args.split())
     rows = []
     try:
