@@ -19,7 +19,7 @@ from .streams import stdin_closed
 SYSTEM = typer.Option(None, "--system", help="System prompt.")
 
 
-def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
+def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None, sharded: bool = False):
     """(model, tokenizer) through ``dflash_mlx.load``.
 
     Args:
@@ -27,8 +27,19 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
             ``--offline``.
         quiet: no download notices. verbose: print the loaded paths to stderr.
         cfg: the command's settings; its block size is checked against the drafter's.
+        sharded: the command runs under ``mlx.launch`` (its target sharded over the ranks);
+            else several processes are refused in one line.
     """
+    from .. import distributed
     from ..loading.loader import load
+
+    group = distributed.group()
+    if group is not None and not sharded:
+        raise DFlashError(
+            "this command does not run under mlx.launch yet; `dflash run` and the Python API "
+            "do (docs/distributed.md)"
+        )
+    distributed.speak_only_on_rank_zero(group)
 
     vocab = src.draft_vocab
     if vocab is not None and vocab < 0:
@@ -49,6 +60,7 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None):
         max_memory=src.max_memory,
         max_context=src.max_context,
         kv=kv,
+        group=group,
     )
     if verbose:
         from ..model.quantize import bits_of

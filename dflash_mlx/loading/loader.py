@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import distributed
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config, parse_draft_quant
 from . import backend, hub, memory, registry
+from .vocab import set_draft_vocab
 
 if TYPE_CHECKING:
     from ..decoding.state import DFlashModel
@@ -324,27 +326,26 @@ def load(
     max_context: int | None = None,
     kv: tuple[int, int, int] | None = None,
     draft_quant: int | str | None = None,
+    group=None,
 ) -> tuple[DFlashModel, object]:
     """Load a target model and its DFlash drafter.
 
     Args:
         model: a registry alias (case-insensitive; ``dflash models`` lists them), a Hub id,
             a local mlx-lm directory, or a llama-family ``.gguf`` file.
-        drafter: drafter directory or Hub id (default: see ``resolve``); registry aliases
-            list several, tried in order until one can be fetched.
-        quant: quantisation of an alias's target (e.g. 4bit, 8bit, bf16, mxfp8).
-        offline: never touch the network (default: the environment, see ``hub.offline_mode``).
+        drafter: drafter directory or Hub id (default: ``resolve``'s, tried in order).
+        quant: an alias's target quantisation (4bit, 8bit, bf16, mxfp8). offline: never
+            touch the network (default: the environment, ``hub.offline_mode``).
         quiet: no download notices or progress bars. log: callable(str) for notices
-            (default: print to stderr). tokenizer_config: for mlx-lm's tokenizer loader.
-        warmup: set the ``block_size="auto"`` step costs now (``warmup.ensure``: as stored
-            for this pair on this chip when a spot check agrees, else measured); False:
-            at the first ``auto`` request, so a fixed block size never pays for them.
-        draft_vocab: the drafter's vocabulary (docs/algorithm.md §2.4): None uses the
-            checkpoint's own ``draft_vocab`` tensor if it has one (else the full
-            vocabulary); 0 the full vocabulary; N the N most frequent ids by the tokenizer's
-            merge ranks (plus its special tokens).
+            (default: stderr). tokenizer_config: for mlx-lm's tokenizer loader.
+        warmup: set the ``block_size="auto"`` step costs now (``warmup.ensure``); False: at
+            the first ``auto`` request, so a fixed block size never pays for them.
+        draft_vocab: the drafter's vocabulary (docs/algorithm.md §2.4): None the
+            checkpoint's own (else the full vocabulary); 0 the full vocabulary; N the N most
+            frequent ids by the tokenizer's merge ranks (plus its special tokens).
         max_memory, max_context, kv: the memory plan's limits and KV cache (``memory.Fit``).
         draft_quant: the drafter's layers: 4 / 8 bits, "none", "auto" (None; format.md §2.5).
+        group: an ``mx.distributed.Group`` to shard over (None: ``mlx.launch``'s, if any).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -363,37 +364,10 @@ def load(
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
+    distributed.shard(target, distributed.group(group))  # before any wrapper of ours
     pair = _assemble(target, tpath, dname, dpath, res.display_name, bits, notes)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:
         warm.ensure(pair)
     return pair, tokenizer
-
-
-def set_draft_vocab(pair, tokenizer, n: int | None) -> None:
-    """Give the pair the draft vocabulary ``load(draft_vocab=n)`` asks for.
-
-    Args:
-        pair: the loaded DFlashModel. tokenizer: its tokenizer (for the merge ranks).
-        n: None (the checkpoint's own), 0 (the full vocabulary) or a size.
-    """
-    from ..model.draft_vocab import DraftHead, ranked_vocab
-
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-        raise DFlashError(f"draft_vocab must be None, 0 or a positive integer (got {n!r})")
-    ids = pair.drafter.draft_vocab if n is None else None
-    vocab = pair.adapter.vocab_size
-    if n and n < min(16, vocab):
-        raise DFlashError(
-            f"draft_vocab={n} is too small; use 16 or more, or 0 for the full vocabulary"
-        )
-    if n and n < vocab:
-        ids = ranked_vocab(tokenizer, n, vocab)
-        if len(ids) > n:  # a draft vocabulary keeps every special token
-            raise DFlashError(
-                f"draft_vocab={n} is fewer than the tokenizer's {len(ids)} special tokens, "
-                f"which a draft vocabulary always keeps; use more than {len(ids)}"
-            )
-    pair.draft_head = None if ids is None else DraftHead(pair.adapter, ids)
-    backend.install(pair)  # on the CPU the few-row kernel reads the drafter's 16-bit words

@@ -1,0 +1,30 @@
+"""One rank of the sharded-decoding test (run by ``mlx.launch``): load the tiny pair sharded
+over the launched group, decode plain (mlx-lm) and with DFlash greedily, write the tokens."""
+
+import json
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, generation_stream
+
+from dflash_mlx import load, stream_generate
+
+out, target, drafter = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+group = mx.distributed.init()
+model, tok = load(target, drafter=drafter)
+ids = tok.encode("def parse_args(argv):")
+plain = [int(t) for t, _ in generate_step(mx.array(ids), model.target, max_tokens=24)]
+# mlx-lm leaves its next step in flight on its own stream: let it finish, or its all_sums
+# would run beside the next decode's and the ranks could pair different ones
+mx.synchronize(generation_stream)
+runs = {}
+for block in (2, 4):
+    got = []
+    for r in stream_generate(model, tok, ids, max_tokens=24, block_size=block, temperature=0.0):
+        got += r.tokens
+    runs[str(block)] = got
+shards = model.target.layers[0].self_attn.n_heads  # query heads kept on this rank
+(out / f"rank{group.rank()}.json").write_text(
+    json.dumps({"size": group.size(), "plain": plain, "dflash": runs, "heads": shards})
+)

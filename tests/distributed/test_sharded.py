@@ -1,0 +1,93 @@
+"""Two ranks on one machine (``mlx.launch -n 2 --backend ring``, loopback): the tiny qwen3
+target sharded with mlx-lm's tensor parallelism, DFlash greedy equal to plain greedy
+decoding of the same sharded target on every rank, and every rank taking the same tokens."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("rank_worker.py")
+LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+TIMEOUT = 240  # seconds for both ranks, loading included
+
+
+def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args]
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, only
+        out, _ = proc.communicate()
+        pytest.fail(f"the ranks did not finish in {TIMEOUT} s:\n{out.decode()[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
+
+
+@pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
+def test_dflash_on_a_tensor_sharded_target_equals_its_plain_greedy_on_every_rank(
+    tiny_dir, tmp_path
+):
+    res = _launch(
+        [str(WORKER), str(tmp_path), str(tiny_dir / "qwen3"), str(tiny_dir / "d2_qwen3")], tmp_path
+    )
+    assert res.returncode == 0, res.stdout[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["size"] for r in ranks] == [2, 2] and [r["heads"] for r in ranks] == [2, 2]
+    assert ranks[0] == ranks[1]  # every rank decoded the same tokens
+    plain = ranks[0]["plain"]
+    for block, got in ranks[0]["dflash"].items():
+        assert got[: len(plain)] == plain, block
+
+
+class _Group:
+    def __init__(self, size=2, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank
+
+
+def test_a_family_without_tensor_parallelism_or_even_heads_is_refused_in_one_line(pairs):
+    from types import SimpleNamespace
+
+    from dflash_mlx import DFlashError, distributed
+
+    with pytest.raises(DFlashError, match="no tensor parallelism for 'toy' targets"):
+        distributed.shard(SimpleNamespace(args=SimpleNamespace(model_type="toy")), _Group())
+    model, _ = pairs("qwen3", "d2")  # 4 query and 2 key/value heads: not over 3 processes
+    with pytest.raises(DFlashError, match=r"heads \(4 query, 2 key/value\) do not split over 3"):
+        distributed.shard(model.target, _Group(size=3))
+    distributed.shard(model.target, None)  # one process: nothing to do
+
+
+def test_auto_becomes_the_checkpoint_block_with_one_note():
+    from dflash_mlx import distributed
+    from dflash_mlx.settings import GenerationConfig
+
+    notes = []
+    cfg = distributed.fixed_block(GenerationConfig(), 8, notes.append)
+    assert cfg.block_size == 8 and len(notes) == 1 and "block size 8 instead of auto" in notes[0]
+    fixed = GenerationConfig(block_size=4)
+    assert distributed.fixed_block(fixed, 8, notes.append) is fixed and len(notes) == 1
+
+
+def test_commands_that_cannot_run_sharded_yet_refuse_under_mlx_launch(monkeypatch, tiny_dir):
+    from dflash_mlx import DFlashError, distributed
+    from dflash_mlx.cli import common
+    from dflash_mlx.cli.options import ModelOptions
+
+    monkeypatch.setattr(distributed, "group", lambda given=None: _Group())
+    src = ModelOptions(model=str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"))
+    with pytest.raises(DFlashError, match="does not run under mlx.launch yet"):
+        common.load_pair(src, True, False)
