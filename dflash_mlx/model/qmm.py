@@ -153,17 +153,70 @@ class FewRowLinear(Wrapper):
         return y + q["bias"] if "bias" in q else y
 
 
+class FewRowEmbedding(Wrapper):
+    """A tied ``QuantizedEmbedding`` whose ``as_linear`` (the LM head) sends 2..16 rows
+    through :func:`qmm`; token lookups and other row counts are the inner's own.
+
+    Args:
+        inner: the mlx-lm ``nn.QuantizedEmbedding`` instance (left unchanged).
+    """
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.inner(ids)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        q = self.inner
+        if not 2 <= x.size // x.shape[-1] <= MAX_ROWS:
+            return q.as_linear(x)
+        return qmm(x, q["weight"], q["scales"], q["biases"], q.group_size, q.bits)
+
+
+def _affine(m) -> bool:
+    return (
+        getattr(m, "mode", "affine") == "affine"
+        and m.bits in BITS
+        and m.group_size in GROUPS
+        and m.get("biases") is not None
+    )
+
+
 def wrappable(m) -> bool:
     """An affine ``QuantizedLinear`` of 4 / 8 bits and group 32 / 64 / 128."""
     from mlx import nn
 
-    return (
-        isinstance(m, nn.QuantizedLinear)
-        and getattr(m, "mode", "affine") == "affine"
-        and m.bits in BITS
-        and m.group_size in GROUPS
-        and "biases" in m
-    )
+    return isinstance(m, nn.QuantizedLinear) and _affine(m)
+
+
+def wrap_head(text_model) -> int:
+    """Wrap the LM head of a model (instances only): its ``lm_head`` if it has one (as
+    :class:`FewRowLinear`), else its tied ``model.embed_tokens`` (as
+    :class:`FewRowEmbedding`), where affine-quantized.
+
+    Args:
+        text_model: the module holding ``lm_head`` / ``model.embed_tokens``.
+
+    Returns:
+        how many were wrapped (0 or 1).
+    """
+    from mlx import nn
+
+    head = getattr(text_model, "lm_head", None)
+    if head is not None:
+        if wrappable(head):
+            text_model.lm_head = FewRowLinear(head)
+            return 1
+        return 0
+    inner = text_model.model
+    emb = inner.embed_tokens
+    if isinstance(emb, nn.QuantizedEmbedding) and _affine(emb):
+        inner.embed_tokens = FewRowEmbedding(emb)
+        return 1
+    return 0
+
+
+def unwrap(m):
+    """The module a few-row wrapper holds (``m`` itself when not wrapped)."""
+    return m.inner if isinstance(m, (FewRowLinear, FewRowEmbedding)) else m
 
 
 def wrap_tree(root) -> int:

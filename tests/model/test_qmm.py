@@ -219,3 +219,60 @@ def test_mlx_keeps_the_shapes_where_it_is_faster(fake_metal, monkeypatch):
     assert qmm_choice.CHOOSER.table == {qmm_choice.shape_key(x, w, 64, 4): False}
     qmm.qmm(x, w, s, b, 64, 4)
     assert timed == ["kernel", "mlx"]  # timed once per shape
+
+
+def _quantized_target(tied: bool):
+    """A tiny qwen3 target, 4-bit group 32, its head a QuantizedLinear or (tied) the
+    QuantizedEmbedding's ``as_linear``."""
+    from mlx import nn
+    from mlx_lm.utils import _get_classes
+    from tiny_models import target_config
+
+    cfg = {**target_config("qwen3", 96, hidden=64, layers=2), "tie_word_embeddings": tied}
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(3)
+    model = model_cls(args_cls.from_dict(cfg))
+    nn.quantize(model, group_size=32, bits=4)
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_verify_head_takes_the_kernel_for_2_to_16_rows_and_mlx_for_one_row(
+    fake_metal, monkeypatch, tied
+):
+    from dflash_mlx.model.draft_vocab import DraftHead
+    from dflash_mlx.model.target import TargetAdapter
+
+    model = _quantized_target(tied)
+    monkeypatch.setattr(ops, "prepare_target", lambda layers: 0)  # the head alone
+    head = (lambda h: model.model.embed_tokens.as_linear(h)) if tied else model.lm_head
+    ids = mx.array([[5, 9, 2, 40, 7]])
+    h = mx.random.normal((1, 5, 64), key=mx.random.key(6))
+    want, want_one, want_logits = head(h), head(h[:, :1]), model(ids)
+    embeds = model.model.embed_tokens(ids)
+    TargetAdapter(model, [0])  # off Metal: nothing changes
+    assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    assert tied or type(model.lm_head).__name__ == "QuantizedLinear"
+    widths = []
+    launch = qmm.qmm_kernel
+
+    def spy(kernel, x, w, *rest):
+        widths.append(w.shape[0])
+        return launch(kernel, x, w, *rest)
+
+    monkeypatch.setattr(qmm, "qmm_kernel", spy)
+    monkeypatch.setattr(qmm, "on_metal", lambda: True)
+    TargetAdapter(model, [0])
+    adapter = TargetAdapter(model, [0])  # a second adapter wraps nothing twice
+    wrapped = model.model.embed_tokens if tied else model.lm_head
+    assert isinstance(wrapped, qmm.FewRowEmbedding if tied else qmm.FewRowLinear)
+    assert type(wrapped.inner).__name__ in ("QuantizedEmbedding", "QuantizedLinear")
+    np.testing.assert_allclose(np.array(adapter.lm_head(h)), np.array(want), rtol=1e-4, atol=1e-4)
+    assert widths.count(96) == 1  # the 5-row head went through the kernel
+    assert mx.array_equal(adapter.lm_head(h[:, :1]), want_one)  # one row: MLX's own bits
+    assert widths.count(96) == 1
+    logits, _ = adapter(ids, adapter.make_cache())  # a verify forward: the model's own head
+    np.testing.assert_allclose(np.array(logits), np.array(want_logits), rtol=1e-4, atol=1e-4)
+    assert widths.count(96) == 2
+    assert mx.array_equal(adapter.embed(ids), embeds)  # token lookups are the inner's
+    assert DraftHead(adapter, np.arange(10))._quant is not None  # it still sees the quantized head
