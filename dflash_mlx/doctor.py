@@ -160,21 +160,28 @@ def metal_kernels() -> Check:
 
     if not metal_kernel.use_metal():
         if _is_mac() and _metal_info():
-            return Check("metal kernels", f"off ({metal_kernel.REFERENCE_ENV}: the MLX twins)")
+            return Check(
+                "metal kernels",
+                f"off ({metal_kernel.REFERENCE_ENV}: the MLX twins); "
+                f"{qmm.ROWS_LINE}: not checked (the twins run)",
+            )
         return Check(
             "metal kernels",
             "not applicable (no Metal GPU: the MLX twins run; the few-row quantized matmul's "
-            "body is checked in the tests' emulator only)",
+            f"body is checked in the tests' emulator only); {qmm.ROWS_LINE}: the check "
+            "needs a Mac",
         )
     metal_kernel.cached(conv.KERNEL, conv.self_check)
     metal_kernel.cached(selector.KERNEL, selector.self_check)
-    metal_kernel.cached(qmm.KERNEL, qmm.self_check)  # the verify's few-row quantized matmul
+    few_row = metal_kernel.cached(qmm.KERNEL, qmm.self_check)  # the verify's quantized matmul
     report = metal_kernel.report()
     ok = all(v == "ok" for v in report.values())
     text = ", ".join(f"{n} {v}" for n, v in report.items())
     if qmm_choice.CHOOSER.table:  # shapes timed against MLX's qmm in this process
         text += f"; few_row_qmm {qmm_choice.CHOOSER.report()}"
-    return Check("metal kernels", text, ok)
+    # a "no" fails nothing: the greedy claim is then "near ties may differ" (algorithm §4.2.1)
+    rows = qmm.rows_match(few_row) if few_row is not None else f"{qmm.ROWS_LINE}: not checked"
+    return Check("metal kernels", f"{text}; {rows}", ok)
 
 
 def parity() -> Check:

@@ -120,6 +120,37 @@ def self_check(kernel) -> str | None:
     return None
 
 
+# (K, N) of typical 4-bit projections (attention, MLP up, MLP down) for ``rows_match``
+ROW_SHAPES = ((4096, 4096), (4096, 12288), (12288, 4096))
+ROWS_LINE = "verify rows = plain rows"
+
+
+def rows_match(kernel, shapes=None, rows: int = 8) -> str:
+    """Whether a verify's rows equal plain decoding's bit for bit: on random 4-bit,
+    group-64, bf16 weights of each (K, N), ``kernel(x)[i]`` against MLX's one-row
+    ``quantized_matmul(x[i:i+1])`` (the plain step's qmv on Metal), every i.
+
+    Args:
+        kernel: object returned by ``metal_kernel.build(KERNEL, ...)``.
+        shapes: (K, N) pairs (default :data:`ROW_SHAPES`). rows: the verify's rows.
+
+    Returns:
+        "verify rows = plain rows: yes", or "...: no (max diff D)" for ``doctor``.
+    """
+    worst, same = 0.0, True
+    for j, (k, n) in enumerate(shapes or ROW_SHAPES):
+        kx, kw = mx.random.split(mx.random.key(101 + j))  # the process's state is left alone
+        x = mx.random.normal((rows, k), key=kx).astype(mx.bfloat16)
+        w, s, b = mx.quantize(mx.random.normal((n, k), key=kw), group_size=64, bits=4)
+        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+        got = qmm_kernel(kernel, x, w, s, b, 64, 4)
+        plain = mx.concatenate([qmm_ops(x[i : i + 1], w, s, b, 64, 4) for i in range(rows)])
+        same = same and bool(mx.array_equal(got, plain))
+        diff = mx.abs(got.astype(mx.float32) - plain.astype(mx.float32)).max()
+        worst = max(worst, float(diff.item()))
+    return f"{ROWS_LINE}: yes" if same else f"{ROWS_LINE}: no (max diff {worst:.3g})"
+
+
 def on_metal() -> bool:
     """Whether to wrap a target's projections at all: a Metal GPU is the default device (the
     dispatch still honours ``DFLASH_MLX_REFERENCE_KERNELS``)."""

@@ -7,6 +7,7 @@ Every emulated launch runs its threads forward and in reverse and raises on a di
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -276,3 +277,42 @@ def test_a_verify_head_takes_the_kernel_for_2_to_16_rows_and_mlx_for_one_row(
     assert widths.count(96) == 2
     assert mx.array_equal(adapter.embed(ids), embeds)  # token lookups are the inner's
     assert DraftHead(adapter, np.arange(10))._quant is not None  # it still sees the quantized head
+
+
+SMALL = ((256, 8), (128, 12))  # (K, N): the emulator is slow; doctor's shapes are larger
+ROWS = r"verify rows = plain rows: (yes|no \(max diff \S+\))"
+
+
+class _RowByRow:
+    """A stand-in kernel computing each row alone with MLX's one-row quantized matmul."""
+
+    def __call__(self, *, inputs, template, **kw):
+        x, w, s, b = inputs
+        t = dict(template)
+        one = [qmm.qmm_ops(x[i : i + 1], w, s, b, t["GS"], t["BITS"]) for i in range(len(x))]
+        return [mx.concatenate(one)]
+
+
+def test_rows_match_says_yes_for_rows_reduced_alone_and_no_for_a_broken_body():
+    assert qmm.rows_match(_RowByRow(), SMALL) == "verify rows = plain rows: yes"
+    # here MLX's CPU qmm is the plain row: the emulated body gets whichever answer is true
+    assert re.fullmatch(ROWS, qmm.rows_match(_emulated(), SMALL))
+    body = metal_kernel.source(qmm.KERNEL.name)
+    store = "static_cast<T>(part[base + (m * COLS + c) * LANES])"
+    assert store in body
+    broken = body.replace(store, "static_cast<T>(1.01f * part[base + (m * COLS + c) * LANES])")
+    line = qmm.rows_match(_emulated(broken), SMALL)
+    assert re.fullmatch(ROWS, line) and line.startswith("verify rows = plain rows: no")
+
+
+def test_doctor_says_whether_verify_rows_equal_plain_rows(fake_metal, monkeypatch):
+    from dflash_mlx import doctor
+
+    monkeypatch.setattr(qmm, "ROW_SHAPES", SMALL)
+    monkeypatch.setattr(metal_kernel, "factory", lambda **kw: _RowByRow())
+    line = doctor.metal_kernels().value
+    assert "few_row_qmm ok" in line and line.endswith("; verify rows = plain rows: yes")
+    monkeypatch.setattr(metal_kernel, "use_metal", lambda: False)
+    monkeypatch.setattr(doctor, "_is_mac", lambda: False)
+    line = doctor.metal_kernels().value
+    assert line.endswith("verify rows = plain rows: the check needs a Mac")
