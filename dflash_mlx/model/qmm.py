@@ -1,6 +1,7 @@
 """A verify's few-row quantized matmul on Metal: the twin (MLX's own ``quantized_matmul``),
-the kernel's launch (``metal/few_row_qmm.metal``), the dispatch between them, and the
-instance wrapper that routes a target's ``QuantizedLinear`` through it.
+the kernel's launch (``metal/few_row_qmm.metal``), the dispatch between them, the
+instance wrappers that route a target's ``QuantizedLinear`` and LM head through it, and
+doctor's check that a verify's rows equal plain decoding's (``rows_match``).
 
 MLX's quantized matmul costs far more for 8 rows than for 1 (docs/cli.md, roofline); the
 kernel reads each weight once for all 2..16 rows of a verify. It is used only on a Metal
