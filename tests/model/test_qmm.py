@@ -312,7 +312,14 @@ def test_doctor_says_whether_verify_rows_equal_plain_rows(fake_metal, monkeypatc
     monkeypatch.setattr(metal_kernel, "factory", lambda **kw: _RowByRow())
     line = doctor.metal_kernels().value
     assert "few_row_qmm ok" in line and line.endswith("; verify rows = plain rows: yes")
+    monkeypatch.setattr(qmm, "qmm_kernel", _raises)
+    line = doctor.metal_kernels().value
+    assert line.endswith("; verify rows = plain rows: not checked (RuntimeError: no launch)")
     monkeypatch.setattr(metal_kernel, "use_metal", lambda: False)
     monkeypatch.setattr(doctor, "_is_mac", lambda: False)
     line = doctor.metal_kernels().value
     assert line.endswith("verify rows = plain rows: the check needs a Mac")
+
+
+def _raises(*args):
+    raise RuntimeError("no launch")
