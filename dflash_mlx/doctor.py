@@ -160,21 +160,39 @@ def metal_kernels() -> Check:
 
     if not metal_kernel.use_metal():
         if _is_mac() and _metal_info():
-            return Check("metal kernels", f"off ({metal_kernel.REFERENCE_ENV}: the MLX twins)")
+            return Check(
+                "metal kernels",
+                f"off ({metal_kernel.REFERENCE_ENV}: the MLX twins); "
+                f"{qmm.ROWS_LINE}: not checked (the twins run)",
+            )
         return Check(
             "metal kernels",
             "not applicable (no Metal GPU: the MLX twins run; the few-row quantized matmul's "
-            "body is checked in the tests' emulator only)",
+            f"body is checked in the tests' emulator only); {qmm.ROWS_LINE}: the check "
+            "needs a Mac",
         )
     metal_kernel.cached(conv.KERNEL, conv.self_check)
     metal_kernel.cached(selector.KERNEL, selector.self_check)
-    metal_kernel.cached(qmm.KERNEL, qmm.self_check)  # the verify's few-row quantized matmul
+    few_row = metal_kernel.cached(qmm.KERNEL, qmm.self_check)  # the verify's quantized matmul
     report = metal_kernel.report()
     ok = all(v == "ok" for v in report.values())
     text = ", ".join(f"{n} {v}" for n, v in report.items())
     if qmm_choice.CHOOSER.table:  # shapes timed against MLX's qmm in this process
         text += f"; few_row_qmm {qmm_choice.CHOOSER.report()}"
-    return Check("metal kernels", text, ok)
+    return Check("metal kernels", f"{text}; {_rows_match(few_row)}", ok)
+
+
+def _rows_match(kernel) -> str:
+    """The few-row kernel's "verify rows = plain rows" finding; a "no" fails nothing (the
+    greedy claim is then "near ties may differ", docs/algorithm.md §4.2.1)."""
+    from .model import qmm
+
+    if kernel is None:
+        return f"{qmm.ROWS_LINE}: not checked (few_row_qmm failed)"
+    try:
+        return qmm.rows_match(kernel)
+    except Exception as e:  # noqa: BLE001 - a launch error must not hide the kernels' states
+        return f"{qmm.ROWS_LINE}: not checked ({_first_line(e)})"
 
 
 def parity() -> Check:

@@ -11,6 +11,7 @@ import numpy as np
 from mlx import nn
 
 from ..errors import DFlashError
+from . import qmm
 from .target import TargetAdapter, _text_model
 
 TENSOR = "draft_vocab"  # optional checkpoint tensor: sorted int32 target ids
@@ -113,7 +114,7 @@ class DraftHead:
         # Width of the target's own logits: proposals are scattered back to it.
         self.vocab = int(adapter.lm_head(mx.zeros((1, adapter.hidden_size))).shape[-1])
         head = getattr(_text_model(adapter.model), "lm_head", None)
-        head = adapter.inner.embed_tokens if head is None else head
+        head = qmm.unwrap(adapter.inner.embed_tokens if head is None else head)
         self._quant: dict | None = None
         self._weight: mx.array | None = None
         if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and "bias" not in head:

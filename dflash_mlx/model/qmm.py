@@ -1,6 +1,7 @@
 """A verify's few-row quantized matmul on Metal: the twin (MLX's own ``quantized_matmul``),
-the kernel's launch (``metal/few_row_qmm.metal``), the dispatch between them, and the
-instance wrapper that routes a target's ``QuantizedLinear`` through it.
+the kernel's launch (``metal/few_row_qmm.metal``), the dispatch between them, the
+instance wrappers that route a target's ``QuantizedLinear`` and LM head through it, and
+doctor's check that a verify's rows equal plain decoding's (``rows_match``).
 
 MLX's quantized matmul costs far more for 8 rows than for 1 (docs/cli.md, roofline); the
 kernel reads each weight once for all 2..16 rows of a verify. It is used only on a Metal
@@ -120,6 +121,37 @@ def self_check(kernel) -> str | None:
     return None
 
 
+# (K, N) of typical 4-bit projections (attention, MLP up, MLP down) for ``rows_match``
+ROW_SHAPES = ((4096, 4096), (4096, 12288), (12288, 4096))
+ROWS_LINE = "verify rows = plain rows"
+
+
+def rows_match(kernel, shapes=None, rows: int = 8) -> str:
+    """Whether a verify's rows equal plain decoding's bit for bit: on random 4-bit,
+    group-64, bf16 weights of each (K, N), ``kernel(x)[i]`` against MLX's one-row
+    ``quantized_matmul(x[i:i+1])`` (the plain step's qmv on Metal), every i.
+
+    Args:
+        kernel: object returned by ``metal_kernel.build(KERNEL, ...)``.
+        shapes: (K, N) pairs (default :data:`ROW_SHAPES`). rows: the verify's rows.
+
+    Returns:
+        "verify rows = plain rows: yes", or "...: no (max diff D)" for ``doctor``.
+    """
+    worst, same = 0.0, True
+    for j, (k, n) in enumerate(shapes or ROW_SHAPES):
+        kx, kw = mx.random.split(mx.random.key(101 + j))  # the process's state is left alone
+        x = mx.random.normal((rows, k), key=kx).astype(mx.bfloat16)
+        w, s, b = mx.quantize(mx.random.normal((n, k), key=kw), group_size=64, bits=4)
+        s, b = s.astype(mx.bfloat16), b.astype(mx.bfloat16)
+        got = qmm_kernel(kernel, x, w, s, b, 64, 4)
+        plain = mx.concatenate([qmm_ops(x[i : i + 1], w, s, b, 64, 4) for i in range(rows)])
+        same = same and bool(mx.array_equal(got, plain))
+        diff = mx.abs(got.astype(mx.float32) - plain.astype(mx.float32)).max()
+        worst = max(worst, float(diff.item()))
+    return f"{ROWS_LINE}: yes" if same else f"{ROWS_LINE}: no (max diff {worst:.3g})"
+
+
 def on_metal() -> bool:
     """Whether to wrap a target's projections at all: a Metal GPU is the default device (the
     dispatch still honours ``DFLASH_MLX_REFERENCE_KERNELS``)."""
@@ -153,17 +185,70 @@ class FewRowLinear(Wrapper):
         return y + q["bias"] if "bias" in q else y
 
 
+class FewRowEmbedding(Wrapper):
+    """A tied ``QuantizedEmbedding`` whose ``as_linear`` (the LM head) sends 2..16 rows
+    through :func:`qmm`; token lookups and other row counts are the inner's own.
+
+    Args:
+        inner: the mlx-lm ``nn.QuantizedEmbedding`` instance (left unchanged).
+    """
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        return self.inner(ids)
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        q = self.inner
+        if not 2 <= x.size // x.shape[-1] <= MAX_ROWS:
+            return q.as_linear(x)
+        return qmm(x, q["weight"], q["scales"], q["biases"], q.group_size, q.bits)
+
+
+def _affine(m) -> bool:
+    return (
+        getattr(m, "mode", "affine") == "affine"
+        and m.bits in BITS
+        and m.group_size in GROUPS
+        and m.get("biases") is not None
+    )
+
+
 def wrappable(m) -> bool:
     """An affine ``QuantizedLinear`` of 4 / 8 bits and group 32 / 64 / 128."""
     from mlx import nn
 
-    return (
-        isinstance(m, nn.QuantizedLinear)
-        and getattr(m, "mode", "affine") == "affine"
-        and m.bits in BITS
-        and m.group_size in GROUPS
-        and "biases" in m
-    )
+    return isinstance(m, nn.QuantizedLinear) and _affine(m)
+
+
+def wrap_head(text_model) -> int:
+    """Wrap the LM head of a model (instances only): its ``lm_head`` if it has one (as
+    :class:`FewRowLinear`), else its tied ``model.embed_tokens`` (as
+    :class:`FewRowEmbedding`), where affine-quantized.
+
+    Args:
+        text_model: the module holding ``lm_head`` / ``model.embed_tokens``.
+
+    Returns:
+        how many were wrapped (0 or 1).
+    """
+    from mlx import nn
+
+    head = getattr(text_model, "lm_head", None)
+    if head is not None:
+        if wrappable(head):
+            text_model.lm_head = FewRowLinear(head)
+            return 1
+        return 0
+    inner = text_model.model
+    emb = inner.embed_tokens
+    if isinstance(emb, nn.QuantizedEmbedding) and _affine(emb):
+        inner.embed_tokens = FewRowEmbedding(emb)
+        return 1
+    return 0
+
+
+def unwrap(m):
+    """The module a few-row wrapper holds (``m`` itself when not wrapped)."""
+    return m.inner if isinstance(m, (FewRowLinear, FewRowEmbedding)) else m
 
 
 def wrap_tree(root) -> int:

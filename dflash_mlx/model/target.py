@@ -22,7 +22,7 @@ from mlx_lm.models.cache import (
 from .. import ops
 from ..decoding import tree
 from ..errors import UnsupportedModelError
-from . import tape
+from . import qmm, tape
 from .wrapper import Wrapper as _Wrapper
 
 # Architectures whose attention takes positions from ``cache.offset`` and its mask from
@@ -189,6 +189,8 @@ class TargetAdapter:
             self.recorders.append(mixer)
         self.is_hybrid = any(r is not None for r in self.recorders)
         ops.prepare_target(layers)  # the CPU backend compiles the block-only modules
+        if qmm.on_metal():  # a verify's LM head takes the few-row kernel too
+            qmm.wrap_head(_text_model(model))
         self._tree: dict = {}  # this forward's: a tree's positions, the last-row head
         norm = getattr(inner, "norm", None)
         if isinstance(norm, (nn.RMSNorm, nn.LayerNorm)):  # row-wise: the last row alone

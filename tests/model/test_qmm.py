@@ -7,6 +7,7 @@ Every emulated launch runs its threads forward and in reverse and raises on a di
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -219,3 +220,106 @@ def test_mlx_keeps_the_shapes_where_it_is_faster(fake_metal, monkeypatch):
     assert qmm_choice.CHOOSER.table == {qmm_choice.shape_key(x, w, 64, 4): False}
     qmm.qmm(x, w, s, b, 64, 4)
     assert timed == ["kernel", "mlx"]  # timed once per shape
+
+
+def _quantized_target(tied: bool):
+    """A tiny qwen3 target, 4-bit group 32, its head a QuantizedLinear or (tied) the
+    QuantizedEmbedding's ``as_linear``."""
+    from mlx import nn
+    from mlx_lm.utils import _get_classes
+    from tiny_models import target_config
+
+    cfg = {**target_config("qwen3", 96, hidden=64, layers=2), "tie_word_embeddings": tied}
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(3)
+    model = model_cls(args_cls.from_dict(cfg))
+    nn.quantize(model, group_size=32, bits=4)
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_verify_head_takes_the_kernel_for_2_to_16_rows_and_mlx_for_one_row(
+    fake_metal, monkeypatch, tied
+):
+    from dflash_mlx.model.draft_vocab import DraftHead
+    from dflash_mlx.model.target import TargetAdapter
+
+    model = _quantized_target(tied)
+    monkeypatch.setattr(ops, "prepare_target", lambda layers: 0)  # the head alone
+    head = (lambda h: model.model.embed_tokens.as_linear(h)) if tied else model.lm_head
+    ids = mx.array([[5, 9, 2, 40, 7]])
+    h = mx.random.normal((1, 5, 64), key=mx.random.key(6))
+    want, want_one, want_logits = head(h), head(h[:, :1]), model(ids)
+    embeds = model.model.embed_tokens(ids)
+    TargetAdapter(model, [0])  # off Metal: nothing changes
+    assert type(model.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    assert tied or type(model.lm_head).__name__ == "QuantizedLinear"
+    widths = []
+    launch = qmm.qmm_kernel
+
+    def spy(kernel, x, w, *rest):
+        widths.append(w.shape[0])
+        return launch(kernel, x, w, *rest)
+
+    monkeypatch.setattr(qmm, "qmm_kernel", spy)
+    monkeypatch.setattr(qmm, "on_metal", lambda: True)
+    TargetAdapter(model, [0])
+    adapter = TargetAdapter(model, [0])  # a second adapter wraps nothing twice
+    wrapped = model.model.embed_tokens if tied else model.lm_head
+    assert isinstance(wrapped, qmm.FewRowEmbedding if tied else qmm.FewRowLinear)
+    assert type(wrapped.inner).__name__ in ("QuantizedEmbedding", "QuantizedLinear")
+    np.testing.assert_allclose(np.array(adapter.lm_head(h)), np.array(want), rtol=1e-4, atol=1e-4)
+    assert widths.count(96) == 1  # the 5-row head went through the kernel
+    assert mx.array_equal(adapter.lm_head(h[:, :1]), want_one)  # one row: MLX's own bits
+    assert widths.count(96) == 1
+    logits, _ = adapter(ids, adapter.make_cache())  # a verify forward: the model's own head
+    np.testing.assert_allclose(np.array(logits), np.array(want_logits), rtol=1e-4, atol=1e-4)
+    assert widths.count(96) == 2
+    assert mx.array_equal(adapter.embed(ids), embeds)  # token lookups are the inner's
+    assert DraftHead(adapter, np.arange(10))._quant is not None  # it still sees the quantized head
+
+
+SMALL = ((256, 8), (128, 12))  # (K, N): the emulator is slow; doctor's shapes are larger
+ROWS = r"verify rows = plain rows: (yes|no \(max diff \S+\))"
+
+
+class _RowByRow:
+    """A stand-in kernel computing each row alone with MLX's one-row quantized matmul."""
+
+    def __call__(self, *, inputs, template, **kw):
+        x, w, s, b = inputs
+        t = dict(template)
+        one = [qmm.qmm_ops(x[i : i + 1], w, s, b, t["GS"], t["BITS"]) for i in range(len(x))]
+        return [mx.concatenate(one)]
+
+
+def test_rows_match_says_yes_for_rows_reduced_alone_and_no_for_a_broken_body():
+    assert qmm.rows_match(_RowByRow(), SMALL) == "verify rows = plain rows: yes"
+    # here MLX's CPU qmm is the plain row: the emulated body gets whichever answer is true
+    assert re.fullmatch(ROWS, qmm.rows_match(_emulated(), SMALL))
+    body = metal_kernel.source(qmm.KERNEL.name)
+    store = "static_cast<T>(part[base + (m * COLS + c) * LANES])"
+    assert store in body
+    broken = body.replace(store, "static_cast<T>(1.01f * part[base + (m * COLS + c) * LANES])")
+    line = qmm.rows_match(_emulated(broken), SMALL)
+    assert re.fullmatch(ROWS, line) and line.startswith("verify rows = plain rows: no")
+
+
+def test_doctor_says_whether_verify_rows_equal_plain_rows(fake_metal, monkeypatch):
+    from dflash_mlx import doctor
+
+    monkeypatch.setattr(qmm, "ROW_SHAPES", SMALL)
+    monkeypatch.setattr(metal_kernel, "factory", lambda **kw: _RowByRow())
+    line = doctor.metal_kernels().value
+    assert "few_row_qmm ok" in line and line.endswith("; verify rows = plain rows: yes")
+    monkeypatch.setattr(qmm, "qmm_kernel", _raises)
+    line = doctor.metal_kernels().value
+    assert line.endswith("; verify rows = plain rows: not checked (RuntimeError: no launch)")
+    monkeypatch.setattr(metal_kernel, "use_metal", lambda: False)
+    monkeypatch.setattr(doctor, "_is_mac", lambda: False)
+    line = doctor.metal_kernels().value
+    assert line.endswith("verify rows = plain rows: the check needs a Mac")
+
+
+def _raises(*args):
+    raise RuntimeError("no launch")
