@@ -148,11 +148,14 @@ inline void run_group(std::vector<std::function<void()>>& threads, bool reverse)
     makecontext(&f.ctx, fiber_main, 0);
   }
   barrier_hook = fiber_yield_at_barrier;
+  simd_slots.assign(n, 0.0f);
   for (;;) {
     for (size_t j = 0; j < n; ++j) {
-      Fiber& f = fibers[reverse ? n - 1 - j : j];
+      const size_t i = reverse ? n - 1 - j : j;
+      Fiber& f = fibers[i];
       if (f.done) continue;
       running = &f;
+      current_thread = uint(i);  // threads are listed by their index in the threadgroup
       swapcontext(&scheduler_ctx, &f.ctx);
     }
     size_t done = 0;

@@ -7,7 +7,8 @@ constant T&`` for 0-d inputs, ``<name>_shape`` / ``_strides`` / ``_ndim`` and th
 attributes only when the source mentions them). The body is compiled against
 ``metal_shim.h`` and a generated driver runs it over the whole grid, threadgroup by
 threadgroup; the threads of a group are cooperative fibers and ``threadgroup_barrier``
-suspends each until the whole group has arrived. Every launch runs twice, with groups and
+suspends each until the whole group has arrived. ``simd_sum`` is modelled on those fibers in
+one documented order (``metal_shim.h``), our assumption of the hardware's. Every launch runs twice, with groups and
 threads (between barriers) in forward and in reverse order; differing results mean the body
 has a race (e.g. a missing barrier) and raise ``RaceDetected``.
 
@@ -52,7 +53,12 @@ _ATTRIBUTES = [  # the uint3 attributes the driver supplies
     "threadgroups_per_grid",
     "threads_per_grid",
 ]
-_INDEX_ATTRIBUTES = ["thread_index_in_threadgroup"]
+_INDEX_ATTRIBUTES = {  # uint attributes: name -> value from the thread's index (32 lanes)
+    "thread_index_in_threadgroup": "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup": "thread_index_in_threadgroup % 32",
+    "simdgroup_index_in_threadgroup": "thread_index_in_threadgroup / 32",
+}
+_MODELLED = re.compile(r"\b(simd_sum|thread_index_in_simdgroup|simdgroup_index_in_threadgroup)\b")
 _UNSUPPORTED = re.compile(r"simd_|simdgroup|quad_|atomic|texture")
 _CONSTANT_LIMIT = 8  # MLX passes inputs with fewer elements in the constant address space
 
@@ -94,8 +100,11 @@ class EmulatedKernel:
         compile_options=None,
         count_reads=(),
     ):
-        if atomic_outputs or _UNSUPPORTED.search(_strip_comments(source + header)):
-            raise NotImplementedError("SIMD-group, atomic and texture code is not emulated")
+        code = _MODELLED.sub("", _strip_comments(source + header))
+        if atomic_outputs or _UNSUPPORTED.search(code):
+            raise NotImplementedError(
+                "SIMD-group code other than simd_sum, atomics and textures are not emulated"
+            )
         self.name, self.source, self.header = name, source, header
         self.input_names, self.output_names = list(input_names), list(output_names)
         self.calls = 0  # launches, for dispatch accounting in tests and benchmarks
@@ -213,10 +222,10 @@ class EmulatedKernel:
             if attr in src:
                 params.append(f"uint3 {attr}")
                 args.append(attr)
-        for attr in _INDEX_ATTRIBUTES:
+        for attr, value in _INDEX_ATTRIBUTES.items():
             if attr in src:
                 params.append(f"uint {attr}")
-                args.append(attr)
+                args.append(value)
         saves = [f"  save(dir, {i}, out{i});" for i in range(len(output_shapes))]
         saves += [
             f'  if (!reverse) save_raw(dir + "/reads{i}.bin", reads{i});'

@@ -13,7 +13,9 @@
 //   * bfloat16_t / bfloat: float storage, round-to-nearest-even to bf16 on every store.
 //   * float16_t / half: the compiler's _Float16 (IEEE binary16, RNE conversions).
 //   * metal:: math on float (exp, max, min, fma, abs, ...).
-// Not modelled (the harness refuses kernels that use them): SIMD-group and quad-group
+//   * simd_sum(float) in uniform control flow (see below), and the SIMD lane / SIMD-group
+//     attributes: 32 lanes, lane = thread index in threadgroup % 32.
+// Not modelled (the harness refuses kernels that use them): other SIMD-group and quad-group
 // functions, atomics, textures.
 #pragma once
 
@@ -78,6 +80,9 @@ typedef _Float16 half;
 // threadgroup_barrier() hands control back to the driver's scheduler (see driver.h).
 namespace emu {
 inline void (*barrier_hook)() = nullptr;
+inline uint current_thread = 0;          // index in threadgroup of the running fiber
+inline std::vector<float> simd_slots;    // one per thread of the current threadgroup
+inline bool simd_sum_reversed = false;   // tests only: a deliberately reordered reduction
 }  // namespace emu
 
 namespace metal {
@@ -115,3 +120,31 @@ inline float exp(float x) { return std::exp(x); }
 }  // namespace metal
 
 using metal::threadgroup_barrier;
+
+// simd_sum: the 32 lanes' sum, which every lane receives. Our ASSUMPTION of the hardware's
+// order (Apple does not document it): a butterfly, for off = 16, 8, 4, 2, 1 lane l takes
+// v[l] + v[l ^ off] (commutative, so every lane ends with the same bits). Each thread
+// publishes its value in a slot, a barrier, each thread replays the butterfly over its
+// SIMD-group's 32 slots, a second barrier before the slots are reused. The barriers make it
+// stricter than Metal: every thread of the threadgroup must call it (uniform control flow).
+// emu::simd_sum_reversed (tests) runs off = 1, 2, 4, 8, 16 instead.
+namespace metal {
+inline float simd_sum(float v) {
+  const uint me = emu::current_thread;
+  emu::simd_slots[me] = v;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint first = me - me % 32;
+  const uint lanes = std::min<uint>(32, uint(emu::simd_slots.size()) - first);
+  float a[32] = {0.0f};
+  for (uint l = 0; l < lanes; ++l) a[l] = emu::simd_slots[first + l];
+  for (int r = 0; r < 5; ++r) {
+    const uint off = emu::simd_sum_reversed ? (1u << r) : (16u >> r);
+    float b[32];
+    for (uint l = 0; l < 32; ++l) b[l] = a[l] + a[l ^ off];
+    std::memcpy(a, b, sizeof(a));
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  return a[me % 32];
+}
+}  // namespace metal
+using metal::simd_sum;

@@ -381,4 +381,36 @@ def test_emulator_models_threadgroup_memory_and_barriers():
             output_dtypes=[mx.float32],
         )
     with pytest.raises(NotImplementedError):
-        EmulatedKernel("s", ["inp"], ["out"], "out[0] = simd_sum(inp[0]);")
+        EmulatedKernel("s", ["inp"], ["out"], "out[0] = simd_max(inp[0]);")
+
+
+def _butterfly(v: np.ndarray, offs) -> np.ndarray:
+    """Every lane's sum of 32 float32 lanes in the emulator's documented order."""
+    a = v.astype(np.float32)
+    for off in offs:
+        a = a + a[np.arange(32) ^ off]
+    return a
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C++ compiler to emulate Metal")
+def test_the_emulated_simd_sum_follows_its_documented_butterfly_in_both_thread_orders():
+    src = """
+    const uint i = thread_position_in_grid.x;
+    out[i] = simd_sum(inp[i]);
+    lanes[i] = float(thread_index_in_simdgroup + 100 * simdgroup_index_in_threadgroup);
+    """
+    rng = np.random.default_rng(3)  # magnitudes 1e-6 .. 1e6: the sum depends on its order
+    v = (rng.standard_normal(96) * 10.0 ** rng.uniform(-6, 6, 96)).astype(np.float32)
+    k = EmulatedKernel("simd", ["inp"], ["out", "lanes"], src)
+    out, lanes = k(  # forward and reverse thread orders agree, or RaceDetected
+        inputs=[mx.array(v)],
+        grid=(96, 1, 1),
+        threadgroup=(64, 1, 1),
+        output_shapes=[(96,), (96,)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    want = np.concatenate([_butterfly(v[i : i + 32], (16, 8, 4, 2, 1)) for i in (0, 32, 64)])
+    assert np.array_equal(np.array(out), want)  # 16, 8, 4, 2, 1: lane l + lane l ^ off
+    other = np.concatenate([_butterfly(v[i : i + 32], (1, 2, 4, 8, 16)) for i in (0, 32, 64)])
+    assert not np.array_equal(other, want)  # the data tell the orders apart
+    assert np.array_equal(np.array(lanes), [i % 32 + 100 * ((i % 64) // 32) for i in range(96)])
