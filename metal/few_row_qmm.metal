@@ -7,12 +7,13 @@
 //
 // Each thread reads its weight words, scales and biases once and multiplies them by all M
 // rows: one pass over the weights per call, whatever M (MLX's qmm re-reads per row tile).
-// Per row the arithmetic follows MLX's one-row kernel (qmv_fast in quantized.h): lanes take
-// 2 words (VPT values) at a time, x is pre-divided by 16^j so masked (unshifted) nibbles
-// multiply it, a chunk adds scale * accum + sum(x) * bias, and the 32 lanes' partials are
-// reduced in a fixed butterfly (lane l += lane l + off, off = 16, 8, 4, 2, 1). MLX calls
-// simd_sum there, whose order the hardware fixes; this tree is our documented assumption.
-// Differences kept on purpose: the four x's of a chunk are added in float (MLX: in T).
+// Per row the arithmetic is MLX's one-row kernel's (qmv_fast in mlx 0.32's quantized.h):
+// lanes take 2 words (VPT values) at a time, x is pre-divided by 16^j so masked (unshifted)
+// nibbles multiply it, its sum is taken in float as load_vector does (4 bits: the 4 values
+// of a half-word, then into the sum; 8 bits: one at a time), a chunk adds
+// scale * accum + sum * bias, and the 32 lanes' partials are reduced with simd_sum.
+// tests/metal_emu/qmv_one_row.metal is that one-row kernel; the emulator checks each row
+// equals it bit for bit under its assumed simd_sum order (metal_emu/metal_shim.h).
 // A row's result never depends on the other rows: row m of M rows = the same row alone.
 //
 // Inputs (row-contiguous): x [M, K] T; w [N, K * BITS / 32] uint32; scales, biases
@@ -27,15 +28,13 @@ constexpr int COLS = 4;                   // output columns per 32 lanes
 constexpr int LANES = 32;
 constexpr int PACK = 32 / BITS;           // values per uint32 word
 constexpr int VPT = 2 * PACK;             // values a lane takes at a time (2 words)
-threadgroup float part[2 * ROWS * COLS * LANES];
 
 const int M = x_shape[0];
 const int K = x_shape[1];
 const int N = w_shape[0];
 const int KW = w_shape[1];                // words per output column
 const int KG = scales_shape[1];           // groups per output column
-const uint lane = thread_position_in_threadgroup.x;
-const uint sg = thread_position_in_threadgroup.y;
+const uint lane = thread_position_in_threadgroup.x;  // = the SIMD lane: 32 wide groups
 const int col0 = int(thread_position_in_grid.y) * COLS;
 
 float acc[ROWS][COLS];
@@ -61,14 +60,21 @@ for (int k0 = int(lane) * VPT; k0 < K; k0 += LANES * VPT) {
     float xt[VPT];
     float sum = 0.0f;
     const size_t xi = size_t(m) * K + k0;
-    for (int i = 0; i < VPT; i += 4) {  // MLX's load_vector
-      const float x0 = float(x[xi + i]), x1 = float(x[xi + i + 1]);
-      const float x2 = float(x[xi + i + 2]), x3 = float(x[xi + i + 3]);
-      sum += x0 + x1 + x2 + x3;
-      xt[i] = x0;
-      xt[i + 1] = BITS == 4 ? x1 / 16.0f : x1;
-      xt[i + 2] = BITS == 4 ? x2 / 256.0f : x2;
-      xt[i + 3] = BITS == 4 ? x3 / 4096.0f : x3;
+    if (BITS == 4) {  // MLX's load_vector, its sums in float
+      for (int i = 0; i < VPT; i += 4) {
+        const float x0 = float(x[xi + i]), x1 = float(x[xi + i + 1]);
+        const float x2 = float(x[xi + i + 2]), x3 = float(x[xi + i + 3]);
+        sum += x0 + x1 + x2 + x3;
+        xt[i] = x0;
+        xt[i + 1] = x1 / 16.0f;
+        xt[i + 2] = x2 / 256.0f;
+        xt[i + 3] = x3 / 4096.0f;
+      }
+    } else {
+      for (int i = 0; i < VPT; ++i) {
+        xt[i] = float(x[xi + i]);
+        sum += xt[i];
+      }
     }
     for (int c = 0; c < COLS; ++c) {  // MLX's qdot
       float accum = 0.0f;
@@ -88,29 +94,11 @@ for (int k0 = int(lane) * VPT; k0 < K; k0 += LANES * VPT) {
     }
   }
 }
-const int base = int(sg) * ROWS * COLS * LANES;
-for (int m = 0; m < M; ++m) {
+for (int m = 0; m < M; ++m) {  // every lane calls simd_sum: uniform control flow
   for (int c = 0; c < COLS; ++c) {
-    part[base + (m * COLS + c) * LANES + int(lane)] = acc[m][c];
-  }
-}
-for (int off = LANES / 2; off > 0; off /= 2) {  // the fixed butterfly of the 32 lanes
-  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);
-  if (int(lane) < off) {
-    for (int m = 0; m < M; ++m) {
-      for (int c = 0; c < COLS; ++c) {
-        const int p = base + (m * COLS + c) * LANES + int(lane);
-        part[p] = part[p] + part[p + off];
-      }
-    }
-  }
-}
-if (lane == 0) {
-  for (int m = 0; m < M; ++m) {
-    for (int c = 0; c < COLS; ++c) {
-      if (col0 + c < N) {
-        out[size_t(m) * N + col0 + c] = static_cast<T>(part[base + (m * COLS + c) * LANES]);
-      }
+    const float total = metal::simd_sum(acc[m][c]);
+    if (lane == 0 && col0 + c < N) {
+      out[size_t(m) * N + col0 + c] = static_cast<T>(total);
     }
   }
 }

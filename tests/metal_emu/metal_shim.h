@@ -82,7 +82,7 @@ namespace emu {
 inline void (*barrier_hook)() = nullptr;
 inline uint current_thread = 0;          // index in threadgroup of the running fiber
 inline std::vector<float> simd_slots;    // one per thread of the current threadgroup
-inline bool simd_sum_reversed = false;   // tests only: a deliberately reordered reduction
+inline bool lane_sum_reversed = false;   // tests only: a deliberately reordered reduction
 }  // namespace emu
 
 namespace metal {
@@ -127,7 +127,7 @@ using metal::threadgroup_barrier;
 // publishes its value in a slot, a barrier, each thread replays the butterfly over its
 // SIMD-group's 32 slots, a second barrier before the slots are reused. The barriers make it
 // stricter than Metal: every thread of the threadgroup must call it (uniform control flow).
-// emu::simd_sum_reversed (tests) runs off = 1, 2, 4, 8, 16 instead.
+// emu::lane_sum_reversed (tests) runs off = 1, 2, 4, 8, 16 instead.
 namespace metal {
 inline float simd_sum(float v) {
   const uint me = emu::current_thread;
@@ -138,7 +138,7 @@ inline float simd_sum(float v) {
   float a[32] = {0.0f};
   for (uint l = 0; l < lanes; ++l) a[l] = emu::simd_slots[first + l];
   for (int r = 0; r < 5; ++r) {
-    const uint off = emu::simd_sum_reversed ? (1u << r) : (16u >> r);
+    const uint off = emu::lane_sum_reversed ? (1u << r) : (16u >> r);
     float b[32];
     for (uint l = 0; l < 32; ++l) b[l] = a[l] + a[l ^ off];
     std::memcpy(a, b, sizeof(a));

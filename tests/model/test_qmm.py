@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for metal_emu
@@ -28,13 +28,13 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C++ compiler to e
 EPS = {mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8, mx.float32: 2.0**-24}
 
 
-def _emulated(source: str | None = None, count=()):
-    """The kernel built with the emulator (optionally from another body)."""
+def _emulated(source: str | None = None, count=(), header: str = ""):
+    """The kernel built with the emulator (optionally from another body, or with a header)."""
 
     def factory(**kw):
         if source is not None:
             kw["source"] = source
-        return EmulatedKernel(**kw, count_reads=count)
+        return EmulatedKernel(**kw, header=header, count_reads=count)
 
     return metal_kernel.build(qmm.KERNEL, factory)
 
@@ -79,21 +79,71 @@ def test_the_emulated_kernel_equals_the_twin_within_the_dtypes_rounding(
     assert np.all(np.abs(got - want) <= 4 * eps * mag + eps * np.abs(want))
 
 
-def test_each_row_equals_that_row_alone_bit_for_bit_and_a_reordered_reduction_is_caught():
-    kernel = _emulated()
-    x, w, s, b = _case(7, 1024, 6, 4, 64, mx.float32, seed=5)
-    rows = qmm.qmm_kernel(kernel, x, w, s, b, 64, 4)
-    alone = [qmm.qmm_kernel(kernel, x[i : i + 1], w, s, b, 64, 4) for i in range(7)]
-    assert all(mx.array_equal(rows[i], alone[i][0]) for i in range(7))
-    body = metal_kernel.source(qmm.KERNEL.name)
-    butterfly = "for (int off = LANES / 2; off > 0; off /= 2)"
-    assert butterfly in body and "if (int(lane) < off)" in body
-    pairs = body.replace(butterfly, "for (int off = 1; off < LANES; off *= 2)").replace(
-        "if (int(lane) < off)", "if (int(lane) % (2 * off) == 0)"
-    )  # the same sum, adjacent lanes first
-    other = qmm.qmm_kernel(_emulated(pairs), x, w, s, b, 64, 4)
-    np.testing.assert_allclose(np.array(other), np.array(rows), rtol=1e-5, atol=1e-4)
-    assert not all(mx.array_equal(other[i], alone[i][0]) for i in range(7))
+ONE_ROW = Path(__file__).resolve().parents[1] / "metal_emu" / "qmv_one_row.metal"
+_ONE_ROW_KERNELS = {}
+
+
+def _one_row(x, w, s, b, gs, bits):
+    """Each row of x alone through the emulated one-row kernel (MLX's qmv_fast, our code)."""
+    if "k" not in _ONE_ROW_KERNELS:
+        _ONE_ROW_KERNELS["k"] = EmulatedKernel(
+            "qmv_one_row", list(qmm.KERNEL.inputs), ["out"], ONE_ROW.read_text()
+        )
+    N = w.shape[0]
+    rows = []
+    for i in range(x.shape[0]):
+        (out,) = _ONE_ROW_KERNELS["k"](
+            inputs=[x[i : i + 1], w, s, b],
+            template=[("T", x.dtype), ("BITS", bits), ("GS", gs)],
+            grid=(32, 2 * -(-N // 8), 1),
+            threadgroup=(32, 2, 1),
+            output_shapes=[(1, N)],
+            output_dtypes=[x.dtype],
+        )
+        rows.append(out)
+    return mx.concatenate(rows)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    M=st.integers(2, 16),
+    K=st.sampled_from([512, 1024]),  # MLX runs qmv_fast for K a multiple of 512
+    N=st.integers(1, 13),
+    bits=st.sampled_from([4, 8]),
+    gs=st.sampled_from([32, 64, 128]),
+    dtype=st.sampled_from([mx.float16, mx.bfloat16, mx.float32]),
+)
+@example(M=16, K=1024, N=13, bits=8, gs=128, dtype=mx.float32)  # float32: nothing rounds away
+@example(M=5, K=512, N=8, bits=4, gs=32, dtype=mx.float32)
+def test_each_row_of_the_kernel_equals_the_emulated_one_row_qmv_fast_bit_for_bit(
+    M, K, N, bits, gs, dtype
+):
+    x, w, s, b = _case(M, K, N, bits, gs, dtype, seed=M * 7 + N)
+    rows = qmm.qmm_kernel(_emulated(), x, w, s, b, gs, bits)
+    assert mx.array_equal(rows, _one_row(x, w, s, b, gs, bits))
+
+
+REVERSED = "static const bool reversed = (emu::lane_sum_reversed = true);"  # emulator hook
+SUM_8 = "        sum += xt[i];\n"
+
+
+@pytest.mark.parametrize("variant", ["simd_sum reversed", "8-bit x summed by fours"])
+def test_a_kernel_reordering_its_sums_differs_from_the_one_row_kernel(variant):
+    bits = 8 if "8-bit" in variant else 4
+    x, w, s, b = _case(6, 1024, 8, bits, 64, mx.float32, seed=5)  # float32: no rounding hides
+    body, header = metal_kernel.source(qmm.KERNEL.name), ""
+    if variant == "simd_sum reversed":
+        header = REVERSED
+    else:  # the old body's order: the four x's of a word added first, then into the sum
+        assert SUM_8 in body
+        body = body.replace(
+            SUM_8, "        sum += (i % 4 == 3) ? xt[i-3] + xt[i-2] + xt[i-1] + xt[i] : 0.0f;\n"
+        )
+    want = _one_row(x, w, s, b, 64, bits)
+    assert mx.array_equal(qmm.qmm_kernel(_emulated(), x, w, s, b, 64, bits), want)
+    other = qmm.qmm_kernel(_emulated(body, header=header), x, w, s, b, 64, bits)
+    np.testing.assert_allclose(np.array(other), np.array(want), rtol=1e-5, atol=1e-4)
+    assert not mx.array_equal(other, want)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -298,9 +348,9 @@ def test_rows_match_says_yes_for_rows_reduced_alone_and_no_for_a_broken_body():
     # here MLX's CPU qmm is the plain row: the emulated body gets whichever answer is true
     assert re.fullmatch(ROWS, qmm.rows_match(_emulated(), SMALL))
     body = metal_kernel.source(qmm.KERNEL.name)
-    store = "static_cast<T>(part[base + (m * COLS + c) * LANES])"
+    store = "static_cast<T>(total)"
     assert store in body
-    broken = body.replace(store, "static_cast<T>(1.01f * part[base + (m * COLS + c) * LANES])")
+    broken = body.replace(store, "static_cast<T>(1.01f * total)")
     line = qmm.rows_match(_emulated(broken), SMALL)
     assert re.fullmatch(ROWS, line) and line.startswith("verify rows = plain rows: no")
 
