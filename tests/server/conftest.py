@@ -10,21 +10,21 @@ import pytest
 @pytest.fixture
 def inproc(pairs):
     """Starts a server on the tiny qwen3 pair in this process, its worker in a thread;
-    yields ``go(serve=True, **make_server keywords) -> (server, port)`` (``serve=False``:
-    bound and listening, nothing accepted). Stops them all after the test."""
+    yields ``go(serve=True, worker=True, **make_server keywords) -> (server, port)``
+    (``serve=False``: bound and listening, nothing accepted; ``worker=False``: HTTP served,
+    no generation). Stops them all after the test."""
     from dflash_mlx.server.app import make_server
 
     model, tok = pairs("qwen3", "d2")
     running = []
 
-    def go(serve: bool = True, **kw):
+    def go(serve: bool = True, worker: bool = True, **kw):
         httpd = make_server(model, tok, "tiny", port=0, **kw)
         threads = []
         if serve:
-            threads = [
-                threading.Thread(target=httpd.serve_forever, daemon=True),
-                threading.Thread(target=httpd.engine.run, daemon=True),
-            ]
+            threads = [threading.Thread(target=httpd.serve_forever, daemon=True)]
+            if worker:
+                threads.append(threading.Thread(target=httpd.engine.run, daemon=True))
             for t in threads:
                 t.start()
         running.append((httpd, threads))

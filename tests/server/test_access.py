@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 
 import pytest
 
@@ -18,25 +17,11 @@ CHAT = "/v1/chat/completions"
 BODY = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
 
 
-@pytest.fixture(scope="module")
-def start(pairs):
+@pytest.fixture
+def start(inproc):
     """Starts an HTTP server on the tiny pair (the worker is not run: nothing refused here
-    may reach it); yields the function that starts one and returns its port."""
-    from dflash_mlx.server.app import make_server
-
-    model, tok = pairs("qwen3", "d2")
-    started = []
-
-    def go(**kw):
-        httpd = make_server(model, tok, "tiny", port=0, **kw)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        started.append(httpd)
-        return httpd.server_address[1]
-
-    yield go
-    for httpd in started:
-        httpd.shutdown()
-        httpd.server_close()
+    may reach it); returns the function that starts one and returns its port."""
+    return lambda **kw: inproc(worker=False, **kw)[1]
 
 
 def _send(port: int, method: str, path: str, headers: dict, body: bytes = b""):

@@ -150,28 +150,13 @@ def test_an_empty_stop_string_is_ignored_alone_or_in_a_list(served):
 
 
 @pytest.fixture
-def in_process(pairs, monkeypatch):
+def in_process(inproc, monkeypatch):
     """An HTTP server on a tiny pair in this process (no generation: the worker is not
-    run), its body timeout cut to half a second; yields a function that starts it."""
-    import threading
-
-    from dflash_mlx.server.app import make_server
+    run), its body timeout cut to half a second; returns a function that starts it."""
     from dflash_mlx.server.http import Handler
 
     monkeypatch.setattr(Handler, "body_timeout", 0.5)
-    model, tok = pairs("qwen3", "d2")
-    started = []
-
-    def start(**kw):
-        httpd = make_server(model, tok, "tiny", port=0, **kw)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        started.append(httpd)
-        return f"http://127.0.0.1:{httpd.server_address[1]}"
-
-    yield start
-    for httpd in started:
-        httpd.shutdown()
-        httpd.server_close()
+    return lambda **kw: f"http://127.0.0.1:{inproc(worker=False, **kw)[1]}"
 
 
 def test_a_body_shorter_than_its_content_length_is_a_prompt_408(in_process):
