@@ -58,11 +58,11 @@ def context_rows(model, cache: PromptCache, ids: list[int], continuation: list[i
             prompt. continuation: the target's tokens after it.
     """
     sizes = {c.size for c in cache.drafter}
-    if len(sizes) != 1 or len(ids) < 1:
+    if len(sizes) != 1:
         return None
     held = sizes.pop()
-    work = copied(cache)
-    _, feats = model.adapter(mx.array(ids[-1:] + continuation)[None], work.target)
+    target = copy.deepcopy(cache.target)  # the forward writes it; the drafter's is only read
+    _, feats = model.adapter(mx.array(ids[-1:] + continuation)[None], target)
     x_ctx = model.drafter.project_context(feats)  # [1, 1 + len(continuation), H]
     rows = []
     for layer, c in zip(model.drafter.layers, cache.drafter):

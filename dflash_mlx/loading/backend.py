@@ -1,5 +1,7 @@
-"""The backend a loaded pair runs on: the Linux CPU backend's twins, or on a Mac the
-few-row quantized matmul's per-shape choices stored per chip and MLX version."""
+"""Where a loaded pair gets its backend's accelerations: the Linux CPU backend's twins, or
+on a Mac the few-row quantized matmul's per-shape choices stored per chip and MLX version.
+The one place outside the package's ``__init__`` that reaches ``dflash_mlx.cpu``
+(tests/cpu/test_seam.py guards it)."""
 
 from __future__ import annotations
 
