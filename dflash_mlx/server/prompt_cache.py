@@ -29,13 +29,13 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ..decoding.state import PromptCache
 from ..errors import DFlashError
+from ..loading.memory import MAX_MEMORY_GB as MAX_GB  # one bound for every GB setting
 
 logger = logging.getLogger("dflash_mlx.server")
 
 GB = 10**9
 DEFAULT_SHARE = 0.25  # of the memory the budget leaves beside the pair's weights
 FALLBACK_BYTES = 2 * GB  # when the budget cannot be measured
-MAX_GB = 1e6  # a petabyte: past it the number is a typo (and 1e300 overflows)
 FORK_MIN = 256  # a branch cutting more cached tokens than this copies the shared prefix
 
 
