@@ -23,8 +23,11 @@ from .. import generation
 from ..decoding.prompt import context_length
 from ..errors import ContextLengthError, DFlashError
 from ..settings import GenerationConfig, ServerConfig
+from ..vision.images import ImageError, ImageLimits
 from .access import Access
+from .connection import body_limit
 from .http import Handler
+from .images import Gather, api_error, require_vision
 from .prompt_cache import GB, check_gb
 from .prompt_cache_disk import DiskTier
 from .schema import DEFAULTS, bad, now
@@ -77,6 +80,8 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.defaults = defaults or DEFAULTS
         self.config = (config or ServerConfig()).validate()
+        self.images = (self.config.image_limits or ImageLimits()).validate()
+        self.max_body = body_limit(self.images)
         self.access = Access(host, self.server_port, self.config.allow_origins)
         self.created = now()
         self.context = context_length(engine.model)
@@ -89,6 +94,14 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         self._tok_lock = threading.Lock()
         self.inflight = InFlight()  # requests being answered, waited for at a stop
 
+    def gather(self, param: str) -> Gather:
+        """A request's image collector under this server's limits and URL policy.
+
+        Args:
+            param: the request field holding the messages (OpenAI's error ``param``).
+        """
+        return Gather(self.images, self.config.allow_image_urls, param)
+
     def knows(self, name: str) -> bool:
         """Whether ``name`` is the served model (its name or its directory, any case)."""
         return name.lower() in self.names
@@ -97,6 +110,11 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         """Prompt ids: chat messages through the chat template, completions raw."""
         tok = self.engine.tokenizer
         field = "messages" if req.kind == "chat" else "prompt"
+        if req.images:  # a text-only model refuses images before any template sees them
+            try:
+                require_vision(self.engine.model)
+            except ImageError as e:
+                raise api_error(e, param=field) from None
         try:
             with self._tok_lock:
                 ids = generation.encode_prompt(

@@ -21,6 +21,8 @@ from .. import generation
 from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
+from ..vision.images import ImageError
+from .images import api_error
 from .prompt_cache import PromptPool, default_bytes
 from .schema import APIError, bad, shutting_down
 
@@ -30,13 +32,24 @@ logger = logging.getLogger("dflash_mlx.server")
 @dataclass
 class Job:
     """One queued generation. ``out`` receives ("data", GenerationResponse), ("error",
-    APIError) and finally ("end", None); ``cancel`` is set when the client goes away."""
+    APIError) and finally ("end", None); ``cancel`` is set when the client goes away.
+    ``images``: the prompt's pictures (``vision.images.Picture``), in reading order."""
 
     ids: list[int]
     gen: GenerationConfig
     processors: list = field(default_factory=list)  # e.g. a grammar (structured output)
     out: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    images: list = field(default_factory=list)
+
+    def extra(self) -> dict:
+        """The engine's keywords for the images (none without: today's text path)."""
+        return {"images": self.images} if self.images else {}
+
+    def cached(self) -> list[int]:
+        """The ids the prompt pool matches: none with images, whose placeholder ids say
+        nothing of the pixels (the engine keys image positions by the bytes' hash)."""
+        return [] if self.images else self.ids
 
 
 class Engine:
@@ -143,9 +156,9 @@ class Engine:
             job.out.put(("end", None))
             return
         self.running, self.current = True, job
-        cache = self.pool.take(job.ids)
+        cache = self.pool.take(job.cached())
         cache.interrupt = job.cancel  # a client gone mid-prefill stops it at a chunk
-        keep = True
+        keep = not job.images
         gen = generation.stream_generate(
             self.model,
             self.tokenizer,
@@ -153,6 +166,7 @@ class Engine:
             config=job.gen,
             prompt_cache=cache,
             logits_processors=job.processors,
+            **job.extra(),
         )
         try:
             for r in gen:
@@ -167,6 +181,8 @@ class Engine:
             logger.info("prefill cancelled (client gone or server stopping)")
             self.cancelled += 1
             job.out.put(("error", shutting_down()))
+        except ImageError as e:  # e.g. a model without vision: its 400 in the API's shape
+            job.out.put(("error", api_error(e)))
         except DFlashError as e:
             job.out.put(("error", bad(str(e))))
         except Exception as e:
@@ -205,7 +221,7 @@ class Engine:
                 for uid, r in results:
                     job = self.active.get(uid)
                     if uid in self.lent:  # its prefill is merged: the batch holds a copy
-                        self.pool.give(self.lent.pop(uid))
+                        self.pool.give(self.lent.pop(uid), not (job and job.images))
                     if job is not None:
                         job.out.put(("data", r))
                         if r.finish_reason:
@@ -237,13 +253,16 @@ class Engine:
                 self.cancelled += 1
                 job.out.put(("end", None))
                 continue
-            cache = self.pool.take(job.ids)
+            cache = self.pool.take(job.cached())
             try:
-                uid = gen.insert(job.ids, job.gen, cache=cache, processors=job.processors)
+                uid = gen.insert(
+                    job.ids, job.gen, cache=cache, processors=job.processors, **job.extra()
+                )
             except DFlashError as e:
-                self.pool.give(cache)
+                self.pool.give(cache, not job.images)
                 self.served += 1  # counted like a refused job of the one-at-a-time path
-                job.out.put(("error", bad(str(e))))
+                err = api_error(e) if isinstance(e, ImageError) else bad(str(e))
+                job.out.put(("error", err))
                 job.out.put(("end", None))
                 continue
             self.active[uid] = job
@@ -252,7 +271,7 @@ class Engine:
 
     def _end(self, uid: int, keep: bool = True) -> None:
         if uid in self.lent:  # left before its prefill ended: its chunks are consistent
-            self.pool.give(self.lent.pop(uid), keep)
+            self.pool.give(self.lent.pop(uid), keep and not self.active[uid].images)
         job = self.active.pop(uid)
         self.served += 1
         self.running = bool(self.active)

@@ -4,15 +4,13 @@ with its kind before anything large is decoded. Pillow only; no mlx-vlm needed."
 from __future__ import annotations
 
 import base64
-import io
-import struct
+import hashlib
 import time
-import zlib
 
 import pytest
 
 PIL = pytest.importorskip("PIL", reason="images need Pillow (pip install -e '.[vision]')")
-from PIL import Image
+from image_helpers import encoded, png_declaring
 
 from dflash_mlx.vision.images import (
     ImageError,
@@ -27,25 +25,6 @@ from dflash_mlx.vision.images import (
 )
 
 
-def encoded(fmt: str, size=(7, 5), mode="RGB", **kw) -> bytes:
-    im = Image.new(mode, size, (200, 30, 90) if mode == "RGB" else 1)
-    buf = io.BytesIO()
-    im.save(buf, format=fmt, **kw)
-    return buf.getvalue()
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A few dozen bytes of PNG whose header declares ``width`` x ``height`` (a bomb)."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    idat = zlib.compress(b"\0" * 64)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-
-
 def kind_of(fn, *args) -> tuple[str, str]:
     with pytest.raises(ImageError) as e:
         fn(*args)
@@ -56,9 +35,9 @@ def kind_of(fn, *args) -> tuple[str, str]:
 def test_each_supported_format_decodes_to_rgb_with_its_size_and_hash(fmt):
     data = encoded(fmt)
     pic = from_bytes(data)
-    assert (pic.format, pic.width, pic.height) == (fmt, 7, 5)
-    assert pic.pil().mode == "RGB" and pic.pil().size == (7, 5)
-    assert pic.sha256 == __import__("hashlib").sha256(data).hexdigest()
+    assert (pic.format, pic.width, pic.height) == (fmt, 8, 6)
+    assert pic.pil().mode == "RGB" and pic.pil().size == (8, 6)
+    assert pic.sha256 == hashlib.sha256(data).hexdigest()
 
 
 def test_a_palette_or_grey_image_is_converted_to_rgb():
