@@ -203,3 +203,39 @@ def read_stdin() -> str:
             f"stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
             "convert it first, e.g. iconv -f latin1 -t utf-8"
         ) from None
+
+
+def read_images(paths) -> list:
+    """The ``--image`` files, checked and decoded before the model loads.
+
+    Args:
+        paths: the files (None: no images).
+
+    Raises:
+        DFlashError: a file missing, not an image, too large or corrupt (``ImageError``).
+    """
+    if not paths:
+        return []
+    import re
+
+    from ..vision.images import ImageError, read_all
+
+    try:
+        return read_all(list(paths))
+    except ImageError as e:  # the limits' flags are the server's: not named here
+        raise ImageError(re.sub(r" \(--max-image[a-z-]* to change it\)", "", str(e)), e.kind)
+
+
+def require_vision(m) -> None:
+    """Refuse images for a text-only model (the server's check, ``server.images``)."""
+    from ..server.images import require_vision as check
+
+    check(m)
+
+
+def image_turn(text: str, system: str | None, n: int) -> list[dict]:
+    """The prompt of ``n`` images and ``text``: one user turn, the images first (the
+    engine's reading order), after the system prompt if any."""
+    parts = [{"type": "image"} for _ in range(n)] + [{"type": "text", "text": text}]
+    sys_msg = [{"role": "system", "content": system}] if system else []
+    return [*sys_msg, {"role": "user", "content": parts}]

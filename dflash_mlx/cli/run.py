@@ -17,6 +17,12 @@ from .thinking import NO_THINK, THINKING_BUDGET, Shown, check_budget, processors
 
 # the decoding options, with this command's defaults
 SETTINGS = decoding("run")
+IMAGE = typer.Option(
+    None,
+    "--image",
+    help="An image (PNG, JPEG, WebP, GIF) for a vision-language model; repeatable. "
+    "The images come first in the user turn, then the prompt.",
+)
 
 
 @expand()
@@ -38,19 +44,28 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the text: no stats, no notices."),
     no_think: bool = NO_THINK,
     thinking_budget: int | None = THINKING_BUDGET,
+    image: list[str] | None = IMAGE,
 ):
     """Generate a completion: stream the text to stdout, then stats to stderr. A thinking
     model's reasoning goes to stderr (dim; not with --quiet), its answer to stdout."""
     require_stdout("run")
     if system is not None and ignore_chat_template:
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")
+    if image and ignore_chat_template:
+        raise DFlashError("--image needs the chat template; drop --ignore-chat-template")
     budget = check_budget(thinking_budget)
     text = c.read_prompt(prompt, prompt_opt)
+    pictures = c.read_images(image)  # a bad file is refused before the model loads
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
     cfg = _across_ranks(m, cfg)
     kw = template_kwargs(False if no_think else None)
+    if pictures:
+        c.require_vision(m)
+        text, system = c.image_turn(text, system, len(pictures)), None
     ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
     opts = {"profile": verbose, "logits_processors": processors(tok, ids, budget)}
+    if pictures:
+        opts["images"] = pictures
     last, shown = _generate(m, tok, ids, cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
