@@ -223,7 +223,12 @@ class ChatSession(Conversation):
         if fitted is None:
             return
         full, ids = fitted
-        last, shown, answer_ids, stopped = self._stream(ids)
+        try:
+            last, shown, answer_ids, stopped = self._stream(ids)
+        except DFlashError as e:  # the engine refused (e.g. images past the context)
+            self.unsend()
+            self._error(str(e))
+            return
         pieces = shown.content
         if last is None:  # stopped before the first token: the message was never answered
             self.unsend()
@@ -283,10 +288,11 @@ class ChatSession(Conversation):
         last, stopped = None, False
         self.cache.interrupt.clear()
         procs = processors(self.tok, ids, self.budget)
-        images = self.images()
+        images = self.images()  # with images the engine takes the messages, not ids
+        prompt, extra = (self.messages(), {"images": images}) if images else (ids, {})
         gen = stream_generate(
-            self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache,
-            logits_processors=procs, **({"images": images} if images else {}),
+            self.model, self.tok, prompt, config=self.gen, prompt_cache=self.cache,
+            logits_processors=procs, **extra,
         )  # fmt: skip
         try:
             with StopFlag(on_first=self.cache.interrupt.set) as flag:

@@ -227,15 +227,9 @@ def read_images(paths) -> list:
 
 
 def require_vision(m) -> None:
-    """Refuse images for a text-only model (the server's check, ``server.images``)."""
-    from ..server.images import require_vision as check
+    """Refuse images for a text-only model at once (``chat``'s ``/image``), with the
+    engine's own refusal (``vision.request.no_vision``)."""
+    if not getattr(m.target, "vision_language", False):
+        from ..vision.request import no_vision
 
-    check(m)
-
-
-def image_turn(text: str, system: str | None, n: int) -> list[dict]:
-    """The prompt of ``n`` images and ``text``: one user turn, the images first (the
-    engine's reading order), after the system prompt if any."""
-    parts = [{"type": "image"} for _ in range(n)] + [{"type": "text", "text": text}]
-    sys_msg = [{"role": "system", "content": system}] if system else []
-    return [*sys_msg, {"role": "user", "content": parts}]
+        raise no_vision(m)

@@ -59,14 +59,18 @@ def run(
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
     cfg = _across_ranks(m, cfg)
     kw = template_kwargs(False if no_think else None)
-    if pictures:
-        c.require_vision(m)
-        text, system = c.image_turn(text, system, len(pictures)), None
-    ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
+    if pictures:  # the engine expands each image and refuses a text-only model
+        from ..generation import request_ids
+
+        ids, cfg, _ = request_ids(m, tok, text, cfg, system=system, images=pictures)
+        prompt = text
+    else:
+        ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
+        prompt = ids
     opts = {"profile": verbose, "logits_processors": processors(tok, ids, budget)}
     if pictures:
-        opts["images"] = pictures
-    last, shown = _generate(m, tok, ids, cfg, opts, as_json, quiet)
+        opts.update(images=pictures, system=system)
+    last, shown = _generate(m, tok, (prompt, ids), cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
     extra = None
@@ -107,14 +111,16 @@ def _out(text: str) -> None:
     sys.stdout.flush()
 
 
-def _generate(m, tok, prompt, cfg, opts: dict, as_json: bool, quiet: bool):
-    """Stream the completion, its answer to stdout and its reasoning to stderr (--json:
-    kept for the object; --quiet: no reasoning); (last response, the ``Shown`` answer)."""
+def _generate(m, tok, request: tuple, cfg, opts: dict, as_json: bool, quiet: bool):
+    """Stream the completion of ``request`` (the engine's prompt, its ids), its answer to
+    stdout and its reasoning to stderr (--json: kept for the object; --quiet: no
+    reasoning); (last response, the ``Shown`` answer)."""
     from ..generation import stream_generate
 
     last = None
     write = (lambda s: None) if as_json else _out
-    shown = Shown(tok, prompt, write, None if as_json or quiet else _dim)
+    prompt, ids = request
+    shown = Shown(tok, ids, write, None if as_json or quiet else _dim)
     try:
         for r in stream_generate(m, tok, prompt, config=cfg, **opts):
             last = r

@@ -27,7 +27,7 @@ from ..vision.images import ImageError, ImageLimits
 from .access import Access
 from .connection import body_limit
 from .http import Handler
-from .images import Gather, api_error, require_vision
+from .images import Gather, api_error
 from .prompt_cache import GB, check_gb
 from .prompt_cache_disk import DiskTier
 from .schema import DEFAULTS, bad, now
@@ -102,6 +102,18 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         """
         return Gather(self.images, self.config.allow_image_urls, param)
 
+    def _image_ids(self, req) -> list[int]:
+        """The ids of a prompt with images (each expanded to its rows by the engine's entry,
+        which refuses a text-only model); the prompt pool matches the job on ``req.keys``
+        (an image's rows by its hash)."""
+        model = self.engine.model
+        with model.lock:  # the tokenizer and processor are shared with the worker
+            ids, _, vision = generation.request_ids(
+                model, self.engine.tokenizer, req.prompt, req.gen, images=req.images
+            )
+        req.keys = vision.keys
+        return ids
+
     def knows(self, name: str) -> bool:
         """Whether ``name`` is the served model (its name or its directory, any case)."""
         return name.lower() in self.names
@@ -110,21 +122,21 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         """Prompt ids: chat messages through the chat template, completions raw."""
         tok = self.engine.tokenizer
         field = "messages" if req.kind == "chat" else "prompt"
-        if req.images:  # a text-only model refuses images before any template sees them
-            try:
-                require_vision(self.engine.model)
-            except ImageError as e:
-                raise api_error(e, param=field) from None
         try:
-            with self._tok_lock:
-                ids = generation.encode_prompt(
-                    tok,
-                    req.prompt,
-                    raw=req.kind == "completion",
-                    context=self.context,
-                    tools=req.template_tools,
-                    template_kwargs=getattr(req, "template_kwargs", None),
-                )
+            if req.images:
+                ids = self._image_ids(req)
+            else:
+                with self._tok_lock:
+                    ids = generation.encode_prompt(
+                        tok,
+                        req.prompt,
+                        raw=req.kind == "completion",
+                        context=self.context,
+                        tools=req.template_tools,
+                        template_kwargs=getattr(req, "template_kwargs", None),
+                    )
+        except ImageError as e:  # a text-only model (no_vision), parts that do not match
+            raise api_error(e, param=field) from None
         except ContextLengthError as e:
             raise bad(str(e), field, "context_length_exceeded") from None
         except DFlashError as e:

@@ -7,7 +7,8 @@ chat messages as ``{"type": "image"}`` parts: the i-th such part, in reading ord
 A ``data:`` URL (or Anthropic's base64 source) is always taken; an http(s) URL only with
 ``dflash serve --allow-image-urls``, fetched with a deadline, a byte cap enforced while
 reading, an ``image/*`` content type and at most ``MAX_REDIRECTS`` redirects, never another
-scheme. Every refusal is an ``APIError`` (each API puts it in its own shape): 413 for an image
+scheme. A text-only model's refusal (``no_vision``) is the engine's
+(``vision/request.py``). Every refusal is an ``APIError`` (each API puts it in its own shape): 413 for an image
 too large, 400 for the rest. No MLX; Pillow only when an image is sent.
 """
 
@@ -45,21 +46,6 @@ def api_error(e: ImageError, where: str | None = None, param: str | None = None)
     """
     msg = f"{where}: {e}" if where else str(e)
     return APIError(STATUS.get(e.kind, 400), msg, param, CODES.get(e.kind, "invalid_image"))
-
-
-def require_vision(model) -> None:
-    """Refuse images for a model without a vision tower (the server's one check).
-
-    Raises:
-        ImageError: kind ``no_vision``, naming the model and the fix.
-    """
-    if getattr(model, "vision", None) is None:
-        name = getattr(model, "name", None) or "the loaded model"
-        raise ImageError(
-            f"this model takes no images ({name}); load a vision-language model, e.g. a "
-            "Qwen3.5 VLM checkpoint with its DFlash 2 drafter (pip install -e '.[vision]')",
-            "no_vision",
-        )
 
 
 class Gather:

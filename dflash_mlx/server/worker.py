@@ -33,7 +33,9 @@ logger = logging.getLogger("dflash_mlx.server")
 class Job:
     """One queued generation. ``out`` receives ("data", GenerationResponse), ("error",
     APIError) and finally ("end", None); ``cancel`` is set when the client goes away.
-    ``images``: the prompt's pictures (``vision.images.Picture``), in reading order."""
+    With images: ``prompt`` (the chat messages, whose ``{"type": "image"}`` parts the
+    ``images`` fill in reading order) goes to the engine instead of ``ids``, and ``keys``
+    (``ids`` with each image's rows keyed by its hash) is what the prompt pool matches."""
 
     ids: list[int]
     gen: GenerationConfig
@@ -41,15 +43,17 @@ class Job:
     out: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
     images: list = field(default_factory=list)
+    prompt: list | None = None
+    keys: list | None = None
 
-    def extra(self) -> dict:
-        """The engine's keywords for the images (none without: today's text path)."""
-        return {"images": self.images} if self.images else {}
+    def request(self) -> tuple:
+        """(the engine's prompt, its image keywords): the ids alone without images, today's
+        text path."""
+        return (self.prompt, {"images": self.images}) if self.images else (self.ids, {})
 
     def cached(self) -> list[int]:
-        """The ids the prompt pool matches: none with images, whose placeholder ids say
-        nothing of the pixels (the engine keys image positions by the bytes' hash)."""
-        return [] if self.images else self.ids
+        """The ids the prompt pool matches (with images, their hash-keyed rows)."""
+        return self.keys if self.images and self.keys else self.ids
 
 
 class Engine:
@@ -158,15 +162,16 @@ class Engine:
         self.running, self.current = True, job
         cache = self.pool.take(job.cached())
         cache.interrupt = job.cancel  # a client gone mid-prefill stops it at a chunk
-        keep = not job.images
+        keep = True
+        prompt, extra = job.request()
         gen = generation.stream_generate(
             self.model,
             self.tokenizer,
-            job.ids,
+            prompt,
             config=job.gen,
             prompt_cache=cache,
             logits_processors=job.processors,
-            **job.extra(),
+            **extra,
         )
         try:
             for r in gen:
@@ -221,7 +226,7 @@ class Engine:
                 for uid, r in results:
                     job = self.active.get(uid)
                     if uid in self.lent:  # its prefill is merged: the batch holds a copy
-                        self.pool.give(self.lent.pop(uid), not (job and job.images))
+                        self.pool.give(self.lent.pop(uid))
                     if job is not None:
                         job.out.put(("data", r))
                         if r.finish_reason:
@@ -255,11 +260,10 @@ class Engine:
                 continue
             cache = self.pool.take(job.cached())
             try:
-                uid = gen.insert(
-                    job.ids, job.gen, cache=cache, processors=job.processors, **job.extra()
-                )
+                prompt, extra = job.request()
+                uid = gen.insert(prompt, job.gen, cache=cache, processors=job.processors, **extra)
             except DFlashError as e:
-                self.pool.give(cache, not job.images)
+                self.pool.give(cache)
                 self.served += 1  # counted like a refused job of the one-at-a-time path
                 err = api_error(e) if isinstance(e, ImageError) else bad(str(e))
                 job.out.put(("error", err))
@@ -271,7 +275,7 @@ class Engine:
 
     def _end(self, uid: int, keep: bool = True) -> None:
         if uid in self.lent:  # left before its prefill ended: its chunks are consistent
-            self.pool.give(self.lent.pop(uid), keep and not self.active[uid].images)
+            self.pool.give(self.lent.pop(uid), keep)
         job = self.active.pop(uid)
         self.served += 1
         self.running = bool(self.active)

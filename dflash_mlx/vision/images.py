@@ -247,5 +247,6 @@ def read_all(sources, limits: ImageLimits = ImageLimits()) -> list[Picture]:
     if isinstance(sources, (str, bytes, Path, Picture)):
         sources = [sources]
     sources = list(sources)
-    limits.count(len(sources))
+    if not all(isinstance(s, Picture) for s in sources):  # Pictures were checked when made
+        limits.count(len(sources))
     return [read(s, limits) for s in sources]
