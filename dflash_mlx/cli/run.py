@@ -59,17 +59,8 @@ def run(
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
     cfg = _across_ranks(m, cfg)
     kw = template_kwargs(False if no_think else None)
-    if pictures:  # the engine expands each image and refuses a text-only model
-        from ..generation import request_ids
-
-        ids, cfg, _ = request_ids(m, tok, text, cfg, system=system, images=pictures)
-        prompt = text
-    else:
-        ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
-        prompt = ids
-    opts = {"profile": verbose, "logits_processors": processors(tok, ids, budget)}
-    if pictures:
-        opts.update(images=pictures, system=system)
+    prompt, ids, cfg, opts = _request(m, tok, text, cfg, (system, pictures), ignore_chat_template, quiet, kw)  # fmt: skip
+    opts.update(profile=verbose, logits_processors=processors(tok, ids, budget))
     last, shown = _generate(m, tok, (prompt, ids), cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
@@ -88,6 +79,20 @@ def run(
         con = stderr_console()
         for line in stats_lines(s, last.timings if verbose else None, extra):
             con.print(line)
+
+
+def _request(m, tok, text: str, cfg, given: tuple, raw: bool, quiet: bool, kw):
+    """(the engine's prompt, its ids, the fitted settings, the engine's image keywords) of
+    the prompt ``text`` with ``given`` = (--system, the --image pictures). With images the
+    engine takes the text and expands each image (refusing a text-only model)."""
+    system, pictures = given
+    if not pictures:
+        ids, cfg = c.fit_prompt(m, tok, text, cfg, raw, system, quiet, kw)
+        return ids, ids, cfg, {}
+    from ..generation import request_ids
+
+    ids, cfg, _ = request_ids(m, tok, text, cfg, system=system, images=pictures)
+    return text, ids, cfg, {"images": pictures, "system": system}
 
 
 def _across_ranks(m, cfg: GenerationConfig) -> GenerationConfig:

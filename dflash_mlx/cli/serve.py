@@ -35,6 +35,15 @@ ALLOW_ORIGIN = typer.Option(
     help="Let web pages of this origin (scheme://host[:port], or '*') call the server; "
     "repeatable. Other pages' requests get 403.",
 )
+API_KEY = typer.Option(
+    None,
+    "--api-key",
+    help="Require 'Authorization: Bearer KEY' (also DFLASH_API_KEY).",
+    envvar="DFLASH_API_KEY",
+)
+MAX_BATCH = typer.Option(
+    8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
+)
 ALLOW_URLS = typer.Option(
     False,
     "--allow-image-urls",
@@ -57,16 +66,9 @@ def serve(
     src: ModelOptions = MODEL,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: a free one)."),
-    api_key: str | None = typer.Option(
-        None,
-        "--api-key",
-        help="Require 'Authorization: Bearer KEY' (also DFLASH_API_KEY).",
-        envvar="DFLASH_API_KEY",
-    ),
+    api_key: str | None = API_KEY,
     max_queue: int = typer.Option(16, "--max-queue", help="Waiting requests before 503."),
-    max_batch: int = typer.Option(
-        8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
-    ),
+    max_batch: int = MAX_BATCH,
     prompt_cache_gb: float | None = CACHE_GB,
     prompt_cache_dir: str | None = CACHE_DIR,
     allow_origin: list[str] | None = ALLOW_ORIGIN,
@@ -83,8 +85,8 @@ def serve(
     requests that do not set them."""
     check_server_options(port, api_key, max_queue, max_batch, prompt_cache_gb, prompt_cache_dir)
     images = ImageLimits(max_image_pixels, max_image_bytes, max_images).validate(flags=True)
-    origins = tuple(allow_origin or ())
-    config = ServerConfig(origins, shutdown_grace, allow_image_urls, images).validate(flags=True)
+    config = ServerConfig(tuple(allow_origin or ()), shutdown_grace, allow_image_urls, images)
+    config = config.validate(flags=True)
     if cfg.kv_bits is not None and max_batch > 1:
         raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
     from .. import server

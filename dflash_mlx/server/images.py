@@ -1,7 +1,8 @@
-"""Images in the server's requests (docs/server.md "Images"): OpenAI chat ``image_url`` parts,
-Anthropic ``image`` blocks and Responses ``input_image`` parts, each checked by
-``vision.images`` (size, format, pixels from the header) into a ``Picture``, and put in the
-chat messages as ``{"type": "image"}`` parts: the i-th such part, in reading order, is
+"""Images in the server's requests: OpenAI ``image_url`` parts, Anthropic ``image`` blocks and
+Responses ``input_image`` parts, checked into ``Picture``s and ``{"type": "image"}`` parts.
+
+Each is checked by ``vision.images`` (size, format, pixels from the header; docs/server.md
+"Images"); the i-th ``{"type": "image"}`` part of the messages, in reading order, is
 ``CompletionRequest.images[i]``.
 
 A ``data:`` URL (or Anthropic's base64 source) is always taken; an http(s) URL only with
