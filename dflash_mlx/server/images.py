@@ -188,7 +188,8 @@ def fetch(url: str, limits: ImageLimits) -> bytes:
     except ImageError:
         raise
     except urllib.error.HTTPError as e:
-        why = "too many redirects" if 300 <= e.code < 400 else f"HTTP {e.code}"
+        redirect = f"over {MAX_REDIRECTS} redirects, or one away from http(s)"  # urllib refuses
+        why = redirect if 300 <= e.code < 400 else f"HTTP {e.code}"
         raise ImageError(f"cannot fetch {url} ({why})") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", None) or e
