@@ -103,13 +103,13 @@ class Picture:
         return self.image
 
 
-def _format(data: bytes) -> str:
+def _format(data: bytes, name: str) -> str:
     for magic, fmt, _ in _MAGIC:
         if data.startswith(magic):
             return fmt
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WEBP"
-    raise ImageError(f"not a supported image (send {SUPPORTED})")
+    raise ImageError(f"{name} is not a supported image (send {SUPPORTED})")
 
 
 def from_bytes(data: bytes, limits: ImageLimits = ImageLimits(), name: str = "image") -> Picture:
@@ -130,7 +130,7 @@ def from_bytes(data: bytes, limits: ImageLimits = ImageLimits(), name: str = "im
             "(--max-image-bytes to change it)",
             "too_large",
         )
-    fmt = _format(data)
+    fmt = _format(data, name)
     from PIL import Image
 
     try:
