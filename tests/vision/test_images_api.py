@@ -158,3 +158,34 @@ def test_chat_image_goes_with_the_next_message(vlm, images, tmp_path):
     assert "attached to your next message" in out.getvalue()
     assert s.history[0] == turn() and len(s.images()) == 1
     assert s.history[1]["content"] == expected(vlm, [turn()], images[1:2])
+
+
+def test_a_responses_chain_keeps_its_image_and_streams(vlm, port, images):
+    openai = pytest.importorskip("openai")
+    oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    item = [{"type": "input_image", "image_url": data_url(images[0])}]
+    item.append({"type": "input_text", "text": "look"})
+    first = oa.responses.create(
+        model="tiny-vlm",
+        input=[{"role": "user", "content": item}],
+        max_output_tokens=N,
+        temperature=0,
+    )
+    deltas, done = [], None
+    stream = oa.responses.create(
+        model="tiny-vlm",
+        input="and now?",
+        previous_response_id=first.id,
+        max_output_tokens=N,
+        temperature=0,
+        stream=True,
+    )
+    for event in stream:
+        if event.type == "response.output_text.delta":
+            deltas.append(event.delta)
+        elif event.type in ("response.completed", "response.incomplete"):  # N tokens: incomplete
+            done = event.response
+    msgs = [turn("look"), {"role": "assistant", "content": first.output_text}]
+    msgs.append({"role": "user", "content": "and now?"})
+    assert "".join(deltas) == done.output_text == expected(vlm, msgs, images[:1])
+    assert done.usage.input_tokens_details.cached_tokens >= 10  # the first turn's image rows
