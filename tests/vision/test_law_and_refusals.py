@@ -97,3 +97,11 @@ def test_a_vlm_without_mlx_vlm_says_what_to_install(tiny_vlm_dir):
     assert r.stdout.strip() == (
         "error: this is a vision-language model; pip install 'dflash-mlx[vision]'"
     ), r.stderr[-2000:]
+
+
+def test_kv_bits_on_a_vlm_is_refused_not_ignored(tiny_vlm_dir, images):
+    from dflash_mlx.errors import DFlashError
+
+    model, tok = load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]))
+    with pytest.raises(DFlashError, match="kv_bits is not supported on a vision-language"):
+        generate(model, tok, "hi", images=[images[0]], kv_bits=8, max_tokens=2)
