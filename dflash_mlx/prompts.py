@@ -118,6 +118,11 @@ def request_ids(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCo
             (kind ``no_vision``), a bad image, image parts that do not match the images.
     """
     images = kw.pop("images", None)
+    if cfg.kv_bits is not None and getattr(model.target, "vision_language", False):
+        # mlx-vlm's caches are not mlx-lm's: mlx-lm's conversion would not quantize them
+        raise DFlashError(
+            "kv_bits is not supported on a vision-language model yet; leave kv_bits unset"
+        )
     if images is not None and not isinstance(images, (str, bytes)) and not len(images):
         images = None
     if images is not None:

@@ -114,20 +114,20 @@ def _vision(target, text: str, pictures):
     language model's ``get_rope_index`` for the mRoPE positions)."""
     from .prompt import VisionPrompt
 
-    proc = target.processor
-    out = proc(images=[p.pil() for p in pictures], text=[text])
-    ids = out["input_ids"]
-    lm = target.language_model
     cfg = target.vlm.config
-    pos, delta = lm.get_rope_index(ids, out["image_grid_thw"], None, out.get("attention_mask"))
-    merge = target.vlm.config.vision_config.spatial_merge_size
-    return VisionPrompt(
-        ids[0].tolist(),
-        cfg.image_token_index,
-        out["pixel_values"],
-        out["image_grid_thw"],
-        [p.sha256 for p in pictures],
-        pos,
-        delta.reshape(-1)[0].item(),
-        merge,
-    )
+    try:
+        out = target.processor(images=[p.pil() for p in pictures], text=[text])
+        ids, grid = out["input_ids"], out["image_grid_thw"]
+        pos, delta = target.language_model.get_rope_index(ids, grid, None, out["attention_mask"])
+        return VisionPrompt(
+            ids[0].tolist(),
+            cfg.image_token_index,
+            out["pixel_values"],
+            grid,
+            [p.sha256 for p in pictures],
+            pos,
+            delta.reshape(-1)[0].item(),
+            cfg.vision_config.spatial_merge_size,
+        )
+    except ValueError as e:  # e.g. the text itself spells an image token
+        raise ImageError(f"the images do not fit the prompt's image places ({e})") from None
