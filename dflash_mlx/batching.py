@@ -27,7 +27,7 @@ from .generation import (
     Prompt,
     _TextStream,
     eos_ids,
-    fit_prompt,
+    request_ids,
     respond,
     sampling_params,
     stream_generate,
@@ -101,7 +101,8 @@ class BatchGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = inputs.check_count(max_batch, "max_batch")
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
-        self.hybrid = model.adapter.is_hybrid
+        # a vision-language target's caches carry its request's images: one at a time too
+        self.hybrid = model.adapter.is_hybrid or getattr(model.target, "vision_language", False)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
         self.chooser = BlockChooser(model.block_size)
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
@@ -119,6 +120,7 @@ class BatchGenerator:
         raw: bool = False,
         system: str | None = None,
         processors: Sequence = (),
+        images: Sequence | None = None,
         **settings,
     ) -> int:
         """Queue a request; return its uid.
@@ -129,6 +131,8 @@ class BatchGenerator:
                 ``dflash_mlx.decoding.grammar``), applied after the config's at every block row.
             cache: a prompt cache whose prefix the prefill may reuse (it is copied into the
                 batch, then left holding this prompt).
+            images: as for ``stream_generate`` (a vision-language target decodes its
+                requests one at a time, as a hybrid does).
 
         Raises:
             DFlashError: as ``stream_generate`` (bad settings, a prompt of another type or
@@ -137,7 +141,8 @@ class BatchGenerator:
         prompt, system, _ = inputs.check_request(prompt, system, cache, 1, self.model)
         cfg = inputs.settings_config(config, settings).validate(self.model.block_size)
         with self.model.lock:  # the tokenizer is shared with other threads
-            ids, cfg = fit_prompt(self.model, self.tokenizer, prompt, cfg, raw=raw, system=system)
+            kw = {"raw": raw, "system": system, "images": images}
+            ids, cfg, vision = request_ids(self.model, self.tokenizer, prompt, cfg, **kw)
         if not self.hybrid:
             check_kv(cfg.kv_bits)
         uid = next(self._uids)
@@ -145,10 +150,11 @@ class BatchGenerator:
             self.solo[uid] = stream_generate(
                 self.model,
                 self.tokenizer,
-                ids,
+                ids if vision is None else prompt,
                 config=cfg,
                 prompt_cache=cache,
                 logits_processors=list(processors),
+                **({} if vision is None else kw),
             )
             return uid
         block = None if cfg.block_size == AUTO else (cfg.block_size or self.model.block_size)

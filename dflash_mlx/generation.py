@@ -7,7 +7,7 @@ detokenized text for stop strings, and keep the statistics each response carries
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors
@@ -16,25 +16,16 @@ from . import inputs
 from .decoding.acceptance import SamplingParams
 from .decoding.loop import DecodeOptions, decode
 from .decoding.prompt import (
-    chat_ids,
-    check_fits,
-    check_prompt,
-    context_length,
     end_of_turn_ids,
-    has_chat_template,
-    room,
     template_errors,  # noqa: F401  (the server and chat read it here)
-    with_default_stops,
 )
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import Cycle
 from .decoding.warmup import ensure as ensure_tuning
-from .errors import DFlashError
 from .loading import memory
+from .prompts import Prompt, encode_prompt, fit_prompt, request_ids  # noqa: F401 (re-exported)
 from .settings import AUTO, GenerationConfig
-
-Prompt = str | Sequence[int] | Sequence[dict[str, str]]
 
 
 @dataclass
@@ -77,85 +68,6 @@ class GenerationResponse:
     siblings: int = 0
     schedule: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-
-
-def encode_prompt(
-    tokenizer,
-    prompt: Prompt,
-    raw: bool = False,
-    system: str | None = None,
-    context: int | None = None,
-    tools: list | None = None,
-    template_kwargs: dict | None = None,
-):
-    """Turn a prompt into ids: a str gets the chat template unless raw, messages always
-    do, token ids are used as-is. A tokenizer without a template gets the default chat
-    format (``prompt.chat_ids``) for messages and for a str with a system message; a bare
-    str is then encoded as-is (a completion).
-
-    Args:
-        tokenizer: mlx-lm TokenizerWrapper. prompt: str, list of ids or list of messages.
-        raw: skip the chat template for a str. system: optional system message.
-        context: the model's context length; a prompt that does not fit is refused (text
-            far too long before it is tokenized). tools: the chat template's ``tools``.
-        template_kwargs: more chat template variables (e.g. ``{"enable_thinking": False}``).
-
-    Raises:
-        DFlashError: an empty prompt, text that is not valid UTF-8.
-        ContextLengthError: a prompt longer than the context.
-    """
-    check_prompt(tokenizer, prompt, system, context)
-    if isinstance(prompt, str):
-        if raw or not (has_chat_template(tokenizer) or system):
-            bos = getattr(tokenizer, "bos_token", None)
-            special = bos is None or not prompt.startswith(bos)
-            ids = tokenizer.encode(prompt, add_special_tokens=special)
-        else:
-            msgs = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}
-            ]
-            ids = chat_ids(tokenizer, msgs, template_kwargs=template_kwargs)
-    elif len(prompt) and isinstance(prompt[0], dict):
-        ids = chat_ids(tokenizer, list(prompt), tools, template_kwargs)
-    else:
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise DFlashError(
-                "a prompt is a str, a list of token ids or a list of {role, content} messages"
-            ) from None
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    if not ids:
-        raise DFlashError("the prompt is empty; give at least one token of text")
-    check_fits(len(ids), context)
-    return list(ids)
-
-
-def fit_prompt(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationConfig, **kw):
-    """(ids, cfg): the prompt encoded and checked against the model's context and
-    vocabulary, with ``max_tokens`` clamped to the room the context leaves.
-
-    Args:
-        model, tokenizer: from ``load``. prompt: as for ``stream_generate``. cfg: validated
-            settings. kw: ``raw`` and ``system`` for ``encode_prompt``.
-
-    Raises:
-        DFlashError: as ``encode_prompt``; token ids outside the vocabulary.
-    """
-    inputs.check_tokenizer(model, tokenizer)
-    ctx = context_length(model)
-    ids = encode_prompt(tokenizer, prompt, context=ctx, **kw)
-    vocab = model.adapter.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab] + [
-        t for t in cfg.logit_bias or {} if not 0 <= t < vocab
-    ]
-    if bad:
-        raise DFlashError(f"token id {bad[0]} is outside this model's vocabulary [0, {vocab})")
-    chat = not isinstance(prompt, str) and len(prompt) and isinstance(prompt[0], dict)
-    if chat or (isinstance(prompt, str) and kw.get("system") and not kw.get("raw")):
-        cfg = replace(cfg, stop=with_default_stops(cfg.stop, tokenizer))
-    return ids, replace(cfg, max_tokens=room(len(ids), cfg.max_tokens, ctx))
 
 
 def sampling_params(cfg: GenerationConfig, extra: Sequence = ()) -> SamplingParams:
@@ -294,6 +206,7 @@ def stream_generate(
     raw: bool = False,
     system: str | None = None,
     prompt_cache: PromptCache | None = None,
+    images: Sequence | None = None,
     profile: bool = False,
     prefill_step_size: int = 2048,
     logits_processors: Sequence | None = None,
@@ -307,6 +220,9 @@ def stream_generate(
         config: decoding settings (default ``GenerationConfig()``).
         raw: skip the chat template for a str. system: system message for a str prompt.
         prompt_cache: reuse across calls (``model.make_cache()``).
+        images: images for a vision-language model (``vision.images.Picture``, bytes, a
+            path or a ``data:`` URL each): the i-th ``{"type": "image"}`` part of the
+            messages, in reading order, is images[i]; a str prompt puts them first.
         profile: time each stage of the cycle into ``timings``.
         prefill_step_size: prompt tokens per target forward. logits_processors: more
             ``(tokens, logits) -> logits`` processors, e.g. a ``grammar.GrammarProcessor``.
@@ -321,11 +237,14 @@ def stream_generate(
         DFlashError: a bad setting or input type (``inputs.py``), an empty prompt, text
             that is not valid UTF-8, ids outside the vocabulary, a prompt longer than the
             context (``ContextLengthError``; ``max_tokens`` is clamped to the room left).
+        ImageError: images sent to a text-only model (kind ``no_vision``), a bad image.
     """
     prompt, system, step = inputs.check_request(prompt, system, prompt_cache, prefill_step_size)
     cfg = inputs.settings_config(config, settings).validate(model.block_size)
     with model.lock:  # the tokenizer and the pair's tuning are shared with other threads
-        ids, cfg = fit_prompt(model, tokenizer, prompt, cfg, raw=raw, system=system)
+        ids, cfg, vision = request_ids(
+            model, tokenizer, prompt, cfg, raw=raw, system=system, images=images
+        )
         params = sampling_params(cfg, logits_processors or ())
         sched = _scheduler(model, cfg, params, len(ids)) if cfg.block_size == AUTO else None
     block_size = model.block_size if cfg.block_size in (None, AUTO) else cfg.block_size
@@ -333,13 +252,19 @@ def stream_generate(
     stats = RequestStats(len(ids), block_size)
     eos = eos_ids(tokenizer)
     cache = inputs.own_cache(model, prompt_cache)
-    opts = {"profile": profile, "prefill_step_size": step, "policy": sched}
+    opts = {"profile": profile, "prefill_step_size": step, "policy": sched, "vision": vision}
     cycles = _decode(model, ids, cache, params, cfg, block_size, **opts)
+    yield from _responses(model, cycles, sched, stats, (text, eos, cfg.max_tokens))
+
+
+def _responses(model, cycles, sched, stats: RequestStats, out: tuple):
+    """The responses of a request's decode loop, up to its last; ``out``: (the text
+    stream, the EOS ids, max_tokens). The loop is closed however the stream ends."""
     try:
         while (cyc := model.step(cycles)) is not None:  # other threads' steps may interleave
             if sched is not None:
                 stats.notes = sched.notes
-            r = respond(stats, text, cyc, eos, cfg.max_tokens)
+            r = respond(stats, out[0], cyc, out[1], out[2])
             yield r
             if r.finish_reason:
                 return
@@ -358,7 +283,7 @@ def _finish(model, cycles, sched) -> None:
 
 def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, **opts):
     """The decode loop of one request, seeded from its settings; peak memory counts from
-    here. opts: ``DecodeOptions``' profile, prefill_step_size and policy."""
+    here. opts: ``DecodeOptions``' profile, prefill_step_size, policy and vision."""
     key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()
     run = DecodeOptions(

@@ -93,9 +93,26 @@ def check_messages(messages, what: str = "prompt") -> list[dict]:
         if content is None and "tool_calls" not in m:
             raise DFlashError(f"{at} has no 'content'; give each message its text as a str")
         if content is not None and not isinstance(content, str):
-            raise DFlashError(f"{at}['content'] is {_got(content)}; a message's content is a str")
+            _check_parts(content, at)
         out.append(dict(m))
     return out
+
+
+def _check_parts(content, at: str) -> None:
+    """A message's content given as a list of parts: ``{"type": "text", "text": str}`` and
+    ``{"type": "image"}`` (its image is passed in ``images``)."""
+    if not isinstance(content, list):
+        raise DFlashError(
+            f"{at}['content'] is {_got(content)}; a message's content is a str or a list of parts"
+        )
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, Mapping) else None
+        if kind == "image" or (kind == "text" and isinstance(p.get("text"), str)):
+            continue
+        raise DFlashError(
+            f"{at}['content'][{j}] is {_got(p)}; a part is {{'type': 'text', 'text': str}} "
+            "or {'type': 'image'}"
+        )
 
 
 def check_prompts(prompts) -> list:

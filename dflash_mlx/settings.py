@@ -11,7 +11,7 @@ No MLX here: the command line imports this module before anything heavy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from numbers import Integral, Real
 
 from .errors import DFlashError
@@ -343,29 +343,30 @@ MAX_SHUTDOWN_GRACE = 3600.0  # an hour; a timer's wait overflows far past it
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Who may call ``dflash serve`` from a web page, and how it stops.
+    """Who may call ``dflash serve`` from a web page, how it stops, what images it takes.
 
     Attributes:
         allow_origins: web origins (``scheme://host[:port]``, or "*" for any page) whose
             pages may call the server from a browser; requests from other origins get a 403.
         shutdown_grace: seconds (0 .. 3600) in-flight requests get to finish after SIGTERM or
             Ctrl-C before the rest are ended with a 503 or their stream's error event.
+        allow_image_urls: fetch http(s) image URLs (off: ``data:`` URLs and base64 only).
+            image_limits: a ``vision.images.ImageLimits`` (None: its defaults).
     """
 
     allow_origins: tuple[str, ...] = ()
     shutdown_grace: float = SHUTDOWN_GRACE
+    allow_image_urls: bool = False
+    image_limits: object = None
 
     def validate(self, *, flags: bool = False) -> ServerConfig:
-        """Check both settings; return a copy with the origins normalized (lower case, no
-        trailing '/'). Args: flags: name settings by their command-line flags in messages.
-
-        Raises:
-            SettingError: one line naming the setting, the bad value and the fix.
-        """
+        """Check the grace and origins; return a copy with the origins normalized (lower case,
+        no trailing '/'). Args: flags: name settings by their flags in messages. Raises:
+        SettingError: one line naming the setting, the bad value and the fix."""
         g = self.shutdown_grace
-        try:
+        try:  # an integer beyond any float overflows
             ok = not isinstance(g, bool) and isinstance(g, Real) and 0 <= g <= MAX_SHUTDOWN_GRACE
-        except OverflowError:  # an integer beyond any float
+        except OverflowError:
             ok = False
         if not ok:
             raise SettingError(
@@ -375,7 +376,8 @@ class ServerConfig:
                 "shutdown_grace",
             )
         name = "--allow-origin" if flags else "allow_origins"
-        return ServerConfig(tuple(_origin(o, name) for o in self.allow_origins), float(g))
+        origins = tuple(_origin(o, name) for o in self.allow_origins)
+        return replace(self, allow_origins=origins, shutdown_grace=float(g))
 
 
 def _origin(text, name: str) -> str:

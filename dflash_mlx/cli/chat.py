@@ -33,6 +33,7 @@ HELP = """commands:
   /system <text>   set the system prompt and start over (/system alone clears it)
   /stats           statistics of the last answer and the session
   /think [on|off]  thinking models: reason before answering or not (alone: switch)
+  /image <path>    attach an image (PNG, JPEG, WebP, GIF) to your next message
   /exit            leave (also Ctrl-D)
 a line ending in \\ continues on the next line; pasted multi-line text is one message.
 Ctrl-C stops the current answer."""
@@ -77,7 +78,9 @@ class ChatSession(Conversation):
         self.stdin = stdin or sys.stdin
         self.out = stdout or sys.stdout
         self.con = Console(file=self.out, highlight=False, soft_wrap=True)
-        self.history: list[dict[str, str]] = []
+        self.history: list[dict] = []
+        self.pending: list = []  # pictures /image attached to the next message
+        self.pictures: dict[int, list] = {}  # id(history message) -> its pictures
         self.cache = model.make_cache()
         # Token-exact transcript (template text and ids through the last answer), so the
         # next turn appends to exactly what the cache holds, as mlx-lm's chat does.
@@ -135,7 +138,7 @@ class ChatSession(Conversation):
 
     # -- commands
     def reset(self) -> None:
-        self.history = []
+        self.history, self.pictures, self.pending = [], {}, []
         self.cache = self.model.make_cache()
         self.prev_text, self.prev_ids = None, []
 
@@ -179,6 +182,8 @@ class ChatSession(Conversation):
             self.con.print(self.stats_text(), markup=False)
         elif cmd == "/think":
             self._think(arg.strip().lower())
+        elif cmd == "/image":
+            self._image(arg.strip())
         else:
             self.con.print(f"unknown command {cmd}; /help lists the commands", markup=False)
         return True
@@ -208,20 +213,25 @@ class ChatSession(Conversation):
         except DFlashError as e:
             self._error(str(e))
             return
-        self.history.append({"role": "user", "content": text})
+        self.history.append(self.user_turn(text))
         try:
             fitted = self._fit()
         except DFlashError as e:  # a prompt the checks refuse drops the message, not the session
-            self.history.pop()
+            self.unsend()
             self._error(str(e))
             return
         if fitted is None:
             return
         full, ids = fitted
-        last, shown, answer_ids, stopped = self._stream(ids)
+        try:
+            last, shown, answer_ids, stopped = self._stream(ids)
+        except DFlashError as e:  # the engine refused (e.g. images past the context)
+            self.unsend()
+            self._error(str(e))
+            return
         pieces = shown.content
         if last is None:  # stopped before the first token: the message was never answered
-            self.history.pop()
+            self.unsend()
             self.con.print(
                 "[yellow]\\[stopped][/yellow] [dim]before the answer began; the message was "
                 "dropped and the session continues[/dim]"
@@ -278,9 +288,11 @@ class ChatSession(Conversation):
         last, stopped = None, False
         self.cache.interrupt.clear()
         procs = processors(self.tok, ids, self.budget)
+        images = self.images()  # with images the engine takes the messages, not ids
+        prompt, extra = (self.messages(), {"images": images}) if images else (ids, {})
         gen = stream_generate(
-            self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache,
-            logits_processors=procs,
+            self.model, self.tok, prompt, config=self.gen, prompt_cache=self.cache,
+            logits_processors=procs, **extra,
         )  # fmt: skip
         try:
             with StopFlag(on_first=self.cache.interrupt.set) as flag:

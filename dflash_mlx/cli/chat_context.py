@@ -7,8 +7,8 @@ from __future__ import annotations
 
 class Conversation:
     """The prompt side of ``chat.ChatSession`` (a mixin: it reads the session's ``tok``,
-    ``system``, ``history``, ``context``, ``gen``, ``think``, ``prev_text`` / ``prev_ids``
-    and writes through ``con`` and ``_error``)."""
+    ``system``, ``history``, ``context``, ``gen``, ``think``, ``prev_text`` / ``prev_ids``,
+    ``pending`` / ``pictures`` (images) and writes through ``con`` and ``_error``)."""
 
     def prompt_ids(self) -> tuple:
         """(template text, ids) of the whole conversation so far, ready for an answer.
@@ -33,6 +33,45 @@ class Conversation:
             tail = self.tok.encode(full[len(self.prev_text) :], add_special_tokens=False)
             return full, self.prev_ids + list(tail)
         return full, encode_prompt(self.tok, msgs, template_kwargs=kw)
+
+    def user_turn(self, text: str) -> dict:
+        """The next user message: the images ``/image`` attached first, then ``text``."""
+        if not self.pending:
+            return {"role": "user", "content": text}
+        parts = [{"type": "image"} for _ in self.pending] + [{"type": "text", "text": text}]
+        msg = {"role": "user", "content": parts}
+        self.pictures[id(msg)] = (msg, self.pending)  # held: its id stays its own
+        self.pending = []
+        return msg
+
+    def images(self) -> list:
+        """The pictures of the conversation's messages, in reading order."""
+        return [p for m in self.history for p in self.pictures.get(id(m), (None, []))[1]]
+
+    def unsend(self) -> None:
+        """Drop the last user message; its pictures go back to the next one."""
+        msg = self.history.pop()
+        self.pending = list(self.pictures.pop(id(msg), (None, []))[1]) + self.pending
+
+    def _image(self, path: str) -> None:
+        """/image PATH: check the file and attach it to the next message."""
+        from ..errors import DFlashError
+        from .common import read_images, require_vision
+
+        if not path:
+            self.con.print("usage: /image PATH (attaches it to your next message)", markup=False)
+            return
+        try:
+            pic = read_images([path])[0]
+            require_vision(self.model)
+        except DFlashError as e:  # the session goes on without it
+            self._error(str(e))
+            return
+        self.pending.append(pic)
+        self.con.print(
+            f"[dim]image {pic.width}x{pic.height} {pic.format} attached to your next "
+            f"message ({len(self.pending)} waiting)[/dim]"
+        )
 
     def messages(self) -> list[dict[str, str]]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []

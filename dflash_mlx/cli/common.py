@@ -203,3 +203,33 @@ def read_stdin() -> str:
             f"stdin is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}); "
             "convert it first, e.g. iconv -f latin1 -t utf-8"
         ) from None
+
+
+def read_images(paths) -> list:
+    """The ``--image`` files, checked and decoded before the model loads.
+
+    Args:
+        paths: the files (None: no images).
+
+    Raises:
+        DFlashError: a file missing, not an image, too large or corrupt (``ImageError``).
+    """
+    if not paths:
+        return []
+    import re
+
+    from ..vision.images import ImageError, read_all
+
+    try:
+        return read_all(list(paths))
+    except ImageError as e:  # the limits' flags are the server's: not named here
+        raise ImageError(re.sub(r" \(--max-image[a-z-]* to change it\)", "", str(e)), e.kind)
+
+
+def require_vision(m) -> None:
+    """Refuse images for a text-only model at once (``chat``'s ``/image``), with the
+    engine's own refusal (``vision.request.no_vision``)."""
+    if not getattr(m.target, "vision_language", False):
+        from ..vision.request import no_vision
+
+        raise no_vision(m)

@@ -17,6 +17,12 @@ from .thinking import NO_THINK, THINKING_BUDGET, Shown, check_budget, processors
 
 # the decoding options, with this command's defaults
 SETTINGS = decoding("run")
+IMAGE = typer.Option(
+    None,
+    "--image",
+    help="An image (PNG, JPEG, WebP, GIF) for a vision-language model; repeatable. "
+    "The images come first in the user turn, then the prompt.",
+)
 
 
 @expand()
@@ -38,20 +44,24 @@ def run(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the text: no stats, no notices."),
     no_think: bool = NO_THINK,
     thinking_budget: int | None = THINKING_BUDGET,
+    image: list[str] | None = IMAGE,
 ):
     """Generate a completion: stream the text to stdout, then stats to stderr. A thinking
     model's reasoning goes to stderr (dim; not with --quiet), its answer to stdout."""
     require_stdout("run")
     if system is not None and ignore_chat_template:
         raise DFlashError("--system needs the chat template; drop --ignore-chat-template")
+    if image and ignore_chat_template:
+        raise DFlashError("--image needs the chat template; drop --ignore-chat-template")
     budget = check_budget(thinking_budget)
     text = c.read_prompt(prompt, prompt_opt)
+    pictures = c.read_images(image)  # a bad file is refused before the model loads
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
     cfg = _across_ranks(m, cfg)
     kw = template_kwargs(False if no_think else None)
-    ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
-    opts = {"profile": verbose, "logits_processors": processors(tok, ids, budget)}
-    last, shown = _generate(m, tok, ids, cfg, opts, as_json, quiet)
+    prompt, ids, cfg, opts = _request(m, tok, text, cfg, (system, pictures), ignore_chat_template, quiet, kw)  # fmt: skip
+    opts.update(profile=verbose, logits_processors=processors(tok, ids, budget))
+    last, shown = _generate(m, tok, (prompt, ids), cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
     extra = None
@@ -69,6 +79,20 @@ def run(
         con = stderr_console()
         for line in stats_lines(s, last.timings if verbose else None, extra):
             con.print(line)
+
+
+def _request(m, tok, text: str, cfg, given: tuple, raw: bool, quiet: bool, kw):
+    """(the engine's prompt, its ids, the fitted settings, the engine's image keywords) of
+    the prompt ``text`` with ``given`` = (--system, the --image pictures). With images the
+    engine takes the text and expands each image (refusing a text-only model)."""
+    system, pictures = given
+    if not pictures:
+        ids, cfg = c.fit_prompt(m, tok, text, cfg, raw, system, quiet, kw)
+        return ids, ids, cfg, {}
+    from ..generation import request_ids
+
+    ids, cfg, _ = request_ids(m, tok, text, cfg, system=system, images=pictures)
+    return text, ids, cfg, {"images": pictures, "system": system}
 
 
 def _across_ranks(m, cfg: GenerationConfig) -> GenerationConfig:
@@ -92,14 +116,16 @@ def _out(text: str) -> None:
     sys.stdout.flush()
 
 
-def _generate(m, tok, prompt, cfg, opts: dict, as_json: bool, quiet: bool):
-    """Stream the completion, its answer to stdout and its reasoning to stderr (--json:
-    kept for the object; --quiet: no reasoning); (last response, the ``Shown`` answer)."""
+def _generate(m, tok, request: tuple, cfg, opts: dict, as_json: bool, quiet: bool):
+    """Stream the completion of ``request`` (the engine's prompt, its ids), its answer to
+    stdout and its reasoning to stderr (--json: kept for the object; --quiet: no
+    reasoning); (last response, the ``Shown`` answer)."""
     from ..generation import stream_generate
 
     last = None
     write = (lambda s: None) if as_json else _out
-    shown = Shown(tok, prompt, write, None if as_json or quiet else _dim)
+    prompt, ids = request
+    shown = Shown(tok, ids, write, None if as_json or quiet else _dim)
     try:
         for r in stream_generate(m, tok, prompt, config=cfg, **opts):
             last = r

@@ -8,6 +8,10 @@ import typer
 
 from ..errors import DFlashError
 from ..settings import SHUTDOWN_GRACE, GenerationConfig, ServerConfig
+from ..vision.images import MAX_BYTES as MAX_IMAGE_BYTES
+from ..vision.images import MAX_IMAGES as MAX_IMAGE_COUNT
+from ..vision.images import MAX_PIXELS as MAX_IMAGE_PIXELS
+from ..vision.images import ImageLimits
 from . import common as c
 from .options import MODEL, ModelOptions, decoding, expand
 
@@ -31,6 +35,25 @@ ALLOW_ORIGIN = typer.Option(
     help="Let web pages of this origin (scheme://host[:port], or '*') call the server; "
     "repeatable. Other pages' requests get 403.",
 )
+API_KEY = typer.Option(
+    None,
+    "--api-key",
+    help="Require 'Authorization: Bearer KEY' (also DFLASH_API_KEY).",
+    envvar="DFLASH_API_KEY",
+)
+MAX_BATCH = typer.Option(
+    8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
+)
+ALLOW_URLS = typer.Option(
+    False,
+    "--allow-image-urls",
+    help="Fetch http(s) image URLs that requests send (off: data: URLs and base64 only).",
+)
+MAX_PIXELS = typer.Option(
+    MAX_IMAGE_PIXELS, "--max-image-pixels", help="Width x height of one image, at most."
+)
+MAX_BYTES = typer.Option(MAX_IMAGE_BYTES, "--max-image-bytes", help="Bytes of one image file.")
+MAX_IMAGES = typer.Option(MAX_IMAGE_COUNT, "--max-images", help="Images in one request.")
 SHUTDOWN = typer.Option(
     SHUTDOWN_GRACE,
     "--shutdown-grace",
@@ -43,20 +66,17 @@ def serve(
     src: ModelOptions = MODEL,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
     port: int = typer.Option(8080, "--port", help="Port to listen on (0: a free one)."),
-    api_key: str | None = typer.Option(
-        None,
-        "--api-key",
-        help="Require 'Authorization: Bearer KEY' (also DFLASH_API_KEY).",
-        envvar="DFLASH_API_KEY",
-    ),
+    api_key: str | None = API_KEY,
     max_queue: int = typer.Option(16, "--max-queue", help="Waiting requests before 503."),
-    max_batch: int = typer.Option(
-        8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
-    ),
+    max_batch: int = MAX_BATCH,
     prompt_cache_gb: float | None = CACHE_GB,
     prompt_cache_dir: str | None = CACHE_DIR,
     allow_origin: list[str] | None = ALLOW_ORIGIN,
     shutdown_grace: float = SHUTDOWN,
+    allow_image_urls: bool = ALLOW_URLS,
+    max_image_pixels: int = MAX_PIXELS,
+    max_image_bytes: int = MAX_BYTES,
+    max_images: int = MAX_IMAGES,
     cfg: GenerationConfig = SETTINGS,
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Print the loaded paths."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No download notices."),
@@ -64,7 +84,9 @@ def serve(
     """Serve the OpenAI and Anthropic APIs; the decoding options are the defaults of
     requests that do not set them."""
     check_server_options(port, api_key, max_queue, max_batch, prompt_cache_gb, prompt_cache_dir)
-    config = ServerConfig(tuple(allow_origin or ()), shutdown_grace).validate(flags=True)
+    images = ImageLimits(max_image_pixels, max_image_bytes, max_images).validate(flags=True)
+    config = ServerConfig(tuple(allow_origin or ()), shutdown_grace, allow_image_urls, images)
+    config = config.validate(flags=True)
     if cfg.kv_bits is not None and max_batch > 1:
         raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
     from .. import server

@@ -37,6 +37,7 @@ class DecodeOptions:
         kv: (kv_bits, kv_group_size, quantized_kv_start): quantize the target's attention
             caches where mlx-lm's ``generate_step`` would (``state.convert_at``); None: off.
         profile: time each stage of a cycle (adds syncs).
+        vision: the prompt's images (``vision/prompt.py``), or None.
     """
 
     max_tokens: int
@@ -49,6 +50,7 @@ class DecodeOptions:
     prefill_step_size: int = 2048
     profile: bool = False
     kv: tuple[int, int, int] | None = None
+    vision: object | None = None
 
 
 def decode(
@@ -68,7 +70,8 @@ def decode(
     policy = opts.policy or FixedBlock(opts.block_size or model.block_size)
     policy.tree = opts.tree and not params.processors and model.adapter.can_tree(cache.target)
     with mx.stream(generation_stream()):
-        first, key = prefill(model, prompt, cache, params, key, opts.prefill_step_size, opts.kv)
+        step = opts.prefill_step_size
+        first, key = prefill(model, prompt, cache, params, key, step, opts.kv, opts.vision)
         yield first
         history = list(prompt) + first.tokens
         index = Lookup(history) if opts.lookup else None

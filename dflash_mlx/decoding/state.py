@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.cache import ArraysCache, QuantizedKVCache
+from mlx_lm.models.cache import QuantizedKVCache
 
 from ..errors import DFlashError
 from ..model.drafter import ContextCache, DFlashDrafter, embed_block
-from ..model.target import TargetAdapter
+from ..model.target import TargetAdapter, recurrent
 
 _thread = threading.local()
 
@@ -250,7 +250,7 @@ class PromptCache:
 
     def trimmable(self) -> bool:
         """Whether every target layer can drop cached tokens (no recurrent state)."""
-        return all(not isinstance(c, ArraysCache) and c.is_trimmable() for c in self.target)
+        return all(not recurrent(c) and c.is_trimmable() for c in self.target)
 
     def usable(self, prompt: list[int]) -> int:
         """How many prompt tokens ``reuse`` would keep, changing nothing (a pool of caches
@@ -267,7 +267,7 @@ class PromptCache:
         ck = self.checkpoint
         if ck is None or ck[0] > n:
             return 0
-        ok = all(isinstance(c, ArraysCache) or c.is_trimmable() for c in self.target)
+        ok = all(recurrent(c) or c.is_trimmable() for c in self.target)
         return ck[0] if ok else 0
 
     @property

@@ -94,6 +94,7 @@ def prefill(
     key: mx.array,
     step_size: int = 2048,
     kv: tuple[int, int, int] | None = None,
+    vision=None,
 ) -> tuple[Cycle, mx.array]:
     """Run the uncached part of the prompt through the target, feed its features to the
     drafter's context, and choose the first token.
@@ -107,16 +108,17 @@ def prefill(
             a prefix of prompt. params: target sampling. key: PRNG key. step_size: the
             most tokens per target forward. kv: (bits, group size, quantized_kv_start) to
             quantize the target's attention caches as mlx-lm would with this step_size.
+            vision: the prompt's images (``vision/prompt.py``): the cache matches on its
+            keys (an image's rows by its hash) and the target merges its features.
 
     Returns:
-        (the Cycle holding the first token, the key to continue with).
-
-    Raises:
-        Interrupted: ``cache.interrupt`` was set; the caches keep the chunks already run.
+        (the Cycle holding the first token, the key to continue with). Raises
+        ``Interrupted`` when ``cache.interrupt`` was set (the chunks run are kept).
     """
-    adapter, drafter = model.adapter, model.drafter
+    adapter, drafter, keys = model.adapter, model.drafter, getattr(vision, "keys", prompt)
     cache.set_kv(model, kv, len(prompt), step_size)
-    start = done = cache.reuse(model, prompt)
+    start = done = cache.reuse(model, keys)
+    adapter.prepare(cache.target, vision)
     step = prefill_chunk(step_size)
     clock = _Clock(True)
     while done < len(prompt):
@@ -128,7 +130,7 @@ def prefill(
         drafter.append_context(feats, cache.drafter)
         cache.quantize()
         mx.eval(cache.state, feats, *([logits[:, -1]] if end == len(prompt) else []))
-        cache.tokens = list(prompt[:end])
+        cache.tokens = list(keys[:end])
         cache.busy = False
         done = end
     if adapter.is_hybrid:

@@ -268,6 +268,10 @@ def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None)
             "fix it or re-download the model"
         ) from None
     check_target_config(params, path / "config.json")
+    from ..vision import loader as vision
+
+    if vision.is_vlm(params):  # mlx-vlm's model, imported only now
+        return vision.load_vlm(path, params, tokenizer_config)
     try:
         return mlx_load(str(path), tokenizer_config=tokenizer_config or {})
     except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:

@@ -47,6 +47,22 @@ SUPPORTED = {
 }
 
 
+# The caches of recurrent layers: mlx-lm's, and mlx-vlm's once a vision-language target is
+# loaded (``vision/loader.py``); a snapshot copies them, a rollback replays into them.
+_RECURRENT: list[type] = [ArraysCache]
+
+
+def add_recurrent(cls: type) -> None:
+    """Treat caches of ``cls`` as recurrent layers' (another library's ``ArraysCache``)."""
+    if cls not in _RECURRENT:
+        _RECURRENT.append(cls)
+
+
+def recurrent(c) -> bool:
+    """Whether ``c`` is a recurrent layer's cache (a list of states, not trimmable)."""
+    return isinstance(c, tuple(_RECURRENT))
+
+
 class _Tap(_Wrapper):
     """Wraps one decoder layer; records its output while a capture is active."""
 
@@ -254,8 +270,18 @@ class TargetAdapter:
         Sliding-window layers get a plain KVCache (the model's windowed mask keeps the
         attention identical): a rotating buffer cannot take back a rejected suffix.
         """
-        caches = make_prompt_cache(self.model)
-        return [KVCache() if isinstance(c, RotatingKVCache) and c.keep == 0 else c for c in caches]
+        caches = make_prompt_cache(self.model)  # a list, or a list subclass of the model's
+        caches[:] = [
+            KVCache() if isinstance(c, RotatingKVCache) and c.keep == 0 else c for c in caches
+        ]
+        return caches
+
+    def prepare(self, cache: list, vision) -> None:
+        """Tell the target which request's prompt the next forwards run: its images
+        (``vision/prompt.py``), or None; only a vision-language target needs to know."""
+        hook = getattr(self.model, "prepare", None)
+        if hook is not None:
+            hook(cache, vision)
 
     def __call__(
         self, ids: mx.array, cache: list, chain: int | None = None, last: bool = False
@@ -320,7 +346,7 @@ class TargetAdapter:
         """
         if arm and self.is_hybrid:
             self._armed["on"] = True
-        return [list(c.cache) if isinstance(c, ArraysCache) else None for c in cache]
+        return [list(c.cache) if recurrent(c) else None for c in cache]
 
     def rollback(self, cache: list, fed: int, keep: int, snap: list) -> None:
         """Make the caches hold only the first ``keep`` of the ``fed`` tokens just run.
@@ -334,7 +360,7 @@ class TargetAdapter:
         if drop == 0:
             return
         for c, rec, s in zip(cache, self.recorders, snap or [None] * len(cache)):
-            if isinstance(c, ArraysCache):
+            if recurrent(c):
                 rec.rewind(c, s, keep)
             elif c.is_trimmable():
                 c.trim(drop)
@@ -347,10 +373,10 @@ class TargetAdapter:
     def restore(self, cache: list, snap: list, n_keep: int, n_have: int) -> bool:
         """Put recurrent layers back to a snapshot taken at n_keep tokens and trim the
         attention layers to match; False if some layer cannot."""
-        if any(not isinstance(c, ArraysCache) and not c.is_trimmable() for c in cache):
+        if any(not recurrent(c) and not c.is_trimmable() for c in cache):
             return False
         for c, s in zip(cache, snap):
-            if isinstance(c, ArraysCache):
+            if recurrent(c):
                 c.cache = list(s)
             else:
                 c.trim(n_have - n_keep)
@@ -361,7 +387,7 @@ class TargetAdapter:
         drop = n_have - n_keep
         if drop == 0:
             return True
-        if any(isinstance(c, ArraysCache) or not c.is_trimmable() for c in cache):
+        if any(recurrent(c) or not c.is_trimmable() for c in cache):
             return False
         for c in cache:
             c.trim(drop)

@@ -39,9 +39,10 @@ def handle(h, path: str) -> None:
             raise AnthropicError(401, "invalid or missing API key; send 'x-api-key: <key>'")
         raw = h.body()
         body = _load(raw)
-        chat = to_chat(body, count=path == COUNT)
         srv = h.server
-        req = parse_body(chat, "chat", srv.defaults, None, ANTHROPIC)
+        images = srv.gather("messages")
+        chat = to_chat(body, count=path == COUNT, images=images)
+        req = parse_body(chat, "chat", srv.defaults, None, ANTHROPIC, images)
         if path == COUNT:
             prepare(req, req.body, srv.engine.tokenizer)
             return h._send_json(200, {"input_tokens": len(srv.tokenize(req))})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .images import Gather
 from .limits import ANTHROPIC, MAX_ARGUMENT_VALUES, InputError, check_json
 from .schema import APIError
 
@@ -59,9 +60,11 @@ def _text(content: Any, where: str) -> str:
     return "".join(parts)
 
 
-def _block(b: Any, where: str, role: str, texts: list, calls: list, results: list) -> None:
+def _block(b: Any, where: str, role: str, texts: list, calls: list, results: list, images) -> None:
     kind = b.get("type") if isinstance(b, dict) else None
-    if kind == "text":
+    if kind == "image" and role == "user":
+        texts.append(images.anthropic(b, where))  # text and images, in order
+    elif kind == "text":
         if not isinstance(b.get("text"), str):
             raise bad(f"{where}.text must be a string")
         texts.append(b["text"])
@@ -85,11 +88,11 @@ def _block(b: Any, where: str, role: str, texts: list, calls: list, results: lis
             text = "error: " + text
         results.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": text})
     elif kind not in SKIPPED_BLOCKS:
-        allowed = "text, tool_use" if role == "assistant" else "text, tool_result"
+        allowed = "text, tool_use" if role == "assistant" else "text, image, tool_result"
         raise bad(f"{where}: unsupported content block {kind!r} in a {role} turn; use {allowed}")
 
 
-def _messages(body: dict) -> list[dict]:
+def _messages(body: dict, images) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("messages: must be a non-empty list of {role, content} objects")
@@ -110,10 +113,10 @@ def _messages(body: dict) -> list[dict]:
         texts, calls, results = [], [], []
         thoughts = [b["thinking"] for b in content if _thought(b, role)]
         for j, b in enumerate(content):
-            _block(b, f"messages.{i}.content.{j}", role, texts, calls, results)
+            _block(b, f"messages.{i}.content.{j}", role, texts, calls, results, images)
         out += results  # tool results answer the previous turn's calls: they come first
         if texts or calls or not results:
-            msg = {"role": role, "content": "".join(texts)}
+            msg = {"role": role, "content": images.content(texts)}
             if thoughts:
                 msg["reasoning_content"] = "".join(thoughts)
             out.append({**msg, "tool_calls": calls} if calls else msg)
@@ -184,14 +187,21 @@ def _tool_choice(body: dict, chat: dict) -> None:
         chat["parallel_tool_calls"] = False
 
 
-def to_chat(body: Any, count: bool = False) -> dict:
-    """The OpenAI chat body of a Messages request (``count``: no max_tokens needed)."""
+def to_chat(body: Any, count: bool = False, images=None) -> dict:
+    """The OpenAI chat body of a Messages request.
+
+    Args:
+        body: the parsed request. count: count_tokens (no max_tokens needed).
+        images: a ``server.images.Gather`` for the ``image`` blocks (None: the defaults,
+            no URLs); their pictures go in the messages as picture parts.
+    """
+    images = images or Gather()
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     mt = body.get("max_tokens")
     if not count and (mt is None or isinstance(mt, bool) or not isinstance(mt, int) or mt < 1):
         raise bad("max_tokens: a positive integer is required")
-    chat = {"messages": _messages(body), "stream": body.get("stream", False)}
+    chat = {"messages": _messages(body, images), "stream": body.get("stream", False)}
     if not count:
         chat["max_tokens"] = mt
     for k in ("temperature", "top_p", "top_k"):

@@ -23,8 +23,11 @@ from .. import generation
 from ..decoding.prompt import context_length
 from ..errors import ContextLengthError, DFlashError
 from ..settings import GenerationConfig, ServerConfig
+from ..vision.images import ImageError, ImageLimits
 from .access import Access
+from .connection import body_limit
 from .http import Handler
+from .images import Gather, api_error
 from .prompt_cache import GB, check_gb
 from .prompt_cache_disk import DiskTier
 from .schema import DEFAULTS, bad, now
@@ -77,6 +80,8 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.defaults = defaults or DEFAULTS
         self.config = (config or ServerConfig()).validate()
+        self.images = (self.config.image_limits or ImageLimits()).validate()
+        self.max_body = body_limit(self.images)
         self.access = Access(host, self.server_port, self.config.allow_origins)
         self.created = now()
         self.context = context_length(engine.model)
@@ -89,6 +94,26 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         self._tok_lock = threading.Lock()
         self.inflight = InFlight()  # requests being answered, waited for at a stop
 
+    def gather(self, param: str) -> Gather:
+        """A request's image collector under this server's limits and URL policy.
+
+        Args:
+            param: the request field holding the messages (OpenAI's error ``param``).
+        """
+        return Gather(self.images, self.config.allow_image_urls, param)
+
+    def _image_ids(self, req) -> list[int]:
+        """The ids of a prompt with images (each expanded to its rows by the engine's entry,
+        which refuses a text-only model); the prompt pool matches the job on ``req.keys``
+        (an image's rows by its hash)."""
+        model = self.engine.model
+        with model.lock:  # the tokenizer and processor are shared with the worker
+            ids, _, vision = generation.request_ids(
+                model, self.engine.tokenizer, req.prompt, req.gen, images=req.images
+            )
+        req.keys = vision.keys
+        return ids
+
     def knows(self, name: str) -> bool:
         """Whether ``name`` is the served model (its name or its directory, any case)."""
         return name.lower() in self.names
@@ -98,15 +123,20 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         tok = self.engine.tokenizer
         field = "messages" if req.kind == "chat" else "prompt"
         try:
-            with self._tok_lock:
-                ids = generation.encode_prompt(
-                    tok,
-                    req.prompt,
-                    raw=req.kind == "completion",
-                    context=self.context,
-                    tools=req.template_tools,
-                    template_kwargs=getattr(req, "template_kwargs", None),
-                )
+            if req.images:
+                ids = self._image_ids(req)
+            else:
+                with self._tok_lock:
+                    ids = generation.encode_prompt(
+                        tok,
+                        req.prompt,
+                        raw=req.kind == "completion",
+                        context=self.context,
+                        tools=req.template_tools,
+                        template_kwargs=getattr(req, "template_kwargs", None),
+                    )
+        except ImageError as e:  # a text-only model (no_vision), parts that do not match
+            raise api_error(e, param=field) from None
         except ContextLengthError as e:
             raise bad(str(e), field, "context_length_exceeded") from None
         except DFlashError as e:

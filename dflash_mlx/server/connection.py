@@ -18,7 +18,7 @@ from .schema import APIError, bad
 
 logger = logging.getLogger("dflash_mlx.server")
 
-MAX_BODY = 32 * 1024 * 1024
+MAX_BODY = 32 * 1024 * 1024  # at least; ``body_limit`` raises it to fit one image at its cap
 MAX_DRAIN = 2 * MAX_BODY  # bytes of an unread body dropped after an early answer (401, 413)
 DRAIN_SECONDS = 10.0  # ... and for how long at most
 PROBE_EVERY = 1.0  # seconds between two writes that check a half-closed connection
@@ -41,6 +41,17 @@ HTTP_CODES = {
     501: "method_not_allowed",
     505: "http_version_not_supported",
 }
+
+
+def body_limit(limits) -> int:
+    """The largest request body: ``MAX_BODY``, or more when one image at ``--max-image-bytes``
+    would not fit in it base64-encoded (4/3 of its bytes) with 1 MiB of text beside it.
+    Several images share the limit; the body stays bounded either way.
+
+    Args:
+        limits: the server's ``vision.images.ImageLimits``.
+    """
+    return max(MAX_BODY, -(-limits.max_bytes * 4 // 3) + (1 << 20))
 
 
 class Connection(BaseHTTPRequestHandler):
@@ -117,14 +128,16 @@ class Connection(BaseHTTPRequestHandler):
         """The request body (a Content-Length is required).
 
         Raises:
-            APIError: 400 without a Content-Length, 413 over ``MAX_BODY``, 408 when it stalls.
+            APIError: 400 without a Content-Length, 413 over the server's ``max_body``
+            (``body_limit``), 408 when it stalls.
         """
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
             raise bad("a Content-Length header is required") from None
-        if length > MAX_BODY:
-            raise APIError(413, f"request body over {MAX_BODY} bytes; send a smaller one")
+        cap = getattr(self.server, "max_body", MAX_BODY)
+        if length > cap:
+            raise APIError(413, f"request body over {cap} bytes; send a smaller one")
         return self._read_body(length)
 
     def _read_body(self, length: int) -> bytes:

@@ -181,7 +181,8 @@ class Handler(Connection):
         if not self._authorized():
             raise self._unauthorized()
         srv = self.server
-        req = parse_request(self.body(), kind, srv.defaults, srv.engine.model.block_size)
+        images = srv.gather("messages")
+        req = parse_request(self.body(), kind, srv.defaults, srv.engine.model.block_size, images)
         job = self.submit(req)
         try:
             self._answer(req, job)
@@ -213,6 +214,8 @@ class Handler(Connection):
             req.marks = reasoning.markers(tok)  # a thinking model's answer opens as reasoning
             req.started_open = reasoning.starts_open(tok, ids, req.marks)
         job = Job(ids, req.gen, structured.processors(req, tok, vocab))
+        if req.images:  # the engine takes the messages and their images, not ids
+            job.prompt, job.images, job.keys = req.prompt, req.images, req.keys
         if not srv.engine.submit(job):
             if srv.engine.closing or srv.engine.stopping.is_set():
                 raise shutting_down()

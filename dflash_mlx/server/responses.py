@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .images import Gather
 from .limits import InputError, Names, check_body, load_json
 from .responses_store import MAX_HELD, Store, store_of
 from .responses_stream import Answer, new_id
@@ -80,8 +81,8 @@ def respell(e: APIError) -> APIError:
 # ----------------------------------------------------------------------------- input items
 
 
-def _text(content: Any, where: str) -> str:
-    """A string, or a list of text parts, as one string."""
+def _text(content: Any, where: str, images=None) -> str | list:
+    """Text parts as one string; with ``images``, input_image parts too (then parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -94,20 +95,19 @@ def _text(content: Any, where: str) -> str:
             parts.append(p["refusal"])
         elif kind in TEXT_PARTS and isinstance(p.get("text"), str):
             parts.append(p["text"])
+        elif kind == "input_image" and images is not None:
+            parts.append(images.responses(p, f"{where}[{j}]"))
         else:
-            raise bad(
-                f"{where}[{j}]: only text parts are supported (input_text, output_text; "
-                f"got {kind!r})",
-                "input",
-            )
-    return "".join(parts)
+            taken = "text and image parts" if images else "text parts"
+            raise bad(f"{where}[{j}]: only {taken} are supported (got {kind!r})", "input")
+    return images.content(parts) if images is not None else "".join(parts)
 
 
-def _message(item: dict, where: str) -> dict:
+def _message(item: dict, where: str, images) -> dict:
     role = item.get("role")
     if role not in ("user", "assistant", "system", "developer"):
         raise bad(f"{where}.role must be 'user', 'assistant', 'system' or 'developer'", "input")
-    return {"role": role, "content": _text(item.get("content"), f"{where}.content")}
+    return {"role": role, "content": _text(item.get("content"), f"{where}.content", images)}
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -137,15 +137,16 @@ def _call(item: dict, where: str, out: list) -> None:
     last.setdefault("tool_calls", []).append(call)
 
 
-def _item(item: Any, where: str, out: list) -> None:
+def _item(item: Any, where: str, out: list, images) -> None:
     """Append the chat messages of one input item to ``out``."""
     if not isinstance(item, dict):
         raise bad(f"{where} must be an object (a message or an item)", "input")
     kind = item.get("type", "message")
     if kind == "message":
-        msg = _message(item, where)
+        msg = _message(item, where, images)
         last = out[-1] if out else None
-        if last and msg["role"] == "assistant" == last["role"] and not last.get("tool_calls"):
+        joined = last and isinstance(last["content"], str) and isinstance(msg["content"], str)
+        if joined and msg["role"] == "assistant" == last["role"] and not last.get("tool_calls"):
             last["content"] += msg["content"]  # one turn written as several items
         else:
             out.append(msg)
@@ -186,18 +187,20 @@ def input_items(body: dict) -> list:
     return inp
 
 
-def messages(items: list, where: str = "input") -> list[dict]:
+def messages(items: list, where: str = "input", images=None) -> list[dict]:
     """The chat messages of Responses items.
 
     Args:
         items: input items (and held output items). where: the field errors name.
+        images: a ``server.images.Gather`` for ``input_image`` parts (None: the defaults).
 
     Raises:
         APIError: 400 naming the item at fault.
     """
     out: list[dict] = []
+    images = images or Gather(param="input")
     for i, item in enumerate(items):
-        _item(item, f"{where}[{i}]", out)
+        _item(item, f"{where}[{i}]", out, images)
     return out
 
 
@@ -282,12 +285,13 @@ def _history(body: dict, store: Store) -> list:
     return held[1]
 
 
-def to_chat(body: Any, store: Store) -> tuple[dict, list]:
+def to_chat(body: Any, store: Store, images=None) -> tuple[dict, list]:
     """(the OpenAI chat body of a Responses request, the conversation items it continues
     plus its own input: what a later ``previous_response_id`` resumes).
 
     Args:
         body: the parsed request body. store: the responses held (``previous_response_id``).
+        images: a ``server.images.Gather`` for ``input_image`` parts (None: the defaults).
 
     Raises:
         APIError: 400 naming the field, 404 for a ``previous_response_id`` not held.
@@ -300,7 +304,7 @@ def to_chat(body: Any, store: Store) -> tuple[dict, list]:
         if body.get(key):
             raise bad(why, key)
     items = _history(body, store) + input_items(body)
-    msgs = messages(items)
+    msgs = messages(items, images=images)
     ins = body.get("instructions")
     if ins is not None:
         if not isinstance(ins, str):
@@ -357,9 +361,10 @@ def handle(h, path: str) -> None:
         raise h._unauthorized()
     srv, store = h.server, store_of(h.server)
     body = _load(h.body())
+    images, block = srv.gather("input"), srv.engine.model.block_size
     try:
-        chat, items = to_chat(body, store)
-        req = parse_body(chat, "chat", srv.defaults, srv.engine.model.block_size, SPELLING)
+        chat, items = to_chat(body, store, images)
+        req = parse_body(chat, "chat", srv.defaults, block, SPELLING, images)
         job = h.submit(req)
     except APIError as e:
         raise respell(e) from None

@@ -8,7 +8,7 @@ OpenAI's error object). The response shapes are ``shapes.py``'s (importable from
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from ..settings import MAX_TOKENS, GenerationConfig, SettingError
@@ -113,6 +113,9 @@ class CompletionRequest:
             only). marks, started_open: the thinking markers and whether the prompt opens
             the reasoning (``reasoning.py``; set when the job is queued). names: how the
             client's API writes a field in an error (``limits.OPENAI`` / ``limits.ANTHROPIC``).
+        images: the pictures (``vision.images.Picture``) of the messages' ``{"type":
+            "image"}`` parts, in reading order (``server/images.py``). keys: with images,
+            the ids the prompt pool matches (an image's rows by its hash; ``app.tokenize``).
     """
 
     kind: str
@@ -130,6 +133,8 @@ class CompletionRequest:
     marks: tuple[str, str] | None = None
     started_open: bool = False
     names: Names = OPENAI
+    images: list = field(default_factory=list)
+    keys: list | None = None
 
 
 def _n(body: dict) -> None:
@@ -168,30 +173,36 @@ def _settings(body: dict, defaults: GenerationConfig, max_block: int | None):
         raise bad(str(e), e.field) from None
 
 
-def _content(msg: dict, i: int) -> str:
+def _content(msg: dict, i: int, images) -> str | list:
+    """A message's content: its text, or (with images) its text and ``{"type": "image"}``
+    parts in order, the pictures kept by ``images`` (a ``server.images.Gather``; None:
+    text only)."""
     c = msg.get("content")
     if c is None:
         return ""
     if isinstance(c, str):
         return c
-    if isinstance(c, list):
-        parts = []
-        for p in c:
-            if isinstance(p, str):
-                parts.append(p)
-            elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            else:
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise bad(
-                    f"messages[{i}].content: only text parts are supported (got {kind!r})",
-                    "messages",
-                )
-        return "".join(parts)
-    raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+    if not isinstance(c, list):
+        raise bad(f"messages[{i}].content must be a string or a list of parts", "messages")
+    parts: list = []
+    for j, p in enumerate(c):
+        if isinstance(p, str):
+            parts.append(p)
+        elif isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+            parts.append(p["text"])
+        elif images is not None and (img := images.part(p, f"messages[{i}].content[{j}]")):
+            parts.append(img)
+        else:
+            kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+            raise bad(
+                f"messages[{i}].content[{j}]: only text and image_url parts are supported "
+                f"(got {kind!r})",
+                "messages",
+            )
+    return images.content(parts) if images is not None else "".join(parts)
 
 
-def _messages(body: dict) -> list[dict[str, str]]:
+def _messages(body: dict, images=None) -> list[dict]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad("'messages' must be a non-empty list of {role, content} objects", "messages")
@@ -206,7 +217,7 @@ def _messages(body: dict) -> list[dict[str, str]]:
             if not isinstance(thought, str):
                 raise bad(f"messages[{i}].reasoning_content must be a string", "messages")
             extra["reasoning_content"] = thought  # the template writes it back, or drops it
-        out.append({"role": role, "content": _content(m, i), **extra})
+        out.append({"role": role, "content": _content(m, i, images), **extra})
     return out
 
 
@@ -230,12 +241,14 @@ def parse_request(
     kind: str,
     defaults: GenerationConfig | None = None,
     max_block_size: int | None = None,
+    images=None,
 ) -> CompletionRequest:
     """Validate a request body for /v1/chat/completions (kind "chat") or /v1/completions.
 
     Args:
         raw: the body bytes. defaults: the server's decoding settings (``DEFAULTS``).
         max_block_size: the drafter's block size (upper bound for ``block_size``).
+        images: a ``server.images.Gather`` taking the messages' image parts (None: none).
 
     Raises:
         APIError: 400 with a one-line message naming the field.
@@ -255,7 +268,7 @@ def parse_request(
         check_body(body)
     except InputError as e:
         raise bad(str(e), e.field, "invalid_json") from None
-    return parse_body(body, kind, defaults, max_block_size)
+    return parse_body(body, kind, defaults, max_block_size, images=images)
 
 
 def parse_body(
@@ -264,11 +277,13 @@ def parse_body(
     defaults: GenerationConfig | None = None,
     max_block_size: int | None = None,
     names: Names = OPENAI,
+    images=None,
 ) -> CompletionRequest:
     """``parse_request`` of a body already read (and checked by ``limits.check_body``).
 
     Args:
         names: how errors write fields (Anthropic's requests come here translated).
+        images: as for ``parse_request``; its pictures become ``images`` of the request.
 
     Raises:
         APIError: 400 with a one-line message naming the field.
@@ -276,7 +291,7 @@ def parse_body(
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("'model' must be a string", "model")
-    prompt = _messages(body) if kind == "chat" else _prompt(body)
+    prompt = _messages(body, images) if kind == "chat" else _prompt(body)
     _n(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
@@ -290,4 +305,5 @@ def parse_body(
         raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
     req = CompletionRequest(kind, model, prompt, bool(stream), bool(include_usage), gen, body)
     req.names = names
+    req.images = list(images.pictures) if images is not None else []
     return req

@@ -21,6 +21,8 @@ from .. import generation
 from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
+from ..vision.images import ImageError
+from .images import api_error
 from .prompt_cache import PromptPool, default_bytes
 from .schema import APIError, bad, shutting_down
 
@@ -30,13 +32,28 @@ logger = logging.getLogger("dflash_mlx.server")
 @dataclass
 class Job:
     """One queued generation. ``out`` receives ("data", GenerationResponse), ("error",
-    APIError) and finally ("end", None); ``cancel`` is set when the client goes away."""
+    APIError) and finally ("end", None); ``cancel`` is set when the client goes away.
+    With images: ``prompt`` (the chat messages, whose ``{"type": "image"}`` parts the
+    ``images`` fill in reading order) goes to the engine instead of ``ids``, and ``keys``
+    (``ids`` with each image's rows keyed by its hash) is what the prompt pool matches."""
 
     ids: list[int]
     gen: GenerationConfig
     processors: list = field(default_factory=list)  # e.g. a grammar (structured output)
     out: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
+    images: list = field(default_factory=list)
+    prompt: list | None = None
+    keys: list | None = None
+
+    def request(self) -> tuple:
+        """(the engine's prompt, its image keywords): the ids alone without images, today's
+        text path."""
+        return (self.prompt, {"images": self.images}) if self.images else (self.ids, {})
+
+    def cached(self) -> list[int]:
+        """The ids the prompt pool matches (with images, their hash-keyed rows)."""
+        return self.keys if self.images and self.keys else self.ids
 
 
 class Engine:
@@ -143,16 +160,18 @@ class Engine:
             job.out.put(("end", None))
             return
         self.running, self.current = True, job
-        cache = self.pool.take(job.ids)
+        cache = self.pool.take(job.cached())
         cache.interrupt = job.cancel  # a client gone mid-prefill stops it at a chunk
         keep = True
+        prompt, extra = job.request()
         gen = generation.stream_generate(
             self.model,
             self.tokenizer,
-            job.ids,
+            prompt,
             config=job.gen,
             prompt_cache=cache,
             logits_processors=job.processors,
+            **extra,
         )
         try:
             for r in gen:
@@ -167,6 +186,8 @@ class Engine:
             logger.info("prefill cancelled (client gone or server stopping)")
             self.cancelled += 1
             job.out.put(("error", shutting_down()))
+        except ImageError as e:  # e.g. a model without vision: its 400 in the API's shape
+            job.out.put(("error", api_error(e)))
         except DFlashError as e:
             job.out.put(("error", bad(str(e))))
         except Exception as e:
@@ -237,13 +258,15 @@ class Engine:
                 self.cancelled += 1
                 job.out.put(("end", None))
                 continue
-            cache = self.pool.take(job.ids)
+            cache = self.pool.take(job.cached())
             try:
-                uid = gen.insert(job.ids, job.gen, cache=cache, processors=job.processors)
+                prompt, extra = job.request()
+                uid = gen.insert(prompt, job.gen, cache=cache, processors=job.processors, **extra)
             except DFlashError as e:
                 self.pool.give(cache)
                 self.served += 1  # counted like a refused job of the one-at-a-time path
-                job.out.put(("error", bad(str(e))))
+                err = api_error(e) if isinstance(e, ImageError) else bad(str(e))
+                job.out.put(("error", err))
                 job.out.put(("end", None))
                 continue
             self.active[uid] = job

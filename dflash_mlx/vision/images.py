@@ -28,6 +28,11 @@ SUPPORTED = "PNG, JPEG, WebP or GIF"
 MAX_PIXELS = 4096 * 4096  # per image; a model's processor resizes further
 MAX_BYTES = 20 * 1024 * 1024
 MAX_IMAGES = 8  # per request
+_LIMIT_NAMES = (
+    ("max_pixels", "--max-image-pixels"),
+    ("max_bytes", "--max-image-bytes"),
+    ("max_images", "--max-images"),
+)
 
 
 class ImageError(DFlashError):
@@ -54,6 +59,22 @@ class ImageLimits:
     max_pixels: int = MAX_PIXELS
     max_bytes: int = MAX_BYTES
     max_images: int = MAX_IMAGES
+
+    def validate(self, flags: bool = False) -> ImageLimits:
+        """Check that each limit is a whole number >= 1; return self.
+
+        Args:
+            flags: name the limits by their ``dflash serve`` flags in messages.
+
+        Raises:
+            ImageError: naming the limit and the value.
+        """
+        for name, flag in _LIMIT_NAMES:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                shown = flag if flags else name
+                raise ImageError(f"{shown} must be a whole number >= 1 (got {v!r})")
+        return self
 
     def count(self, n: int) -> None:
         """Refuse more than ``max_images`` images in one request."""
@@ -82,13 +103,13 @@ class Picture:
         return self.image
 
 
-def _format(data: bytes) -> str:
+def _format(data: bytes, name: str) -> str:
     for magic, fmt, _ in _MAGIC:
         if data.startswith(magic):
             return fmt
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "WEBP"
-    raise ImageError(f"not a supported image (send {SUPPORTED})")
+    raise ImageError(f"{name} is not a supported image (send {SUPPORTED})")
 
 
 def from_bytes(data: bytes, limits: ImageLimits = ImageLimits(), name: str = "image") -> Picture:
@@ -109,7 +130,7 @@ def from_bytes(data: bytes, limits: ImageLimits = ImageLimits(), name: str = "im
             "(--max-image-bytes to change it)",
             "too_large",
         )
-    fmt = _format(data)
+    fmt = _format(data, name)
     from PIL import Image
 
     try:
@@ -155,7 +176,9 @@ def from_path(path: str | Path, limits: ImageLimits = ImageLimits()) -> Picture:
     size = p.stat().st_size
     if size > limits.max_bytes:
         raise ImageError(
-            f"{path} is {size:,} bytes; at most {limits.max_bytes:,} are taken", "too_large"
+            f"{path} is {size:,} bytes; at most {limits.max_bytes:,} are taken "
+            "(--max-image-bytes to change it)",
+            "too_large",
         )
     return from_bytes(p.read_bytes(), limits, name=str(path))
 
@@ -164,9 +187,11 @@ def from_base64(text: str, limits: ImageLimits = ImageLimits(), name: str = "ima
     """Check and decode a base64 image (its encoded length is checked before decoding).
 
     Args:
-        text: base64, standard alphabet, padding optional. limits: the sizes allowed.
-        name: how errors call it.
+        text: base64, standard alphabet, padding optional, line breaks allowed (MIME
+            wraps lines). limits: the sizes allowed. name: how errors call it.
     """
+    if any(c in text for c in "\r\n \t"):
+        text = "".join(text.split())
     if len(text) > limits.max_bytes * 4 // 3 + 4:
         raise ImageError(
             f"{name} is over {limits.max_bytes:,} bytes; send a smaller image", "too_large"
@@ -187,6 +212,9 @@ def from_data_url(url: str, limits: ImageLimits = ImageLimits(), name: str = "im
     head, sep, body = url.partition(",")
     if not sep or not head.startswith("data:") or not head.endswith(";base64"):
         raise ImageError(f"{name} is not a base64 data URL (data:image/png;base64,...)")
+    media = head[5:].split(";")[0].strip().lower()
+    if media and not media.startswith("image/"):  # a data URL of text, say: not an image
+        raise ImageError(f"{name} is a data URL of {media}, not an image; send {SUPPORTED}")
     return from_base64(body, limits, name)
 
 
@@ -219,5 +247,6 @@ def read_all(sources, limits: ImageLimits = ImageLimits()) -> list[Picture]:
     if isinstance(sources, (str, bytes, Path, Picture)):
         sources = [sources]
     sources = list(sources)
-    limits.count(len(sources))
+    if not all(isinstance(s, Picture) for s in sources):  # Pictures were checked when made
+        limits.count(len(sources))
     return [read(s, limits) for s in sources]

@@ -479,16 +479,21 @@ def test_serve_warns_without_key_off_loopback(pair, fake_server):
     assert fake_server[-1][1]["api_key"] == "k"
 
 
-def test_serve_passes_allowed_origins_and_the_shutdown_grace(pair, fake_server):
+def test_serve_passes_allowed_origins_the_shutdown_grace_and_image_options(pair, fake_server):
     from dflash_mlx.settings import ServerConfig
+    from dflash_mlx.vision.images import ImageLimits
 
     ui = ("--allow-origin", "http://UI:3000/", "--allow-origin", "https://chat.example")
-    r = invoke("serve", *model_args(pair), *ui, "--shutdown-grace", "0.5")
+    img = ("--allow-image-urls", "--max-images", "3", "--max-image-pixels", "1000")
+    r = invoke("serve", *model_args(pair), *ui, "--shutdown-grace", "0.5", *img)
     assert r.exit_code == 0, r.stderr
-    want = ServerConfig(("http://ui:3000", "https://chat.example"), 0.5)
+    limits = ImageLimits(max_pixels=1000, max_images=3)
+    want = ServerConfig(("http://ui:3000", "https://chat.example"), 0.5, True, limits)
     assert fake_server[-1][1]["config"] == want
     assert invoke("serve", *model_args(pair)).exit_code == 0
-    assert fake_server[-1][1]["config"] == ServerConfig()
+    assert fake_server[-1][1]["config"] == ServerConfig(image_limits=ImageLimits())
+    r = invoke("serve", *model_args(pair), "--max-image-bytes", "0")
+    assert r.exit_code == 2 and "--max-image-bytes must be a whole number >= 1" in r.stderr
 
 
 def test_sparkline():

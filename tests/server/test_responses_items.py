@@ -107,9 +107,13 @@ def test_previous_response_id_prepends_the_held_conversation_without_its_instruc
         (
             {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
             "input",
-            "input[0].content[0]: only text parts",
+            "input[0].content[0].image_url must be a data: URL",
         ),
-        ({"input": [{"role": "user", "content": [{"type": ["x"]}]}]}, "input", "only text parts"),
+        (
+            {"input": [{"role": "user", "content": [{"type": ["x"]}]}]},
+            "input",
+            "only text and image parts",
+        ),
         ({"input": [{**CALL, "arguments": "{"}]}, "input", "input[0].arguments is not valid"),
         ({"input": [{**CALL, "arguments": "[1]"}]}, "input", "must be a JSON object"),
         ({"input": [{**CALL, "call_id": None}]}, "input", "input[0].call_id"),

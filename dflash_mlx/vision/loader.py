@@ -1,0 +1,69 @@
+"""Loading a vision-language checkpoint through mlx-vlm (the ``[vision]`` extra): its model
+and processor, an mlx-lm tokenizer over the same files, and the target the adapter wraps.
+
+Nothing here imports mlx-vlm until ``load_vlm`` runs: a text-only pair never imports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import DFlashError
+
+# mlx-vlm model types whose language model the adapter has been checked against (taps,
+# rollback of its Gated DeltaNet layers, mRoPE positions given per forward)
+SUPPORTED = {"qwen3_5"}
+INSTALL = "this is a vision-language model; pip install 'dflash-mlx[vision]'"
+
+
+def is_vlm(params: dict) -> bool:
+    """Whether a config.json describes a vision-language checkpoint (it has a vision tower)."""
+    return isinstance(params.get("vision_config"), dict)
+
+
+def require() -> None:
+    """Import mlx-vlm, or fail with the one line that says what to install."""
+    try:
+        import mlx_vlm  # noqa: F401
+    except ImportError:
+        raise DFlashError(INSTALL) from None
+
+
+def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None):
+    """(``VisionTarget``, mlx-lm tokenizer) of the checkpoint in ``path``.
+
+    Args:
+        path: the checkpoint directory. params: its config.json.
+        tokenizer_config: extra settings for the tokenizer.
+
+    Raises:
+        DFlashError: mlx-vlm missing, a family not supported yet, a checkpoint mlx-vlm
+            cannot load.
+    """
+    require()
+    mtype = params.get("model_type")
+    if mtype not in SUPPORTED:
+        raise DFlashError(
+            f"vision-language family '{mtype}' is not supported by dflash-mlx yet "
+            f"(supported: {', '.join(sorted(SUPPORTED))}); run it with mlx_vlm instead"
+        )
+    from mlx_lm.utils import load_tokenizer
+    from mlx_vlm.models.cache import ArraysCache
+    from mlx_vlm.utils import load_model, load_processor
+
+    from ..model import target as adapter
+    from .target import VisionTarget
+
+    try:
+        vlm = load_model(path)
+        processor = load_processor(path, add_detokenizer=False)
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise DFlashError(
+            f"cannot load vision-language model {path} ({type(e).__name__}: {reason}); "
+            "re-download it or check that mlx-vlm supports this model"
+        ) from None
+    adapter.add_recurrent(ArraysCache)  # mlx-vlm's recurrent layers' caches
+    eos = params.get("eos_token_id")
+    tokenizer = load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos)
+    return VisionTarget(vlm, processor, mtype), tokenizer

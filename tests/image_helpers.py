@@ -1,0 +1,35 @@
+"""Small images for the tests of images in (Pillow): encoded files, data URLs, and a PNG
+whose header declares a huge canvas (a decompression bomb of a few dozen bytes)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import struct
+import zlib
+
+
+def encoded(fmt: str = "PNG", size=(8, 6), mode: str = "RGB", **kw) -> bytes:
+    """An image of ``size`` encoded as ``fmt`` (any format Pillow writes)."""
+    from PIL import Image
+
+    im = Image.new(mode, size, (200, 30, 90) if mode == "RGB" else 1)
+    buf = io.BytesIO()
+    im.save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(data).decode()
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A few dozen bytes of PNG whose header declares ``width`` x ``height``."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * 64)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
