@@ -248,8 +248,9 @@ def _notices(quiet: bool, log: Callable[[str], None] | None):
     return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
-def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None):
-    """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
+def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None, lazy=False):
+    """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file;
+    lazy: no weight read yet (sharding reads only the rank's own, ``distributed.shard``)."""
     backend.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
     if _is_gguf(path):
         from .gguf import load_gguf
@@ -269,7 +270,7 @@ def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None)
         ) from None
     check_target_config(params, path / "config.json")
     try:
-        return mlx_load(str(path), tokenizer_config=tokenizer_config or {})
+        return mlx_load(str(path), tokenizer_config=tokenizer_config or {}, lazy=lazy)
     except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:
         # what mlx / mlx-lm raise on a corrupt, incomplete or unsupported checkpoint
         reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
@@ -327,6 +328,7 @@ def load(
     kv: tuple[int, int, int] | None = None,
     draft_quant: int | str | None = None,
     group=None,
+    shard: str | None = None,
 ) -> tuple[DFlashModel, object]:
     """Load a target model and its DFlash drafter.
 
@@ -346,6 +348,8 @@ def load(
         max_memory, max_context, kv: the memory plan's limits and KV cache (``memory.Fit``).
         draft_quant: the drafter's layers: 4 / 8 bits, "none", "auto" (None; format.md §2.5).
         group: an ``mx.distributed.Group`` to shard over (None: ``mlx.launch``'s, if any).
+        shard: "tensor" or "pipeline" parallelism over the group (None: tensor where
+            mlx-lm has it for the family, else pipeline; docs/distributed.md).
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -355,6 +359,7 @@ def load(
         DFlashError: one line naming the problem and the fix.
     """
     bits = parse_draft_quant(draft_quant)  # before any I/O
+    distributed.check_shard(shard)
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
     fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits)
     notes = _notices(quiet, log)
@@ -363,9 +368,13 @@ def load(
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
-    target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
-    distributed.shard(target, distributed.group(group))  # before any wrapper of ours
+    grp = distributed.group(group)
+    target, tokenizer = _load_target(
+        tpath, res.display_name, tokenizer_config, notes, grp is not None
+    )
+    mode = distributed.shard(target, grp, shard)  # before any wrapper of ours
     pair = _assemble(target, tpath, dname, dpath, res.display_name, bits, notes)
+    distributed.connect(pair, grp, mode)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:

@@ -3,39 +3,19 @@ target sharded with mlx-lm's tensor parallelism, DFlash greedy equal to plain gr
 decoding of the same sharded target on every rank, and every rank taking the same tokens."""
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from launch import launch, needs_launch
 
 WORKER = Path(__file__).with_name("rank_worker.py")
-LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-TIMEOUT = 240  # seconds for both ranks, loading included
 
 
-def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args]
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, only
-        out, _ = proc.communicate()
-        pytest.fail(f"the ranks did not finish in {TIMEOUT} s:\n{out.decode()[-2000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
-
-
-@pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
+@needs_launch
 def test_dflash_on_a_tensor_sharded_target_equals_its_plain_greedy_on_every_rank(
     tiny_dir, tmp_path
 ):
-    res = _launch(
+    res = launch(
         [str(WORKER), str(tmp_path), str(tiny_dir / "qwen3"), str(tiny_dir / "d2_qwen3")], tmp_path
     )
     assert res.returncode == 0, res.stdout[-3000:]

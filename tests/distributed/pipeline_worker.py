@@ -1,0 +1,105 @@
+"""One rank of the pipeline tests (run by ``mlx.launch``), several checks in one launch:
+for a dense (qwen2) and a hybrid (qwen3_5) pair loaded with ``shard="pipeline"``, plain
+greedy decoding of the sharded target (mlx-lm) and DFlash greedy, the layers whose weights
+this rank holds and the bytes it read while loading; then the sampling law of an 8-token
+qwen2 pair on the pipelined target: its exact law of the first tokens and DFlash samples.
+Writes rank<r>.json."""
+
+import json
+import struct
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step, generation_stream
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: laws.py
+from laws import draw, exact_law
+
+from dflash_mlx import distributed, load, stream_generate
+from dflash_mlx.decoding.acceptance import SamplingParams
+
+out, root = Path(sys.argv[1]), Path(sys.argv[2])
+group = mx.distributed.init()
+rank = group.rank()
+
+
+def read_bytes() -> int:
+    """Bytes this process has read through read() so far (page cache included)."""
+    return int(next(x for x in open("/proc/self/io") if x.startswith("rchar")).split()[1])
+
+
+def layer_bytes(path: Path) -> dict[int, int]:
+    """Bytes of each layer's tensors in a safetensors file, from its header."""
+    raw = path.read_bytes()
+    head = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    sizes: dict[int, int] = {}
+    for name, t in head.items():
+        if ".layers." in name:
+            i = int(name.split(".layers.")[1].split(".")[0])
+            sizes[i] = sizes.get(i, 0) + t["data_offsets"][1] - t["data_offsets"][0]
+    return sizes
+
+
+def held_layers(target) -> list[int]:
+    """The layer numbers of the target's parameters held on this rank."""
+    names = [k for k, _ in tree_flatten(target.parameters()) if ".layers." in k]
+    return sorted({int(k.split(".layers.")[1].split(".")[0]) for k in names})
+
+
+def greedy(kind: str) -> dict:
+    t0, before = time.perf_counter(), read_bytes()
+    model, tok = load(str(root / kind), drafter=str(root / f"d2_{kind}"), shard="pipeline")
+    res = {"read": read_bytes() - before, "load_s": time.perf_counter() - t0}
+    res["held"] = held_layers(model.target)
+    ids = tok.encode("def parse_args(argv):")
+    plain = [int(t) for t, _ in generate_step(mx.array(ids), model.target, max_tokens=20)]
+    # mlx-lm leaves its next step in flight on its own stream: let it finish first, or
+    # its collectives would run beside the next decode's
+    mx.synchronize(generation_stream)
+    res["plain"] = plain
+    for name, kw in {"b2": {"block_size": 2}, "b4": {"block_size": 4}}.items():
+        for chain in (False, True):  # with the tree and lookup (the defaults), then without
+            extra = {"tree": False, "lookup": False} if chain else {}
+            got, t0 = [], time.perf_counter()
+            for r in stream_generate(
+                model, tok, ids, max_tokens=20, temperature=0.0, **kw, **extra
+            ):
+                got += r.tokens
+            res[name + ("_chain" if chain else "")] = got
+            res[f"{name}_s"] = time.perf_counter() - t0
+    return res
+
+
+def law() -> dict:
+    from mlx_lm.utils import load_model
+
+    from dflash_mlx.decoding.state import DFlashModel
+    from dflash_mlx.model.checkpoint import load_drafter
+    from dflash_mlx.model.target import TargetAdapter
+
+    target = load_model(root / "v8", lazy=True)[0]
+    mode = distributed.shard(target, group, "pipeline")
+    drafter = load_drafter(root / "d_v8", mx.float32)
+    pair = DFlashModel(target, drafter, TargetAdapter(target, drafter.args.target_layer_ids))
+    distributed.connect(pair, group, mode)
+    prompt, n, trials = [1, 2, 3], 3, int(sys.argv[3])
+    exact = exact_law(pair, prompt, n, 1.0, 1.0, 0, 0.0)
+    t0 = time.perf_counter()
+    samples, accepted = draw(pair, prompt, SamplingParams(1.0, 1.0, 0.0, 0), n, trials, True, 5)
+    return {
+        "law": [[list(k), float(v)] for k, v in exact.items()],
+        "samples": [list(s) for s in samples],
+        "accepted": accepted,
+        "draw_s": time.perf_counter() - t0,
+    }
+
+
+report = {"size": group.size(), "rank": rank}
+report["layer_bytes"] = layer_bytes(root / "qwen2" / "model.safetensors")
+report["qwen3_5"] = greedy("qwen3_5")  # first: the imports it does are not counted below
+report["qwen2"] = greedy("qwen2")
+report["law"] = law()
+(out / f"rank{rank}.json").write_text(json.dumps(report))
