@@ -1,6 +1,8 @@
-"""Pipeline parallelism (docs/distributed.md): mlx-lm's own ``model.model.pipeline(group)``
-gives each rank a contiguous run of the target's layers (rank 0 the last ones), and its
-forward passes the hidden states stage to stage (``send`` / ``recv_like``) and ends in an
+"""Pipeline parallelism (docs/distributed.md): each rank runs one stage of the target's
+layers with mlx-lm's own ``model.model.pipeline``, and the stages' taps reach every rank.
+
+mlx-lm gives each rank a contiguous run of the layers (rank 0 the last ones); its forward
+passes the hidden states stage to stage (``send`` / ``recv_like``) and ends in an
 ``all_gather`` that hands every rank the last stage's rows, so every rank computes the same
 logits. What mlx-lm does not do, and the drafter needs, is the outputs of the tapped
 layers, which live on their stages: ``TapShare`` adds each rank's own taps (zeros for the
@@ -99,19 +101,19 @@ class TapShare:
     def __init__(self, group, hidden: int, dtype):
         self.group, self.hidden, self.dtype = group, hidden, dtype
 
-    def __call__(self, store: dict, layer_ids: list[int], rows: int, logits):
-        """Features [1, rows, len(layer_ids) * hidden] for this forward.
+    def __call__(self, store: dict, layer_ids: list[int], rows: tuple[int, int], logits):
+        """Features [batch, tokens, len(layer_ids) * hidden] for this forward.
 
         Args:
             store: the taps this rank recorded, by layer. layer_ids: the tapped layers.
-            rows: the forward's tokens. logits: this forward's logits: the sum is made to wait for them, so that on
+            rows: the forward's (batch, tokens). logits: this forward's logits: the sum is made to wait for them, so that on
                 every rank it comes after the stages' own send / recv / all_gather (the
                 collectives must be issued in the same order on each rank).
         """
         import mlx.core as mx
 
         parts = [
-            store[i] if i in store else mx.zeros((1, rows, self.hidden), self.dtype)
+            store[i] if i in store else mx.zeros((*rows, self.hidden), self.dtype)
             for i in layer_ids
         ]
         own = mx.depends(mx.concatenate(parts, axis=-1), logits)

@@ -312,6 +312,19 @@ def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str, bits, not
     return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name, notes=notes)
 
 
+def _pair(res, paths, bits, notes, tokenizer_config, group, shard):
+    """``load``'s (DFlashModel, tokenizer) from the located ``paths`` (target, drafter name,
+    drafter), the target sharded over ``group`` by ``shard`` before any wrapper of ours (a
+    group's target loads lazily: each rank reads only the weights it keeps)."""
+    (tpath, dname, dpath), name = paths, res.display_name
+    group = distributed.group(group)
+    target, tokenizer = _load_target(tpath, name, tokenizer_config, notes, group is not None)
+    mode = distributed.shard(target, group, shard)
+    pair = _assemble(target, tpath, dname, dpath, name, bits, notes)
+    distributed.connect(pair, group, mode)
+    return pair, tokenizer
+
+
 def load(
     model: str,
     drafter: str | None = None,
@@ -347,9 +360,7 @@ def load(
             frequent ids by the tokenizer's merge ranks (plus its special tokens).
         max_memory, max_context, kv: the memory plan's limits and KV cache (``memory.Fit``).
         draft_quant: the drafter's layers: 4 / 8 bits, "none", "auto" (None; format.md §2.5).
-        group: an ``mx.distributed.Group`` to shard over (None: ``mlx.launch``'s, if any).
-        shard: "tensor" or "pipeline" parallelism over the group (None: tensor where
-            mlx-lm has it for the family, else pipeline; docs/distributed.md).
+        group, shard: a ``Group`` to shard over (None: mlx.launch's), "tensor" / "pipeline".
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -368,13 +379,7 @@ def load(
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
-    grp = distributed.group(group)
-    target, tokenizer = _load_target(
-        tpath, res.display_name, tokenizer_config, notes, grp is not None
-    )
-    mode = distributed.shard(target, grp, shard)  # before any wrapper of ours
-    pair = _assemble(target, tpath, dname, dpath, res.display_name, bits, notes)
-    distributed.connect(pair, grp, mode)
+    pair, tokenizer = _pair(res, (tpath, dname, dpath), bits, notes, tokenizer_config, group, shard)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:

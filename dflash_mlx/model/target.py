@@ -289,7 +289,7 @@ class TargetAdapter:
             if self.share is None:
                 feats = mx.concatenate([self._store[i] for i in self.layer_ids], axis=-1)
             else:
-                feats = self.share(self._store, self.layer_ids, ids.shape[1], logits)
+                feats = self.share(self._store, self.layer_ids, ids.shape[:2], logits)
         finally:
             self._store.clear()
             self._tree.clear()

@@ -20,6 +20,7 @@ from laws import draw, exact_law
 
 from dflash_mlx import distributed, load, stream_generate
 from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx.loading.vocab import set_draft_vocab
 
 out, root = Path(sys.argv[1]), Path(sys.argv[2])
 group = mx.distributed.init()
@@ -49,11 +50,26 @@ def held_layers(target) -> list[int]:
     return sorted({int(k.split(".layers.")[1].split(".")[0]) for k in names})
 
 
+def same_as_one_process(model, kind: str, ids: list[int]) -> list[bool]:
+    """Whether the pipelined target's logits and drafter features equal, bit for bit,
+    those of the same target whole in this process (a stage runs whole layers)."""
+    from mlx_lm.utils import load_model
+
+    from dflash_mlx.model.target import TargetAdapter
+
+    whole = TargetAdapter(load_model(root / kind)[0], model.adapter.layer_ids)
+    x = mx.array(ids)[None]
+    got = model.adapter(x, model.adapter.make_cache())
+    want = whole(x, whole.make_cache())
+    return [bool(mx.array_equal(a, b).item()) for a, b in zip(got, want)]
+
+
 def greedy(kind: str) -> dict:
     t0, before = time.perf_counter(), read_bytes()
     model, tok = load(str(root / kind), drafter=str(root / f"d2_{kind}"), shard="pipeline")
     res = {"read": read_bytes() - before, "load_s": time.perf_counter() - t0}
     res["held"] = held_layers(model.target)
+    res["tree_ok"], res["hybrid"] = model.adapter.tree_ok, model.adapter.is_hybrid
     ids = tok.encode("def parse_args(argv):")
     plain = [int(t) for t, _ in generate_step(mx.array(ids), model.target, max_tokens=20)]
     # mlx-lm leaves its next step in flight on its own stream: let it finish first, or
@@ -70,6 +86,13 @@ def greedy(kind: str) -> dict:
                 got += r.tokens
             res[name + ("_chain" if chain else "")] = got
             res[f"{name}_s"] = time.perf_counter() - t0
+    res["as_one"] = same_as_one_process(model, kind, ids)
+    set_draft_vocab(model, tok, 64)  # the drafter scores 64 tokens: still lossless
+    res["b4_vocab"] = [
+        t
+        for r in stream_generate(model, tok, ids, max_tokens=20, block_size=4, temperature=0.0)
+        for t in r.tokens
+    ]
     return res
 
 

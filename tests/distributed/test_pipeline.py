@@ -47,11 +47,12 @@ def _chi_square_ok(samples: list[int], exact: np.ndarray) -> tuple[float, float]
 
 def _check_greedy(res: dict, own: list[int]) -> None:
     plain = res["plain"]
-    for name in ("b2", "b4", "b2_chain", "b4_chain"):
+    for name in ("b2", "b4", "b2_chain", "b4_chain", "b4_vocab"):
         got = res[name]
         assert got and got == plain[: len(got)], name  # an early stop only at the EOS
         assert len(got) == len(plain) or got[-1] == 3, name
     assert res["held"] == own  # this rank holds the weights of its own layers only
+    assert res["as_one"] == [True, True]  # logits and taps: the whole target's bits
 
 
 @needs_launch
@@ -69,6 +70,9 @@ def test_dflash_on_a_pipelined_target_equals_its_plain_greedy_and_keeps_the_samp
     for r, own in ((0, [2, 3]), (1, [0, 1])):
         _check_greedy(ranks[r]["qwen2"], own)
         _check_greedy(ranks[r]["qwen3_5"], own)
+        # trees on the dense target (its verifies take them), chains on the hybrid
+        assert [ranks[r][k]["tree_ok"] for k in ("qwen2", "qwen3_5")] == [True, False]
+        assert [ranks[r][k]["hybrid"] for k in ("qwen2", "qwen3_5")] == [False, True]
         # the weights of the other stage's layers are not read from the file: loading
         # reads the pair's files less (most of) them, plus a little (tokenizer, configs)
         sizes = {int(k): v for k, v in ranks[r]["layer_bytes"].items()}
@@ -77,7 +81,7 @@ def test_dflash_on_a_pipelined_target_equals_its_plain_greedy_and_keeps_the_samp
         read = ranks[r]["qwen2"]["read"]
         assert read < pair - other // 2, (read, pair, other)
     for kind in ("qwen2", "qwen3_5"):  # every rank decoded the same tokens
-        keys = ("plain", "b2", "b4", "b2_chain", "b4_chain")
+        keys = ("plain", "b2", "b4", "b2_chain", "b4_chain", "b4_vocab")
         assert [ranks[0][kind][k] for k in keys] == [ranks[1][kind][k] for k in keys]
     law = ranks[0]["law"]
     assert law["samples"] == ranks[1]["law"]["samples"]
@@ -186,6 +190,6 @@ def test_tap_share_fills_the_other_stages_taps_with_zeros_before_the_sum():
 
     own = mx.arange(6, dtype=mx.float32).reshape(1, 3, 2)
     share = TapShare(mx.distributed.init(), 2, mx.float32)  # one process: the sum is itself
-    feats = share({"on": True, 5: own}, [1, 5, 7], 3, mx.zeros((1, 3, 4)))
+    feats = share({"on": True, 5: own}, [1, 5, 7], (1, 3), mx.zeros((1, 3, 4)))
     want = mx.concatenate([mx.zeros((1, 3, 2)), own, mx.zeros((1, 3, 2))], axis=-1)
     assert feats.shape == (1, 3, 6) and mx.array_equal(feats, want).item()
