@@ -87,6 +87,19 @@ def greedy(kind: str) -> dict:
             res[name + ("_chain" if chain else "")] = got
             res[f"{name}_s"] = time.perf_counter() - t0
     res["as_one"] = same_as_one_process(model, kind, ids)
+    if kind == "qwen2":  # 8-bit KV caches: against mlx-lm's with the same flags
+        kv = {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 0}
+        res["plain_kv8"] = [
+            int(t) for t, _ in generate_step(mx.array(ids), model.target, max_tokens=20, **kv)
+        ]
+        mx.synchronize(generation_stream)
+        res["b4_kv8"] = [
+            t
+            for r in stream_generate(
+                model, tok, ids, max_tokens=20, block_size=4, temperature=0, **kv
+            )
+            for t in r.tokens
+        ]
     set_draft_vocab(model, tok, 64)  # the drafter scores 64 tokens: still lossless
     res["b4_vocab"] = [
         t

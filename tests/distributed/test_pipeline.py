@@ -80,8 +80,11 @@ def test_dflash_on_a_pipelined_target_equals_its_plain_greedy_and_keeps_the_samp
         pair = sum(f.stat().st_size for d in ("qwen2", "d2_qwen2") for f in (root / d).iterdir())
         read = ranks[r]["qwen2"]["read"]
         assert read < pair - other // 2, (read, pair, other)
+        kv8 = ranks[r]["qwen2"]["b4_kv8"]
+        assert kv8 and kv8 == ranks[r]["qwen2"]["plain_kv8"][: len(kv8)]
     for kind in ("qwen2", "qwen3_5"):  # every rank decoded the same tokens
         keys = ("plain", "b2", "b4", "b2_chain", "b4_chain", "b4_vocab")
+        keys += ("b4_kv8",) if kind == "qwen2" else ()
         assert [ranks[0][kind][k] for k in keys] == [ranks[1][kind][k] for k in keys]
     law = ranks[0]["law"]
     assert law["samples"] == ranks[1]["law"]["samples"]
@@ -171,7 +174,8 @@ def test_a_stage_wraps_only_its_own_layers_and_too_few_layers_are_refused(tmp_pa
     from dflash_mlx.model.target import TargetAdapter, _Tap
 
     for kind in ("qwen2", "qwen3_5"):
-        target = load_model(build_target(tmp_path / kind, kind), lazy=True)[0]
+        path = build_target(tmp_path / kind, kind, tokenizer=False, vocab_size=64)
+        target = load_model(path, lazy=True)[0]
         assert pipeline.split(target, _Group(2, 0)) == range(2, 4)  # rank 0: the last layers
         adapter = TargetAdapter(target, [0, 2])
         layers = pipeline.stack(target).layers
@@ -193,3 +197,23 @@ def test_tap_share_fills_the_other_stages_taps_with_zeros_before_the_sum():
     feats = share({"on": True, 5: own}, [1, 5, 7], (1, 3), mx.zeros((1, 3, 4)))
     want = mx.concatenate([mx.zeros((1, 3, 2)), own, mx.zeros((1, 3, 2))], axis=-1)
     assert feats.shape == (1, 3, 6) and mx.array_equal(feats, want).item()
+
+
+def test_the_commands_hand_shard_to_load(monkeypatch, tiny_dir):
+    from dflash_mlx import distributed
+    from dflash_mlx.cli import common
+    from dflash_mlx.cli.options import ModelOptions
+    from dflash_mlx.loading import loader
+
+    seen = {}
+
+    def fake_load(model, **kw):
+        seen.update(kw)
+        raise SystemExit(0)  # loading itself is the launch test's
+
+    monkeypatch.setattr(distributed, "group", lambda given=None: _Group())
+    monkeypatch.setattr(loader, "load", fake_load)
+    src = ModelOptions(model=str(tiny_dir / "qwen3"), shard="pipeline")
+    with pytest.raises(SystemExit):
+        common.load_pair(src, True, False, sharded=True)
+    assert seen["shard"] == "pipeline" and isinstance(seen["group"], _Group)
