@@ -15,11 +15,10 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: laws.py
-from laws import draw, exact_law
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: laws.py, tiny_models.py
+import sharded_law
 
-from dflash_mlx import distributed, load, stream_generate
-from dflash_mlx.decoding.acceptance import SamplingParams
+from dflash_mlx import load, stream_generate
 from dflash_mlx.loading.vocab import set_draft_vocab
 
 out, root = Path(sys.argv[1]), Path(sys.argv[2])
@@ -109,33 +108,9 @@ def greedy(kind: str) -> dict:
     return res
 
 
-def law() -> dict:
-    from mlx_lm.utils import load_model
-
-    from dflash_mlx.decoding.state import DFlashModel
-    from dflash_mlx.model.checkpoint import load_drafter
-    from dflash_mlx.model.target import TargetAdapter
-
-    target = load_model(root / "v8", lazy=True)[0]
-    mode = distributed.shard(target, group, "pipeline")
-    drafter = load_drafter(root / "d_v8", mx.float32)
-    pair = DFlashModel(target, drafter, TargetAdapter(target, drafter.args.target_layer_ids))
-    distributed.connect(pair, group, mode)
-    prompt, n, trials = [1, 2, 3], 3, int(sys.argv[3])
-    exact = exact_law(pair, prompt, n, 1.0, 1.0, 0, 0.0)
-    t0 = time.perf_counter()
-    samples, accepted = draw(pair, prompt, SamplingParams(1.0, 1.0, 0.0, 0), n, trials, True, 5)
-    return {
-        "law": [[list(k), float(v)] for k, v in exact.items()],
-        "samples": [list(s) for s in samples],
-        "accepted": accepted,
-        "draw_s": time.perf_counter() - t0,
-    }
-
-
 report = {"size": group.size(), "rank": rank}
 report["layer_bytes"] = layer_bytes(root / "qwen2" / "model.safetensors")
 report["qwen3_5"] = greedy("qwen3_5")  # first: the imports it does are not counted below
 report["qwen2"] = greedy("qwen2")
-report["law"] = law()
+report["law"] = sharded_law.report(root, group, "pipeline")
 (out / f"rank{rank}.json").write_text(json.dumps(report))

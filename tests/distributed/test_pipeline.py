@@ -3,15 +3,13 @@
 refusals and tap layout in one process."""
 
 import json
-import math
 from pathlib import Path
 
-import numpy as np
 import pytest
+import sharded_law
 from launch import launch, needs_launch
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
-TRIALS = 300  # DFlash samples of the first tokens, for the sampling law
 
 
 def _models(root: Path, tiny_dir: Path) -> Path:
@@ -20,29 +18,10 @@ def _models(root: Path, tiny_dir: Path) -> Path:
 
     build_target(root / "qwen2", "qwen2", hidden=128)  # its layers outweigh the other reads
     build_drafter(root / "d2_qwen2", root / "qwen2", dflash2=True, block_size=16)
-    build_target(root / "v8", "qwen2", tokenizer=False, vocab_size=8, seed=5)
-    build_drafter(root / "d_v8", root / "v8", dflash2=True, block_size=4, seed=7)
+    sharded_law.build(root, "qwen2")
     for name in ("qwen3_5", "d2_qwen3_5"):
         (root / name).symlink_to(tiny_dir / name)
     return root
-
-
-def _chi_square_ok(samples: list[int], exact: np.ndarray) -> tuple[float, float]:
-    """(statistic, critical value at p = 0.001) of samples against the exact law; bins
-    expected to hold fewer than 5 draws are merged into one."""
-    n = len(samples)
-    seen = np.bincount(samples, minlength=len(exact))[: len(exact)]
-    big = exact * n >= 5
-    obs = [*seen[big], seen[~big].sum()]
-    exp = [*(exact[big] * n), exact[~big].sum() * n]
-    if exp[-1] == 0:
-        assert obs[-1] == 0, "a token the law rules out was drawn"
-        obs, exp = obs[:-1], exp[:-1]
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    df = len(obs) - 1
-    z = 3.09  # the normal quantile at 0.999, through Wilson-Hilferty
-    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat, crit
 
 
 def _check_greedy(res: dict, own: list[int]) -> None:
@@ -60,7 +39,7 @@ def test_dflash_on_a_pipelined_target_equals_its_plain_greedy_and_keeps_the_samp
     tiny_dir, tmp_path
 ):
     root = _models(tmp_path / "m", tiny_dir)
-    res = launch([str(WORKER), str(tmp_path), str(root), str(TRIALS)], tmp_path)
+    res = launch([str(WORKER), str(tmp_path), str(root)], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:]
     files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
     assert all(f.is_file() for f in files), res.stdout[-3000:]
@@ -86,28 +65,12 @@ def test_dflash_on_a_pipelined_target_equals_its_plain_greedy_and_keeps_the_samp
         keys = ("plain", "b2", "b4", "b2_chain", "b4_chain", "b4_vocab")
         keys += ("b4_kv8",) if kind == "qwen2" else ()
         assert [ranks[0][kind][k] for k in keys] == [ranks[1][kind][k] for k in keys]
-    law = ranks[0]["law"]
-    assert law["samples"] == ranks[1]["law"]["samples"]
-    assert law["accepted"] > TRIALS // 4  # the drafts were taken, not only the bonus tokens
-    exact = {tuple(k): p for k, p in law["law"]}
-    samples = [tuple(s) for s in law["samples"]]
-    for pos in (1, 2):  # the positions that speculation produced
-        marginal = np.zeros(8)
-        for seq, p in exact.items():
-            marginal[seq[pos]] += p
-        stat, crit = _chi_square_ok([s[pos] for s in samples], marginal)
-        assert stat < crit, (pos, stat, crit)
-    pairs = sorted({seq[1:3] for seq in exact})
-    joint = np.array([sum(p for seq, p in exact.items() if seq[1:3] == k) for k in pairs])
-    index = {k: i for i, k in enumerate(pairs)}
-    assert all(s[1:3] in index for s in samples)  # no pair the law rules out
-    stat, crit = _chi_square_ok([index[s[1:3]] for s in samples], joint)
-    assert stat < crit, ("pair", stat, crit)
+    sharded_law.check([r["law"] for r in ranks])
     timing = {k: ranks[0]["qwen2"][k] for k in ("load_s", "b2_s", "b4_s")}
     reads = [r["qwen2"]["read"] for r in ranks]
     print(
-        f"pipeline loopback: qwen2 {timing}, read {reads} of {pair} B; {TRIALS} law draws "
-        f"{law['draw_s']:.1f} s"
+        f"pipeline loopback: qwen2 {timing}, read {reads} of {pair} B; "
+        f"{sharded_law.TRIALS} law draws {ranks[0]['law']['draw_s']:.1f} s"
     )
 
 
