@@ -72,7 +72,10 @@ def shard(target, group, mode=None) -> str | None:
 
 def _tensor(target, group) -> None:
     """mlx-lm's tensor parallelism: each rank keeps 1/size of every projection."""
+    from .pipeline import stack
+
     n = group.size()
+    other = ", or use --shard pipeline" if hasattr(stack(target), "pipeline") else ""
     for layer in target.layers:
         attn = getattr(layer, "self_attn", None)
         heads = [getattr(attn, a, 0) for a in ("n_heads", "n_kv_heads")]
@@ -80,7 +83,7 @@ def _tensor(target, group) -> None:
             raise DFlashError(
                 f"this target's attention heads ({heads[0]} query, {heads[1]} key/value) do "
                 f"not split over {n} processes; launch a number of processes that divides "
-                "both, or use --shard pipeline"
+                f"both{other}"
             )
     target.shard(group)
 

@@ -180,3 +180,17 @@ def test_the_commands_hand_shard_to_load(monkeypatch, tiny_dir):
     with pytest.raises(SystemExit):
         common.load_pair(src, True, False, sharded=True)
     assert seen["shard"] == "pipeline" and isinstance(seen["group"], _Group)
+
+
+def test_heads_that_do_not_split_point_to_pipeline_only_where_the_family_has_it(tmp_path):
+    from mlx_lm.utils import load_model
+    from tiny_models import build_target
+
+    from dflash_mlx import DFlashError, distributed
+
+    for kind, hint in (("qwen2", True), ("qwen3", False)):
+        path = build_target(tmp_path / kind, kind, tokenizer=False, vocab_size=64)
+        target = load_model(path, lazy=True)[0]
+        with pytest.raises(DFlashError, match="do not split over 3") as e:
+            distributed.shard(target, _Group(size=3), "tensor")
+        assert ("--shard pipeline" in str(e.value)) == hint
