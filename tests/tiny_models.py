@@ -89,8 +89,8 @@ def build_tokenizer(
 
 
 def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
-    """Config of a tiny 'qwen3' (dense), 'qwen3_5' or 'qwen3_next' (Gated DeltaNet +
-    attention) target."""
+    """Config of a tiny 'qwen3' or 'qwen2' (dense), 'qwen3_5' or 'qwen3_next' (Gated
+    DeltaNet + attention) target."""
     base = {
         "hidden_size": hidden,
         "num_hidden_layers": layers,
@@ -105,6 +105,8 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
     }
     if kind == "qwen3":
         return {"model_type": "qwen3", "rope_theta": 10000.0, **base}
+    if kind == "qwen2":  # dense, like qwen3, and with mlx-lm's pipeline parallelism
+        return {"model_type": "qwen2", "rope_theta": 10000.0, **base}
     if kind == "qwen3_5":
         return {
             "model_type": "qwen3_5",

@@ -61,6 +61,7 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None, sharded: 
         max_context=src.max_context,
         kv=kv,
         group=group,
+        shard=src.shard,
     )
     if verbose:
         from ..model.quantize import bits_of

@@ -31,6 +31,8 @@ class ModelOptions:
         draft_quant: ``--draft-quant`` as bits (None: auto, 0: none, 8, 4).
         offline: ``--offline``. max_memory: ``--max-memory`` in GB (None: the device's).
         max_context: ``--max-context`` in tokens (None: the model's, at most 32768).
+        shard: ``--shard``: tensor or pipeline parallelism under ``mlx.launch`` (None: the
+            family's default, ``distributed.shard``).
     """
 
     model: str
@@ -41,14 +43,17 @@ class ModelOptions:
     offline: bool = False
     max_memory: float | None = None
     max_context: int | None = None
+    shard: str | None = None
 
 
 def _model_options(values: dict) -> ModelOptions:
     """The ``ModelOptions`` of the typed values, their limits checked (flags named)."""
+    from ..distributed.pipeline import check_mode as check_shard
     from ..loading.memory import check_limits
     from ..model.config import parse_draft_quant
 
     check_limits(values.get("max_memory"), values.get("max_context"), flags=True)
+    check_shard(values.get("shard"))
     values["draft_quant"] = parse_draft_quant(values.get("draft_quant"), "--draft-quant")
     return ModelOptions(**values)
 
@@ -186,6 +191,17 @@ MODEL = Group(
                 "--max-context",
                 help="Context in tokens the caches are sized for, prompt and answer "
                 "(default: the model's, at most 32768).",
+            ),
+        ),
+        (
+            "shard",
+            str | None,
+            typer.Option(
+                None,
+                "--shard",
+                help="Under mlx.launch: split the target over the processes with mlx-lm's "
+                "tensor or pipeline parallelism (default: tensor where the family has it, "
+                "else pipeline; docs/distributed.md). One process: no effect.",
             ),
         ),
     ],

@@ -1,6 +1,6 @@
 """Several machines as one (docs/distributed.md): under ``mlx.launch`` the target is sharded
-with mlx-lm's own tensor parallelism (``Model.shard``) and every rank runs the same DFlash
-loop. Each sharded layer ends in MLX's ``all_sum``, which leaves every rank the same sum, so
+with mlx-lm's own tensor parallelism (``Model.shard``), or its pipeline parallelism
+(``pipeline.py``), and every rank runs the same DFlash loop. Each sharded layer ends in MLX's ``all_sum``, which leaves every rank the same sum, so
 every rank sees the same logits, drafts the same block with its own copy of the drafter,
 and takes the same decisions with the same keys: no rank sends another its tokens. Only
 rank 0 speaks. What reads a clock (``block_size="auto"``) could decide otherwise on each
@@ -13,6 +13,7 @@ import os
 import sys
 
 from ..errors import DFlashError
+from .pipeline import check_mode as check_shard  # noqa: F401 - load's check of ``shard``
 
 RANK_ENV = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")  # ring / JACCL, MPI launchers
 
@@ -36,35 +37,68 @@ def group(given=None):
     return g if g.size() > 1 else None
 
 
-def shard(target, group) -> None:
-    """Shard the target's layers over ``group`` with mlx-lm's tensor parallelism, in place,
-    before any of our wrappers: each rank keeps 1/size of every projection.
+def shard(target, group, mode=None) -> str | None:
+    """Shard the target over ``group`` with mlx-lm's own tensor or pipeline parallelism, in
+    place, before any of our wrappers, then read the weights this rank keeps (the target
+    comes loaded lazily under a group: a pipeline stage never reads another's layers).
 
     Args:
-        target: the mlx-lm model, as loaded. group: an ``mx.distributed.Group`` or None.
+        target: the mlx-lm model. group: an ``mx.distributed.Group`` or None.
+        mode: "tensor", "pipeline" or None (tensor where the family has it, else pipeline;
+            ``pipeline.mode``).
+
+    Returns:
+        The mode used; None for one process.
 
     Raises:
-        DFlashError: the family has no tensor parallelism in mlx-lm, or its heads do not
-            split evenly over the ranks.
+        DFlashError: the family has neither (or not the one asked for), its heads do not
+            split evenly over the ranks, or it has fewer layers than ranks.
     """
+    from . import pipeline
+
+    pipeline.check_mode(mode)
     if group is None:
-        return
-    kind = getattr(getattr(target, "args", None), "model_type", type(target).__module__)
+        return None
+    import mlx.core as mx
+
+    chosen = pipeline.mode(target, mode, group.size())
+    if chosen == "pipeline":
+        pipeline.split(target, group)
+    else:
+        _tensor(target, group)
+    mx.eval(target.parameters())
+    return chosen
+
+
+def _tensor(target, group) -> None:
+    """mlx-lm's tensor parallelism: each rank keeps 1/size of every projection."""
+    from .pipeline import stack
+
     n = group.size()
-    if not hasattr(target, "shard"):
-        raise DFlashError(
-            f"mlx-lm has no tensor parallelism for '{kind}' targets, so it cannot be sharded "
-            f"over {n} processes; run it in one process, or use a llama / qwen2 / qwen3 target"
-        )
+    other = ", or use --shard pipeline" if hasattr(stack(target), "pipeline") else ""
     for layer in target.layers:
         attn = getattr(layer, "self_attn", None)
         heads = [getattr(attn, a, 0) for a in ("n_heads", "n_kv_heads")]
         if any(h % n for h in heads):
             raise DFlashError(
                 f"this target's attention heads ({heads[0]} query, {heads[1]} key/value) do "
-                f"not split over {n} processes; launch a number of processes that divides both"
+                f"not split over {n} processes; launch a number of processes that divides "
+                f"both{other}"
             )
     target.shard(group)
+
+
+def connect(pair, group, mode) -> None:
+    """Join the assembled pair's ranks where the mode needs it: under pipeline parallelism
+    each rank's taps reach every rank (``pipeline.connect``); else nothing.
+
+    Args:
+        pair: the ``DFlashModel``. group: the ranks, or None. mode: what ``shard`` returned.
+    """
+    if group is not None and mode == "pipeline":
+        from . import pipeline
+
+        pipeline.connect(pair.adapter, group)
 
 
 def speak_only_on_rank_zero(group) -> None:

@@ -248,8 +248,9 @@ def _notices(quiet: bool, log: Callable[[str], None] | None):
     return log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
 
-def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None):
-    """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file."""
+def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None, lazy=False):
+    """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file;
+    lazy: no weight read yet (sharding reads only the rank's own, ``distributed.shard``)."""
     backend.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
     if _is_gguf(path):
         from .gguf import load_gguf
@@ -273,7 +274,7 @@ def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None)
     if vision.is_vlm(params):  # mlx-vlm's model, imported only now
         return vision.load_vlm(path, params, tokenizer_config)
     try:
-        return mlx_load(str(path), tokenizer_config=tokenizer_config or {})
+        return mlx_load(str(path), tokenizer_config=tokenizer_config or {}, lazy=lazy)
     except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:
         # what mlx / mlx-lm raise on a corrupt, incomplete or unsupported checkpoint
         reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
@@ -315,6 +316,19 @@ def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str, bits, not
     return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name, notes=notes)
 
 
+def _pair(res, paths, bits, notes, tokenizer_config, group, shard):
+    """``load``'s (DFlashModel, tokenizer) from the located ``paths`` (target, drafter name,
+    drafter), the target sharded over ``group`` by ``shard`` before any wrapper of ours (a
+    group's target loads lazily: each rank reads only the weights it keeps)."""
+    (tpath, dname, dpath), name = paths, res.display_name
+    group = distributed.group(group)
+    target, tokenizer = _load_target(tpath, name, tokenizer_config, notes, group is not None)
+    mode = distributed.shard(target, group, shard)
+    pair = _assemble(target, tpath, dname, dpath, name, bits, notes)
+    distributed.connect(pair, group, mode)
+    return pair, tokenizer
+
+
 def load(
     model: str,
     drafter: str | None = None,
@@ -331,6 +345,7 @@ def load(
     kv: tuple[int, int, int] | None = None,
     draft_quant: int | str | None = None,
     group=None,
+    shard: str | None = None,
 ) -> tuple[DFlashModel, object]:
     """Load a target model and its DFlash drafter.
 
@@ -349,7 +364,7 @@ def load(
             frequent ids by the tokenizer's merge ranks (plus its special tokens).
         max_memory, max_context, kv: the memory plan's limits and KV cache (``memory.Fit``).
         draft_quant: the drafter's layers: 4 / 8 bits, "none", "auto" (None; format.md §2.5).
-        group: an ``mx.distributed.Group`` to shard over (None: ``mlx.launch``'s, if any).
+        group, shard: a ``Group`` to shard over (None: mlx.launch's), "tensor" / "pipeline".
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
@@ -359,6 +374,7 @@ def load(
         DFlashError: one line naming the problem and the fix.
     """
     bits = parse_draft_quant(draft_quant)  # before any I/O
+    distributed.check_shard(shard)
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
     fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits)
     notes = _notices(quiet, log)
@@ -367,9 +383,7 @@ def load(
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
-    target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
-    distributed.shard(target, distributed.group(group))  # before any wrapper of ours
-    pair = _assemble(target, tpath, dname, dpath, res.display_name, bits, notes)
+    pair, tokenizer = _pair(res, (tpath, dname, dpath), bits, notes, tokenizer_config, group, shard)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:

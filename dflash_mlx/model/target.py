@@ -191,9 +191,14 @@ class TargetAdapter:
         self.inner = inner
         self._store: dict = {}
         self._armed: dict = {}  # "on": the next forward records for a rollback
-        layers = inner.layers
-        self.num_layers = len(layers)
+        # Under pipeline parallelism (``distributed/pipeline.py``) the list keeps every
+        # layer's number, None where another process runs it: this one wraps its own.
+        self.num_layers = len(inner.layers)
+        # How the taps of layers other processes run reach this one (pipeline.TapShare);
+        # None: every tapped layer runs here.
+        self.share = None
         self.tap(layer_ids)
+        layers = [x for x in inner.layers if x is not None]
         self.recorders: list[_Recorder | None] = []
         for layer in layers:
             base = layer.inner if isinstance(layer, _Tap) else layer
@@ -220,7 +225,8 @@ class TargetAdapter:
 
     def _wrap_ropes(self) -> bool:
         """Give every layer's rotary embedding tree positions; False if a layer has none."""
-        bases = [x.inner if isinstance(x, _Tap) else x for x in self.inner.layers]
+        own = [x for x in self.inner.layers if x is not None]
+        bases = [x.inner if isinstance(x, _Tap) else x for x in own]
         attns = [getattr(b, "self_attn", None) for b in bases]
         if not all(hasattr(a, "rope") for a in attns):
             return False
@@ -234,6 +240,8 @@ class TargetAdapter:
         self.layer_ids = list(layer_ids)
         layers = self.inner.layers
         for i in self.layer_ids:
+            if layers[i] is None:  # another pipeline stage's: ``share`` brings its rows
+                continue
             if not isinstance(layers[i], _Tap):
                 layers[i] = _Tap(layers[i], self._store, i)
             object.__setattr__(layers[i], "_store", self._store)
@@ -304,7 +312,10 @@ class TargetAdapter:
             self._tree["positions"] = mx.array(tree.positions(o, chain, n), mx.int32)
         try:
             logits = self.model(ids, cache=cache)
-            feats = mx.concatenate([self._store[i] for i in self.layer_ids], axis=-1)
+            if self.share is None:
+                feats = mx.concatenate([self._store[i] for i in self.layer_ids], axis=-1)
+            else:
+                feats = self.share(self._store, self.layer_ids, ids.shape[:2], logits)
         finally:
             self._store.clear()
             self._tree.clear()

@@ -1,5 +1,6 @@
 """One rank of the sharded-decoding test (run by ``mlx.launch``): load the tiny pair sharded
-over the launched group, decode plain (mlx-lm) and with DFlash greedily, write the tokens."""
+over the launched group, decode plain (mlx-lm) and with DFlash greedily, then the sampling
+law of an 8-token pair on the tensor-sharded target (``sharded_law``); write it all."""
 
 import json
 import sys
@@ -7,6 +8,9 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: laws.py
+import sharded_law
 
 from dflash_mlx import load, stream_generate
 
@@ -26,5 +30,13 @@ for block in (2, 4):
     runs[str(block)] = got
 shards = model.target.layers[0].self_attn.n_heads  # query heads kept on this rank
 (out / f"rank{group.rank()}.json").write_text(
-    json.dumps({"size": group.size(), "plain": plain, "dflash": runs, "heads": shards})
+    json.dumps(
+        {
+            "size": group.size(),
+            "plain": plain,
+            "dflash": runs,
+            "heads": shards,
+            "law": sharded_law.report(Path(sys.argv[4]), group, "tensor"),
+        }
+    )
 )

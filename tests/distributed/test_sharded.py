@@ -1,50 +1,34 @@
 """Two ranks on one machine (``mlx.launch -n 2 --backend ring``, loopback): the tiny qwen3
 target sharded with mlx-lm's tensor parallelism, DFlash greedy equal to plain greedy
-decoding of the same sharded target on every rank, and every rank taking the same tokens."""
+decoding of the same sharded target on every rank, and every rank taking the same tokens;
+the sampling law on a tensor-sharded 8-token target."""
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+import sharded_law
+from launch import launch, needs_launch
 
 WORKER = Path(__file__).with_name("rank_worker.py")
-LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-TIMEOUT = 240  # seconds for both ranks, loading included
 
 
-def _launch(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args]
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        out, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, only
-        out, _ = proc.communicate()
-        pytest.fail(f"the ranks did not finish in {TIMEOUT} s:\n{out.decode()[-2000:]}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
-
-
-@pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
-def test_dflash_on_a_tensor_sharded_target_equals_its_plain_greedy_on_every_rank(
+@needs_launch
+def test_dflash_on_a_tensor_sharded_target_equals_its_plain_greedy_and_keeps_the_law(
     tiny_dir, tmp_path
 ):
-    res = _launch(
-        [str(WORKER), str(tmp_path), str(tiny_dir / "qwen3"), str(tiny_dir / "d2_qwen3")], tmp_path
-    )
+    law = sharded_law.build(tmp_path / "law", "qwen3")  # 4 query, 2 key/value heads
+    args = [tmp_path, tiny_dir / "qwen3", tiny_dir / "d2_qwen3", law]
+    res = launch([str(WORKER), *map(str, args)], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["size"] for r in ranks] == [2, 2] and [r["heads"] for r in ranks] == [2, 2]
-    assert ranks[0] == ranks[1]  # every rank decoded the same tokens
+    same = [{k: v for k, v in r.items() if k != "law"} for r in ranks]
+    assert same[0] == same[1]  # every rank decoded the same tokens
     plain = ranks[0]["plain"]
     for block, got in ranks[0]["dflash"].items():
         assert got[: len(plain)] == plain, block
+    sharded_law.check([r["law"] for r in ranks])
 
 
 class _Group:

@@ -1,0 +1,31 @@
+"""Start a script on two ranks on this machine (``mlx.launch -n 2 --backend ring``,
+loopback), bounded in time; kills only what it started."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+TIMEOUT = 240  # seconds for both ranks, loading included
+needs_launch = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
+
+
+def launch(args: list[str], cwd: Path, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
+    """Run ``python args...`` on two ranks; the launcher's output (it exits 0 even when a
+    rank fails: check each rank's own files)."""
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args]
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started, only
+        out, _ = proc.communicate()
+        pytest.fail(f"the ranks did not finish in {timeout} s:\n{out.decode()[-2000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
