@@ -67,17 +67,33 @@ def serve(
     config = ServerConfig(tuple(allow_origin or ()), shutdown_grace).validate(flags=True)
     if cfg.kv_bits is not None and max_batch > 1:
         raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
-    from .. import server
+    from .. import distributed, server
 
-    sock = server.listen(host, port)  # a busy port or a bad host fails before the load
-    warning = server.bind_warning(host, api_key)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+    group = distributed.group()
+    if group is not None and cfg.kv_bits is not None:
+        raise DFlashError("--kv-bits does not run across several processes yet; drop it")
+    sock = None
+    if group is None or group.rank() == 0:  # only rank 0 serves HTTP
+        sock = server.listen(host, port)  # a busy port or a bad host fails before the load
+        warning = server.bind_warning(host, api_key)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     try:
-        m, tok, prompt_cache_gb = _load(src, quiet, verbose, cfg, prompt_cache_gb)
+        m, tok, prompt_cache_gb, cfg = _load(src, quiet, verbose, cfg, prompt_cache_gb)
     except BaseException:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise
+    lockstep = None
+    if group is not None:
+        from ..distributed import follow
+
+        channel, dog = follow.start(group)
+        if prompt_cache_dir is not None:  # each rank its own disk tier (docs/distributed.md)
+            prompt_cache_dir = f"{prompt_cache_dir.rstrip('/')}/rank{group.rank()}"
+        if group.rank() != 0:
+            return follow_server(channel, dog, m, tok, prompt_cache_dir)
+        lockstep = follow.Lead(channel, dog)
     server.run_server(
         m,
         tok,
@@ -92,19 +108,47 @@ def serve(
         cache_gb=prompt_cache_gb,
         cache_dir=prompt_cache_dir,
         config=config,
+        lockstep=lockstep,
     )
 
 
 def _load(src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb: float | None):
-    """(model, tokenizer, the prompt caches' GB inside the memory budget) for ``serve``."""
+    """(model, tokenizer, the prompt caches' GB inside the memory budget, the default
+    settings) for ``serve``; under ``mlx.launch`` ``auto`` becomes a fixed block."""
+    from .. import distributed
     from ..server.prompt_cache import pool_gb
 
-    m, tok = c.load_pair(src, quiet, verbose, cfg)
+    m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
+    if distributed.group() is not None:
+        cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
     if cfg.block_size == "auto":  # measured now, not under the first request's lock
         from ..decoding.warmup import ensure
 
         ensure(m)
-    return m, tok, pool_gb(m, cache_gb, src.max_memory)
+    return m, tok, pool_gb(m, cache_gb, src.max_memory), cfg
+
+
+def follow_server(channel, dog, m, tok, cache_dir: str | None) -> None:
+    """A rank other than 0 under ``dflash serve``: build the pool and batch rank 0 chose
+    and repeat its calls until it stops (its Ctrl-C or SIGTERM is sent as a quit)."""
+    import signal
+
+    from ..batching import BatchGenerator
+    from ..distributed import follow
+    from ..server.prompt_cache import PromptPool
+    from ..server.prompt_cache_disk import DiskTier
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches rank 0 too
+    hello = channel.recv()
+    disk = None if cache_dir is None else DiskTier.open(cache_dir, m)
+    pool = PromptPool(m, hello["cache_bytes"], disk)
+    try:
+        follow.follow_batches(channel, pool, lambda: BatchGenerator(m, tok, hello["max_batch"]))
+    except RuntimeError as e:  # MLX's ring: a peer's connection was lost
+        dog.broke(e)
+    except Exception as e:  # noqa: BLE001 - this rank's stderr is muted: the watchdog says it
+        dog.fail(f"rank {channel.rank} failed: {type(e).__name__}: {e}")
+    pool.close()
 
 
 def check_server_options(
