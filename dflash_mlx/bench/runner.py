@@ -48,7 +48,7 @@ class PromptResult:
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None, cache=None):
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import generate_step, generation_stream
     from mlx_lm.sample_utils import make_sampler
 
     if seed is not None:
@@ -63,6 +63,9 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=No
         out.append(int(tok))
         if t_first is None:
             t_first = time.perf_counter()
+    # mlx-lm leaves its next step in flight on its own stream; on a sharded target its
+    # collectives would run beside the next method's (docs/distributed.md)
+    mx.synchronize(generation_stream)
     res.tokens["autoregressive"] = len(out)
     res.seconds["autoregressive"] = time.perf_counter() - t_first
     res.continuation = res.outputs["autoregressive"] = out
@@ -187,6 +190,7 @@ def run_bench(
     tree: bool = True,
     kv: tuple[int, int, int] | None = None,
     latency: bool = False,
+    auto: bool = True,
 ) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
 
@@ -204,6 +208,7 @@ def run_bench(
         kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too
             (each method then prefills the prompt itself).
         latency: add ``latency_split`` of the first prompt (one more profiled decode).
+        auto: also run ``auto`` (False across ranks: it times cycles, which could part them).
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
@@ -218,7 +223,8 @@ def run_bench(
         # mlx-lm converts a quantized KV cache at a point set by the prompt's length, so
         # with ``kv`` every method prefills its own prompt
         prefix = prefilled(model, ids) if kv is None else None
-        res = _methods(model, ids, max_tokens, block, temperature, seed, lookup, tree, kv, prefix)
+        args = (max_tokens, block, temperature, seed, lookup, tree, kv, prefix, auto)
+        res = _methods(model, ids, *args)
         if latency and i == 0:
             own = copied(prefix) if prefix is not None else None
             split = latency_split(model, ids, max_tokens, block, temperature, tree=tree, cache=own)
@@ -234,7 +240,9 @@ def run_bench(
     return rep
 
 
-def _methods(model, ids, max_tokens, block, temp, seed, lookup, tree, kv, prefix) -> PromptResult:
+def _methods(
+    model, ids, max_tokens, block, temp, seed, lookup, tree, kv, prefix, auto=True
+) -> PromptResult:
     """Every method on one prompt, each from its own copy of ``prefix`` (when given)."""
     res = PromptResult()
 
@@ -248,7 +256,8 @@ def _methods(model, ids, max_tokens, block, temp, seed, lookup, tree, kv, prefix
         _dflash(*args, True, "dflash2", res, **kw, **own())
     if lookup:
         _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw, **own())
-    _dflash(*args, True, "auto", res, lookup=lookup, **kw, **own())
+    if auto:
+        _dflash(*args, True, "auto", res, lookup=lookup, **kw, **own())
     return res
 
 

@@ -39,7 +39,8 @@ Ctrl-C stops the current answer."""
 
 
 class ChatSession(Conversation):
-    """One terminal conversation over a loaded model.
+    """One terminal conversation over a loaded model (``lead``: under ``mlx.launch``, rank
+    0's ``chat_ranks.ChatLead``, which sends each turn and reset to the other ranks).
 
     Args:
         model, tokenizer: from ``load``. name: shown in the banner.
@@ -79,6 +80,7 @@ class ChatSession(Conversation):
         self.con = Console(file=self.out, highlight=False, soft_wrap=True)
         self.history: list[dict[str, str]] = []
         self.cache = model.make_cache()
+        self.lead = None
         # Token-exact transcript (template text and ids through the last answer), so the
         # next turn appends to exactly what the cache holds, as mlx-lm's chat does.
         self.prev_text: str | None = None
@@ -138,6 +140,8 @@ class ChatSession(Conversation):
         self.history = []
         self.cache = self.model.make_cache()
         self.prev_text, self.prev_ids = None, []
+        if self.lead is not None:
+            self.lead.reset()
 
     def stats_text(self) -> str:
         r = self.last
@@ -282,8 +286,10 @@ class ChatSession(Conversation):
             self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache,
             logits_processors=procs,
         )  # fmt: skip
+        if self.lead is not None:  # a prefill stops at its end: every rank must run it all
+            gen = self.lead.stream(gen, ids, self.gen, self.budget)
         try:
-            with StopFlag(on_first=self.cache.interrupt.set) as flag:
+            with StopFlag(on_first=None if self.lead else self.cache.interrupt.set) as flag:
                 for r in gen:
                     last = r
                     answer_ids.extend(r.tokens)
@@ -296,6 +302,8 @@ class ChatSession(Conversation):
             stopped = True
         except KeyboardInterrupt:
             # Stopped mid-cycle: the caches may be half-updated, so start a fresh one.
+            if self.lead is not None:
+                self.lead.stopped_mid_cycle()
             stopped = True
             self.cache = self.model.make_cache()
         finally:
@@ -308,7 +316,7 @@ class ChatSession(Conversation):
         self.con.print(
             f"[bold]dflash chat[/bold] · {self.name} · "
             f"block {self.gen.block_size or self.model.block_size}"
-            f" · /help for commands, Ctrl-D to leave"
+            f" · /help for commands, {'/exit' if self.lead else 'Ctrl-D'} to leave"
         )
         while True:
             try:
@@ -355,7 +363,16 @@ def chat(
     budget = check_budget(thinking_budget)
     if streams.stdin_closed():
         raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")
-    m, tok = c.load_pair(src, False, verbose, cfg)
+    m, tok = c.load_pair(src, False, verbose, cfg, sharded=True)
+    from .. import distributed
+
+    group, lead = distributed.group(), None
+    if group is not None:
+        from . import chat_ranks
+
+        cfg, lead = chat_ranks.start(group, m, cfg)
+        if group.rank() != 0:
+            return chat_ranks.follow_chat(*lead, m, tok)
     from ..decoding.prompt import notice_default_format
 
     notice_default_format(tok)  # no chat template: say once which format stands in
@@ -365,4 +382,7 @@ def chat(
     )  # fmt: skip
     if system:
         check_system_prompt(tok, system, session.context, "the --system text")
+    session.lead = lead
     session.loop()
+    if lead is not None:
+        lead.quit()

@@ -47,11 +47,12 @@ def run(
     budget = check_budget(thinking_budget)
     text = c.read_prompt(prompt, prompt_opt)
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
-    cfg = _across_ranks(m, cfg)
+    cfg, guard = _across_ranks(m, cfg)
     kw = template_kwargs(False if no_think else None)
     ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
     opts = {"profile": verbose, "logits_processors": processors(tok, ids, budget)}
-    last, shown = _generate(m, tok, ids, cfg, opts, as_json, quiet)
+    with guard:
+        last, shown = _generate(m, tok, ids, cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
     extra = None
@@ -71,13 +72,21 @@ def run(
             con.print(line)
 
 
-def _across_ranks(m, cfg: GenerationConfig) -> GenerationConfig:
-    """Under ``mlx.launch``: a block size that every rank takes alike."""
+def _across_ranks(m, cfg: GenerationConfig):
+    """(settings, guard): under ``mlx.launch`` a block size that every rank takes alike,
+    and the watchdog that ends every rank when one is lost (``distributed.faults``)."""
+    from contextlib import nullcontext
+
     from .. import distributed
 
-    if distributed.group() is None:
-        return cfg
-    return distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
+    group = distributed.group()
+    if group is None:
+        return cfg, nullcontext()
+    from ..distributed import follow
+
+    _, dog = follow.start(group)
+    cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
+    return cfg, follow.guarded(dog)
 
 
 def _dim(text: str) -> None:

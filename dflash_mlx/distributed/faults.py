@@ -59,6 +59,7 @@ class Watchdog:
         self.rank, self.size, self.on_fault = rank, size, on_fault
         self.done = threading.Event()  # a normal end: silence is no longer a fault
         self.peers: dict[int, socket.socket] = {}
+        self.gone: set[int] = set()  # ranks that ended normally ("bye")
         self._gate, self._fired = threading.Lock(), False
         self._parent = os.getppid()
 
@@ -129,12 +130,12 @@ class Watchdog:
                 if line.startswith(b"lost "):  # rank 0 lost another rank
                     self.fail(line[5:].decode(errors="replace"))
                 elif line == b"bye":
-                    self.done.set()
+                    self.gone.add(k)
 
     def lost(self, k: int, why: str) -> None:
         """Rank ``k`` exited or hangs: tell the others (rank 0) and end this rank."""
-        if self.done.wait(GRACE_S if k == 0 else 0):
-            return  # rank 0 said goodbye, or this rank is ending anyway
+        if k in self.gone or self.done.wait(GRACE_S if k == 0 else 0):
+            return  # it ended normally, or this rank is ending anyway
         msg = f"rank {k} of {self.size} {why}"
         for j, sock in list(self.peers.items()):
             if j != k:

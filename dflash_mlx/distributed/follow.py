@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 
 import mlx.core as mx
@@ -94,6 +95,16 @@ def start(group):
     dog = faults.watch(channel)
     atexit.register(dog.close)
     return channel, dog
+
+
+@contextmanager
+def guarded(dog):
+    """Inside: a collective that fails (MLX's ring: "connection to a peer was lost") ends
+    the rank through ``dog`` (one ``error:`` line naming the rank), not with a traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        dog.broke(e)
 
 
 class Lead:
