@@ -202,8 +202,7 @@ def run_bench(
         block_size: runtime block size (default: the checkpoint's). temperature: sampling.
         seed: makes sampling reproducible. raw: skip the chat template (code prompts).
         progress: optional callable(done, total) after each prompt.
-        lookup: also run DFlash 2 with copied drafts ("dflash2+lookup"), and ``auto`` with
-            them; False: neither.
+        lookup: also run "dflash2+lookup" (copied drafts), and ``auto`` with them; False: neither.
         tree: greedy DFlash cycles also verify the first draft's siblings (``tree.py``).
         kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too
             (each method then prefills the prompt itself).
@@ -213,15 +212,13 @@ def run_bench(
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
     top_k = model.drafter.args.selector_top_k
-    results, lengths = [], []
+    results, lengths, split = [], [], None
     warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
     _dflash(model, warm, 4, block, temperature, seed, True, "warm", PromptResult())
-    split = None
     for i, text in enumerate(prompts):
         ids = encode_prompt(tokenizer, text, raw)
         lengths.append(len(ids))
-        # mlx-lm converts a quantized KV cache at a point set by the prompt's length, so
-        # with ``kv`` every method prefills its own prompt
+        # with ``kv`` each method prefills itself: mlx-lm quantizes at a prompt-set point
         prefix = prefilled(model, ids) if kv is None else None
         args = (max_tokens, block, temperature, seed, lookup, tree, kv, prefix, auto)
         res = _methods(model, ids, *args)

@@ -80,9 +80,7 @@ def bench(
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'")
     m, tok = c.load_pair(src, False, False, cfg, sharded=True)
-    ranks = _ranks(m, cfg)
-    if ranks is not None:
-        cfg, guard = ranks[1], ranks[2]
+    rank, cfg, guard = _ranks(m, cfg)
     if context is not None:
         prompts, cfg = with_context(m, tok, prompts, context, cfg, raw=not chat_template)
     block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
@@ -91,15 +89,12 @@ def bench(
             f"--max-tokens {cfg.max_tokens} is shorter than the block ({block} tokens), so no "
             f"per-position Recall can be measured; pass -m {block} or more"
         )
-    if ranks is None:
-        rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
-    else:
-        with guard:
-            rep = _measure(m, tok, prompts, cfg, raw=not chat_template, auto=False)
+    with guard:
+        rep = _measure(m, tok, prompts, cfg, raw=not chat_template, auto=rank is None)
     from rich.console import Console
 
     print_report(rep, Console(highlight=False))
-    if ranks is not None and ranks[0] != 0:
+    if rank:
         return  # every rank ran the same bench; rank 0 writes it
     for path, write in ((json_path, write_json), (plot_path, write_plot)):
         if path:
@@ -170,14 +165,17 @@ def check_output(path: str, flag: str, suffixes=None) -> str:
 
 
 def _ranks(m, cfg: GenerationConfig):
-    """Under ``mlx.launch``: (this rank, the settings with a fixed block, the watchdog's
-    guard), said in notes; None in one process. Every rank runs the same bench (same
-    collectives), without ``auto``, which times its cycles and could part the ranks."""
+    """(this rank, the settings, a guard): under ``mlx.launch`` a fixed block and the
+    watchdog's guard, said in notes; (None, cfg, a null guard) in one process. Every rank
+    runs the same bench (same collectives), without ``auto``, which times its cycles and
+    could part the ranks."""
+    from contextlib import nullcontext
+
     from .. import distributed
 
     group = distributed.group()
     if group is None:
-        return None
+        return None, cfg, nullcontext()
     from ..distributed import follow
 
     _, dog = follow.start(group)
