@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -165,7 +166,12 @@ class Watchdog:
                 self.on_fault(msg)
             except Exception as e:  # noqa: BLE001 - ending is what matters now
                 _say(f"note: answering the clients failed ({e})")
-        _say(f"error: {msg}; every rank stops (rank {self.rank} now)")
+        try:  # rank 0's answer may have stopped mid-line on stdout
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+        start = "\n" if self.rank == 0 and self.on_fault is None else ""
+        _say(f"{start}error: {msg}; every rank stops (rank {self.rank} now)")
         os._exit(1)
 
     def close(self) -> None:
