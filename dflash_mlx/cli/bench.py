@@ -178,8 +178,9 @@ def _ranks(m, cfg: GenerationConfig):
         return None, cfg, nullcontext()
     from ..distributed import follow
 
-    _, dog = follow.start(group)
+    channel, dog = follow.start(group)
     cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
+    cfg = follow.seeded(cfg, channel.seed)
     print("note: several processes: the bench runs without auto", file=sys.stderr)
     return group.rank(), cfg, follow.guarded(dog)
 

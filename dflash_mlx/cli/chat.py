@@ -282,12 +282,13 @@ class ChatSession(Conversation):
         last, stopped = None, False
         self.cache.interrupt.clear()
         procs = processors(self.tok, ids, self.budget)
+        cfg = self.gen if self.lead is None else self.lead.pin(self.gen)  # a seed for all ranks
         gen = stream_generate(
-            self.model, self.tok, ids, config=self.gen, prompt_cache=self.cache,
+            self.model, self.tok, ids, config=cfg, prompt_cache=self.cache,
             logits_processors=procs,
         )  # fmt: skip
         if self.lead is not None:  # a prefill stops at its end: every rank must run it all
-            gen = self.lead.stream(gen, ids, self.gen, self.budget)
+            gen = self.lead.stream(gen, ids, cfg, self.budget)
         try:
             with StopFlag(on_first=None if self.lead else self.cache.interrupt.set) as flag:
                 for r in gen:

@@ -5,6 +5,7 @@ ranks, which decode it in step with rank 0 and stop at the same cycle (``follow`
 from __future__ import annotations
 
 import signal
+from contextlib import nullcontext
 
 from ..errors import DFlashError
 
@@ -13,7 +14,7 @@ class ChatLead:
     """Rank 0's side of a chat across ranks (``ChatSession.lead``).
 
     Args:
-        channel, dog: from ``distributed.follow.start``.
+        channel, dog: from ``distributed.follow.start`` (dog None: a broken link raises).
     """
 
     def __init__(self, channel, dog):
@@ -26,7 +27,16 @@ class ChatLead:
 
         turn = {"op": "turn", "ids": list(ids), "cfg": follow.config_dict(cfg), "budget": budget}
         self.channel.send(turn)
-        return follow.lead_stream(self.channel, gen, self.dog.broke)
+        return follow.lead_stream(self.channel, gen, getattr(self.dog, "broke", None))
+
+    def pin(self, cfg):
+        """This turn's settings with a seed (a fresh one unless ``--seed`` set it): every
+        rank samples with the same keys."""
+        import os
+
+        from ..distributed import follow
+
+        return follow.seeded(cfg, int.from_bytes(os.urandom(4), "little"))
 
     def reset(self) -> None:
         """The session starts a fresh cache: so do the other ranks."""
@@ -67,7 +77,7 @@ def follow_chat(channel, dog, m, tok) -> None:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is rank 0's to act on
     cache = m.make_cache()
-    with follow.guarded(dog):
+    with follow.guarded(dog) if dog is not None else nullcontext():
         while True:
             cmd = channel.recv()
             if cmd["op"] == "quit":

@@ -84,9 +84,9 @@ def _across_ranks(m, cfg: GenerationConfig):
         return cfg, nullcontext()
     from ..distributed import follow
 
-    _, dog = follow.start(group)
+    channel, dog = follow.start(group)
     cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
-    return cfg, follow.guarded(dog)
+    return follow.seeded(cfg, channel.seed), follow.guarded(dog)
 
 
 def _dim(text: str) -> None:

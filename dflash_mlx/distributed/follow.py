@@ -74,26 +74,40 @@ def config_of(fields: dict):
     return GenerationConfig(**fields)
 
 
+def seeded(cfg, seed: int):
+    """``cfg`` with ``seed`` unless it has one: without, each rank would read its own clock
+    for the sampling keys, and their decisions would part."""
+    return cfg if cfg.seed is not None else replace(cfg, seed=seed % 2**31)
+
+
 def pinned(cfg, block: int, seed: int):
     """``cfg`` with what each rank could pick differently fixed: the seed (else read from
     the clock) and ``block_size="auto"`` (it times cycles) replaced by ``block``."""
     if cfg.block_size == "auto":
         cfg = replace(cfg, block_size=block)
-    return cfg if cfg.seed is not None else replace(cfg, seed=seed % 2**31)
+    return seeded(cfg, seed)
 
 
 def start(group):
     """(channel, watchdog) of a command run across ranks: every rank calls it at the same
-    point, after loading. Rank 0's normal exit tells the others it was no fault.
+    point, after loading. Rank 0's normal exit tells the others it was no fault. The
+    channel's ``seed`` is rank 0's random seed, the same on every rank (``seeded``).
 
     Args:
         group: the launched ``mx.distributed.Group``.
     """
+    import os
+
     from . import faults
 
     channel = Channel(group)
     dog = faults.watch(channel)
     atexit.register(dog.close)
+    channel.seed = int.from_bytes(os.urandom(4), "little") % 2**31
+    if channel.rank == 0:
+        channel.send({"seed": channel.seed})
+    else:
+        channel.seed = channel.recv()["seed"]
     return channel, dog
 
 

@@ -114,6 +114,7 @@ def test_settings_cross_as_json_with_seed_and_block_pinned():
     cfg = GenerationConfig(logit_bias={5: -1.5}, stop=["\n\n"], temperature=0.7)
     sent = json.loads(json.dumps(follow.config_dict(cfg)))
     assert follow.config_of(sent) == cfg
+    assert follow.seeded(cfg, 5).seed == 5 and follow.seeded(GenerationConfig(seed=1), 5).seed == 1
     pinned = follow.pinned(cfg, 8, 2**40 + 3)
     assert pinned.block_size == 8 and pinned.seed == 3
     assert follow.pinned(GenerationConfig(seed=7, block_size=4), 8, 1) == GenerationConfig(
@@ -204,7 +205,7 @@ def test_every_rank_names_the_rank_that_rank_zero_lost(ended):
     two.peers[0].close()
     assert _wait(lambda: len(codes) == 2), said
     assert sorted(said) == [
-        "error: rank 2 of 3 exited; every rank stops (rank 0 now)",
+        "\nerror: rank 2 of 3 exited; every rank stops (rank 0 now)",  # after an answer
         "error: rank 2 of 3 exited; every rank stops (rank 1 now)",  # rank 0's word
     ]
     one.close()
@@ -218,3 +219,31 @@ def test_a_rank_that_said_goodbye_is_no_fault(ended):
     time.sleep(0.5)
     dog.close()
     assert codes == [] and said == []
+
+
+def test_a_chat_follower_holds_rank_zeros_session_cache_turn_after_turn(pairs, monkeypatch):
+    import io
+    import signal
+
+    from dflash_mlx.cli import chat_ranks
+    from dflash_mlx.cli.chat import ChatSession
+
+    model, tok = pairs("qwen3", "d2")
+    made = []
+    real = model.make_cache
+    monkeypatch.setattr(model, "make_cache", lambda: made.append(real()) or made[-1])
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the follower leaves pytest's
+    wire = _Wire()
+    lines = "hello there\n/reset\nwhat now\nand then\n/exit\n"
+    gen = GenerationConfig(max_tokens=6, block_size=8, temperature=1.0)  # no seed: pinned
+    s = ChatSession(model, tok, "tiny", gen, stdin=io.StringIO(lines), stdout=io.StringIO())
+    s.lead = chat_ranks.ChatLead(wire, dog=None)
+    s.loop()
+    s.lead.quit()
+    assert [m["op"] for m in wire.sent if m["op"] in ("turn", "reset")] == [
+        "turn", "reset", "turn", "turn"
+    ]  # fmt: skip
+    ours = list(s.cache.tokens)
+    chat_ranks.follow_chat(wire, None, model, tok)
+    assert not wire.sent and made[-1] is not s.cache
+    assert list(made[-1].tokens) == ours and len(ours) > 12  # two turns and two answers
