@@ -24,6 +24,9 @@ BEAT_S = 1.0  # seconds between heartbeats
 HANG_S = 10.0  # seconds of silence after which a rank is declared hung
 CONNECT_S = 30.0  # seconds the ranks get to reach rank 0's heartbeat port at start
 GRACE_S = 2.0  # seconds a normal end of rank 0 gets before its silence is a fault
+# seconds rank 0 may wait in a command's send: the others wait for commands, so more means
+# they are stuck elsewhere (their collectives parted from rank 0's) though alive
+STALL_S = 60.0
 
 
 def leader_host() -> str:
@@ -63,6 +66,7 @@ class Watchdog:
         self.gone: set[int] = set()  # ranks that ended normally ("bye")
         self._gate, self._fired = threading.Lock(), False
         self._parent = os.getppid()
+        self.channel = None  # rank 0's ``follow.Channel``: a send that never ends is a fault
 
     # -- start
     def lead(self, send) -> None:
@@ -107,6 +111,12 @@ class Watchdog:
         while not self.done.wait(BEAT_S):
             if os.getppid() != self._parent:
                 self.fail(f"rank {self.rank}'s launcher (mlx.launch) went away")
+            since = getattr(self.channel, "sending_since", None)
+            if since is not None and time.monotonic() - since > STALL_S:
+                self.fail(
+                    f"rank 0 waited {STALL_S:g} s for the other ranks to take its next "
+                    "command (they are alive but their collectives parted from rank 0's)"
+                )
             for sock in list(self.peers.values()):
                 try:
                     sock.sendall(b".\n")
@@ -193,6 +203,7 @@ def watch(channel, on_fault=None) -> Watchdog:
         on_fault: as for ``Watchdog``.
     """
     dog = Watchdog(channel.rank, channel.size, on_fault)
+    dog.channel = channel
     if channel.rank == 0:
         dog.lead(lambda port: channel.send({"heartbeat": port}))
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 
@@ -33,6 +34,7 @@ class Channel:
 
     def __init__(self, group):
         self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.sending_since: float | None = None  # rank 0 in ``send`` since (``faults``)
 
     def _sum(self, a: mx.array) -> mx.array:
         from ..decoding.steps import generation_stream
@@ -52,7 +54,11 @@ class Channel:
 
     def send(self, cmd: dict) -> None:
         """Rank 0: send one command (JSON-able) to every other rank."""
-        self._exchange(json.dumps(cmd, separators=(",", ":")).encode())
+        self.sending_since = time.monotonic()
+        try:
+            self._exchange(json.dumps(cmd, separators=(",", ":")).encode())
+        finally:
+            self.sending_since = None
 
     def recv(self) -> dict:
         """Another rank: the next command of rank 0."""

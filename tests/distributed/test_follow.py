@@ -247,3 +247,14 @@ def test_a_chat_follower_holds_rank_zeros_session_cache_turn_after_turn(pairs, m
     chat_ranks.follow_chat(wire, None, model, tok)
     assert not wire.sent and made[-1] is not s.cache
     assert list(made[-1].tokens) == ours and len(ours) > 12  # two turns and two answers
+
+
+def test_rank_zero_ends_when_its_command_waits_too_long_on_live_ranks(ended, monkeypatch):
+    said, codes = ended
+    monkeypatch.setattr(faults, "BEAT_S", 0.05)
+    dog = faults.Watchdog(0, 2)
+    dog.channel = SimpleNamespace(sending_since=time.monotonic() - faults.STALL_S - 1)
+    dog._start()  # no peers: only the beat, which watches the send
+    assert _wait(lambda: codes == [1]), said
+    assert "rank 0 waited 60 s for the other ranks to take its next command" in said[0]
+    dog.close()
