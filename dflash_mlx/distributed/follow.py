@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -102,8 +103,6 @@ def start(group):
     Args:
         group: the launched ``mx.distributed.Group``.
     """
-    import os
-
     from . import faults
 
     channel = Channel(group)
@@ -220,7 +219,7 @@ class LeadBatch:
                 "structured output (response_format, a forced tool call) and thinking "
                 "budgets do not run across several processes yet; send the request without them"
             )
-        seed = int.from_bytes(np.random.bytes(4), "little")
+        seed = int.from_bytes(os.urandom(4), "little")
         cfg = pinned(config, self._gen.model.block_size, seed)
         uid = self._gen.insert(ids, cfg, cache=cache)
         h = None if cache is None else self._lead.handles[id(cache)]
