@@ -48,7 +48,7 @@ class PromptResult:
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None, cache=None):
-    from mlx_lm.generate import generate_step
+    from mlx_lm.generate import generate_step, generation_stream
     from mlx_lm.sample_utils import make_sampler
 
     if seed is not None:
@@ -63,6 +63,9 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=No
         out.append(int(tok))
         if t_first is None:
             t_first = time.perf_counter()
+    # mlx-lm leaves its next step in flight on its own stream; on a sharded target its
+    # collectives would run beside the next method's (docs/distributed.md)
+    mx.synchronize(generation_stream)
     res.tokens["autoregressive"] = len(out)
     res.seconds["autoregressive"] = time.perf_counter() - t_first
     res.continuation = res.outputs["autoregressive"] = out
@@ -187,6 +190,7 @@ def run_bench(
     tree: bool = True,
     kv: tuple[int, int, int] | None = None,
     latency: bool = False,
+    auto: bool = True,
 ) -> dict:
     """Measure every method on every prompt; return the report dict (see ``summarize``).
 
@@ -198,27 +202,26 @@ def run_bench(
         block_size: runtime block size (default: the checkpoint's). temperature: sampling.
         seed: makes sampling reproducible. raw: skip the chat template (code prompts).
         progress: optional callable(done, total) after each prompt.
-        lookup: also run DFlash 2 with copied drafts ("dflash2+lookup"), and ``auto`` with
-            them; False: neither.
+        lookup: also run "dflash2+lookup" (copied drafts), and ``auto`` with them; False: neither.
         tree: greedy DFlash cycles also verify the first draft's siblings (``tree.py``).
         kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too
             (each method then prefills the prompt itself).
         latency: add ``latency_split`` of the first prompt (one more profiled decode).
+        auto: also run ``auto`` (False across ranks: it times cycles, which could part them).
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
     top_k = model.drafter.args.selector_top_k
-    results, lengths = [], []
+    results, lengths, split = [], [], None
     warm = encode_prompt(tokenizer, prompts[0], raw)[:8]  # compile / warm caches once
     _dflash(model, warm, 4, block, temperature, seed, True, "warm", PromptResult())
-    split = None
     for i, text in enumerate(prompts):
         ids = encode_prompt(tokenizer, text, raw)
         lengths.append(len(ids))
-        # mlx-lm converts a quantized KV cache at a point set by the prompt's length, so
-        # with ``kv`` every method prefills its own prompt
+        # with ``kv`` each method prefills itself: mlx-lm quantizes at a prompt-set point
         prefix = prefilled(model, ids) if kv is None else None
-        res = _methods(model, ids, max_tokens, block, temperature, seed, lookup, tree, kv, prefix)
+        args = (max_tokens, block, temperature, seed, lookup, tree, kv, prefix, auto)
+        res = _methods(model, ids, *args)
         if latency and i == 0:
             own = copied(prefix) if prefix is not None else None
             split = latency_split(model, ids, max_tokens, block, temperature, tree=tree, cache=own)
@@ -234,7 +237,9 @@ def run_bench(
     return rep
 
 
-def _methods(model, ids, max_tokens, block, temp, seed, lookup, tree, kv, prefix) -> PromptResult:
+def _methods(
+    model, ids, max_tokens, block, temp, seed, lookup, tree, kv, prefix, auto=True
+) -> PromptResult:
     """Every method on one prompt, each from its own copy of ``prefix`` (when given)."""
     res = PromptResult()
 
@@ -248,7 +253,8 @@ def _methods(model, ids, max_tokens, block, temp, seed, lookup, tree, kv, prefix
         _dflash(*args, True, "dflash2", res, **kw, **own())
     if lookup:
         _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw, **own())
-    _dflash(*args, True, "auto", res, lookup=lookup, **kw, **own())
+    if auto:
+        _dflash(*args, True, "auto", res, lookup=lookup, **kw, **own())
     return res
 
 

@@ -79,7 +79,8 @@ def bench(
     plot_path = plot_path if plot_path is None else check_output(plot_path, "--plot", PLOT_SUFFIXES)
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise DFlashError("--plot needs matplotlib; pip install 'dflash-mlx[bench]'")
-    m, tok = c.load_pair(src, False, False, cfg)
+    m, tok = c.load_pair(src, False, False, cfg, sharded=True)
+    rank, cfg, guard = _ranks(m, cfg)
     if context is not None:
         prompts, cfg = with_context(m, tok, prompts, context, cfg, raw=not chat_template)
     block = m.block_size if cfg.block_size in (None, "auto") else cfg.block_size
@@ -88,10 +89,13 @@ def bench(
             f"--max-tokens {cfg.max_tokens} is shorter than the block ({block} tokens), so no "
             f"per-position Recall can be measured; pass -m {block} or more"
         )
-    rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
+    with guard:
+        rep = _measure(m, tok, prompts, cfg, raw=not chat_template, auto=rank is None)
     from rich.console import Console
 
     print_report(rep, Console(highlight=False))
+    if rank:
+        return  # every rank ran the same bench; rank 0 writes it
     for path, write in ((json_path, write_json), (plot_path, write_plot)):
         if path:
             write(rep, path)
@@ -160,8 +164,30 @@ def check_output(path: str, flag: str, suffixes=None) -> str:
     return str(p)
 
 
-def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
-    """Run the benchmark with a progress bar; the report with the latency split added."""
+def _ranks(m, cfg: GenerationConfig):
+    """(this rank, the settings, a guard): under ``mlx.launch`` a fixed block and the
+    watchdog's guard, said in notes; (None, cfg, a null guard) in one process. Every rank
+    runs the same bench (same collectives), without ``auto``, which times its cycles and
+    could part the ranks."""
+    from contextlib import nullcontext
+
+    from .. import distributed
+
+    group = distributed.group()
+    if group is None:
+        return None, cfg, nullcontext()
+    from ..distributed import follow
+
+    channel, dog = follow.start(group)
+    cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
+    cfg = follow.seeded(cfg, channel.seed)
+    print("note: several processes: the bench runs without auto", file=sys.stderr)
+    return group.rank(), cfg, follow.guarded(dog)
+
+
+def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool, auto: bool = True) -> dict:
+    """Run the benchmark with a progress bar; the report with the latency split added
+    (``auto``: also the ``auto`` method)."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -187,6 +213,7 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
             if cfg.kv_bits is None
             else (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start),
             latency=True,
+            auto=auto,
         )
     return rep
 

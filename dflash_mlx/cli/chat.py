@@ -40,7 +40,8 @@ Ctrl-C stops the current answer."""
 
 
 class ChatSession(Conversation):
-    """One terminal conversation over a loaded model.
+    """One terminal conversation over a loaded model (``lead``: under ``mlx.launch``, rank
+    0's ``chat_ranks.ChatLead``, which sends each turn and reset to the other ranks).
 
     Args:
         model, tokenizer: from ``load``. name: shown in the banner.
@@ -82,6 +83,7 @@ class ChatSession(Conversation):
         self.pending: list = []  # pictures /image attached to the next message
         self.pictures: dict[int, list] = {}  # id(history message) -> its pictures
         self.cache = model.make_cache()
+        self.lead = None
         # Token-exact transcript (template text and ids through the last answer), so the
         # next turn appends to exactly what the cache holds, as mlx-lm's chat does.
         self.prev_text: str | None = None
@@ -141,6 +143,8 @@ class ChatSession(Conversation):
         self.history, self.pictures, self.pending = [], {}, []
         self.cache = self.model.make_cache()
         self.prev_text, self.prev_ids = None, []
+        if self.lead is not None:
+            self.lead.reset()
 
     def stats_text(self) -> str:
         r = self.last
@@ -290,12 +294,15 @@ class ChatSession(Conversation):
         procs = processors(self.tok, ids, self.budget)
         images = self.images()  # with images the engine takes the messages, not ids
         prompt, extra = (self.messages(), {"images": images}) if images else (ids, {})
+        cfg = self.gen if self.lead is None else self.lead.pin(self.gen)  # a seed for all ranks
         gen = stream_generate(
-            self.model, self.tok, prompt, config=self.gen, prompt_cache=self.cache,
+            self.model, self.tok, prompt, config=cfg, prompt_cache=self.cache,
             logits_processors=procs, **extra,
         )  # fmt: skip
+        if self.lead is not None:  # a prefill stops at its end: every rank must run it all
+            gen = self.lead.stream(gen, ids, cfg, self.budget)
         try:
-            with StopFlag(on_first=self.cache.interrupt.set) as flag:
+            with StopFlag(on_first=None if self.lead else self.cache.interrupt.set) as flag:
                 for r in gen:
                     last = r
                     answer_ids.extend(r.tokens)
@@ -308,6 +315,8 @@ class ChatSession(Conversation):
             stopped = True
         except KeyboardInterrupt:
             # Stopped mid-cycle: the caches may be half-updated, so start a fresh one.
+            if self.lead is not None:
+                self.lead.stopped_mid_cycle()
             stopped = True
             self.cache = self.model.make_cache()
         finally:
@@ -320,7 +329,7 @@ class ChatSession(Conversation):
         self.con.print(
             f"[bold]dflash chat[/bold] · {self.name} · "
             f"block {self.gen.block_size or self.model.block_size}"
-            f" · /help for commands, Ctrl-D to leave"
+            f" · /help for commands, {'/exit' if self.lead else 'Ctrl-D'} to leave"
         )
         while True:
             try:
@@ -367,7 +376,16 @@ def chat(
     budget = check_budget(thinking_budget)
     if streams.stdin_closed():
         raise DFlashError("stdin is closed (<&-), and chat reads your messages from it")
-    m, tok = c.load_pair(src, False, verbose, cfg)
+    m, tok = c.load_pair(src, False, verbose, cfg, sharded=True)
+    from .. import distributed
+
+    group, lead = distributed.group(), None
+    if group is not None:
+        from . import chat_ranks
+
+        cfg, lead = chat_ranks.start(group, m, cfg)
+        if group.rank() != 0:
+            return chat_ranks.follow_chat(*lead, m, tok)
     from ..decoding.prompt import notice_default_format
 
     notice_default_format(tok)  # no chat template: say once which format stands in
@@ -377,4 +395,7 @@ def chat(
     )  # fmt: skip
     if system:
         check_system_prompt(tok, system, session.context, "the --system text")
+    session.lead = lead
     session.loop()
+    if lead is not None:
+        lead.quit()

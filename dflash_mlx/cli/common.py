@@ -36,8 +36,8 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None, sharded: 
     group = distributed.group()
     if group is not None and not sharded:
         raise DFlashError(
-            "this command does not run under mlx.launch yet; `dflash run` and the Python API "
-            "do (docs/distributed.md)"
+            "this command does not run under mlx.launch yet; `dflash run | chat | serve | "
+            "bench` and the Python API do (docs/distributed.md)"
         )
     distributed.speak_only_on_rank_zero(group)
 

@@ -57,11 +57,12 @@ def run(
     text = c.read_prompt(prompt, prompt_opt)
     pictures = c.read_images(image)  # a bad file is refused before the model loads
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
-    cfg = _across_ranks(m, cfg)
+    cfg, guard = _across_ranks(m, cfg)
     kw = template_kwargs(False if no_think else None)
     prompt, ids, cfg, opts = _request(m, tok, text, cfg, (system, pictures), ignore_chat_template, quiet, kw)  # fmt: skip
     opts.update(profile=verbose, logits_processors=processors(tok, ids, budget))
-    last, shown = _generate(m, tok, (prompt, ids), cfg, opts, as_json, quiet)
+    with guard:
+        last, shown = _generate(m, tok, (prompt, ids), cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
     s = stats_dict(last, m.name, cfg.block_size or m.block_size, cfg.use_selector and has_selector)
     extra = None
@@ -95,13 +96,21 @@ def _request(m, tok, text: str, cfg, given: tuple, raw: bool, quiet: bool, kw):
     return text, ids, cfg, {"images": pictures, "system": system}
 
 
-def _across_ranks(m, cfg: GenerationConfig) -> GenerationConfig:
-    """Under ``mlx.launch``: a block size that every rank takes alike."""
+def _across_ranks(m, cfg: GenerationConfig):
+    """(settings, guard): under ``mlx.launch`` a block size that every rank takes alike,
+    and the watchdog that ends every rank when one is lost (``distributed.faults``)."""
+    from contextlib import nullcontext
+
     from .. import distributed
 
-    if distributed.group() is None:
-        return cfg
-    return distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
+    group = distributed.group()
+    if group is None:
+        return cfg, nullcontext()
+    from ..distributed import follow
+
+    channel, dog = follow.start(group)
+    cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
+    return follow.seeded(cfg, channel.seed), follow.guarded(dog)
 
 
 def _dim(text: str) -> None:

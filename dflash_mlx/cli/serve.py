@@ -87,19 +87,19 @@ def serve(
     images = ImageLimits(max_image_pixels, max_image_bytes, max_images).validate(flags=True)
     config = ServerConfig(tuple(allow_origin or ()), shutdown_grace, allow_image_urls, images)
     config = config.validate(flags=True)
-    if cfg.kv_bits is not None and max_batch > 1:
-        raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
-    from .. import server
+    from .. import distributed, server
 
-    sock = server.listen(host, port)  # a busy port or a bad host fails before the load
-    warning = server.bind_warning(host, api_key)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
-    try:
-        m, tok, prompt_cache_gb = _load(src, quiet, verbose, cfg, prompt_cache_gb)
-    except BaseException:
-        sock.close()
-        raise
+    group = distributed.group()  # under mlx.launch every request is batched
+    if cfg.kv_bits is not None and (max_batch > 1 or group is not None):
+        raise DFlashError(
+            "--kv-bits needs --max-batch 1 (batched requests share one cache), in one process"
+        )
+    sock = _listen(host, port, api_key, group)
+    m, tok, prompt_cache_gb, cfg = _load(src, quiet, verbose, cfg, prompt_cache_gb, sock)
+    ranks = _across_ranks(group, m, tok, prompt_cache_dir)
+    if ranks is None:
+        return  # another rank than 0: it followed rank 0 to its end
+    lockstep, prompt_cache_dir = ranks
     server.run_server(
         m,
         tok,
@@ -114,19 +114,84 @@ def serve(
         cache_gb=prompt_cache_gb,
         cache_dir=prompt_cache_dir,
         config=config,
+        lockstep=lockstep,
     )
 
 
-def _load(src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb: float | None):
-    """(model, tokenizer, the prompt caches' GB inside the memory budget) for ``serve``."""
+def _listen(host: str, port: int, api_key: str | None, group):
+    """The listening socket (a busy port or a bad host fails before the load), with the
+    warning of an open address; None on ranks other than 0 (only rank 0 serves HTTP)."""
+    from .. import server
+
+    if group is not None and group.rank() != 0:
+        return None
+    sock = server.listen(host, port)
+    warning = server.bind_warning(host, api_key)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    return sock
+
+
+def _across_ranks(group, m, tok, cache_dir: str | None):
+    """(rank 0's ``follow.Lead`` or None in one process, the disk tier's folder); None on
+    the other ranks, once they have followed rank 0 to its end. Under ``mlx.launch`` each
+    rank keeps its own disk tier, in ``cache_dir/rank<N>`` (docs/distributed.md)."""
+    if group is None:
+        return None, cache_dir
+    from ..distributed import follow
+
+    channel, dog = follow.start(group)
+    if cache_dir is not None:
+        cache_dir = f"{cache_dir.rstrip('/')}/rank{group.rank()}"
+    if group.rank() != 0:
+        follow_server(channel, dog, m, tok, cache_dir)
+        return None
+    return follow.Lead(channel, dog), cache_dir
+
+
+def _load(src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb, sock=None):
+    """(model, tokenizer, the prompt caches' GB inside the memory budget, the default
+    settings) for ``serve``; under ``mlx.launch`` ``auto`` becomes a fixed block. A load
+    that fails closes ``sock`` (the listening socket, if any)."""
+    from .. import distributed
     from ..server.prompt_cache import pool_gb
 
-    m, tok = c.load_pair(src, quiet, verbose, cfg)
-    if cfg.block_size == "auto":  # measured now, not under the first request's lock
-        from ..decoding.warmup import ensure
+    try:
+        m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
+        if distributed.group() is not None:
+            cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
+        if cfg.block_size == "auto":  # measured now, not under the first request's lock
+            from ..decoding.warmup import ensure
 
-        ensure(m)
-    return m, tok, pool_gb(m, cache_gb, src.max_memory)
+            ensure(m)
+        return m, tok, pool_gb(m, cache_gb, src.max_memory), cfg
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        raise
+
+
+def follow_server(channel, dog, m, tok, cache_dir: str | None) -> None:
+    """A rank other than 0 under ``dflash serve``: build the pool and batch rank 0 chose
+    and repeat its calls until it stops (its Ctrl-C or SIGTERM is sent as a quit)."""
+    import signal
+
+    from ..batching import BatchGenerator
+    from ..distributed import follow
+    from ..server.prompt_cache import PromptPool
+    from ..server.prompt_cache_disk import DiskTier
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches rank 0 too
+    hello = channel.recv()
+    disk = None if cache_dir is None else DiskTier.open(cache_dir, m)
+    pool = PromptPool(m, hello["cache_bytes"], disk)
+    try:
+        follow.follow_batches(channel, pool, lambda: BatchGenerator(m, tok, hello["max_batch"]))
+    except RuntimeError as e:  # MLX's ring: a peer's connection was lost
+        dog.broke(e)
+    except Exception as e:  # noqa: BLE001 - this rank's stderr is muted: the watchdog says it
+        dog.fail(f"rank {channel.rank} failed: {type(e).__name__}: {e}")
+    pool.close()
 
 
 def check_server_options(

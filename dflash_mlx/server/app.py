@@ -194,13 +194,14 @@ def make_server(
     cache_gb: float | None = None,
     cache_dir: str | None = None,
     config: ServerConfig | None = None,
+    lockstep=None,
 ) -> DFlashHTTPServer:
     """Bind the HTTP server; ``run_server`` serves it.
 
     Args:
         model, tokenizer, model_name, host, api_key, defaults, max_queue, max_batch,
-            cache_gb, cache_dir, config: as for ``run_server``. port: 0 picks a free one. sock: a
-            socket from ``listen`` (host and port are then only names).
+            cache_gb, cache_dir, config, lockstep: as for ``run_server``. port: 0 picks a
+            free one. sock: a socket from ``listen`` (host and port are then only names).
 
     Raises:
         DFlashError: the address cannot be resolved or bound.
@@ -210,7 +211,7 @@ def make_server(
         sock.listen(backlog(max_queue, max_batch))  # a listening socket takes a new backlog
         cache_bytes = None if cache_gb is None else int(check_gb(cache_gb) * GB)
         disk = None if cache_dir is None else DiskTier.open(cache_dir, model)
-        engine = Engine(model, tokenizer, max_queue, max_batch, cache_bytes, disk)
+        engine = Engine(model, tokenizer, max_queue, max_batch, cache_bytes, disk, lockstep)
         return DFlashHTTPServer(sock, engine, model_name, api_key, defaults, host, config)
     except BaseException:
         sock.close()
@@ -244,6 +245,7 @@ def run_server(
     cache_gb: float | None = None,
     cache_dir: str | None = None,
     config: ServerConfig | None = None,
+    lockstep=None,
 ) -> None:
     """Serve the OpenAI-compatible API until SIGTERM or Ctrl-C, then stop in order
     (``shutdown``: running requests get ``config.shutdown_grace`` seconds); blocking.
@@ -262,9 +264,11 @@ def run_server(
             device budget leaves beside the weights; 0: off). cache_dir: a folder keeping
             evicted prompt caches as safetensors (None: none). config: the origins web
             pages may call from and the shutdown grace (``settings.ServerConfig``).
+            lockstep: under ``mlx.launch``, rank 0's ``distributed.follow.Lead`` (the other
+            ranks run ``cli.serve``'s follower).
     """
     opts = (host, port, api_key, defaults, max_queue, sock, max_batch, cache_gb, cache_dir)
-    opts += (config,)
+    opts += (config, lockstep)
     httpd = make_server(model, tokenizer, model_name, *opts)
     print(banner(httpd), flush=True)
     serve(httpd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -64,6 +65,9 @@ class Engine:
             it). max_batch: jobs decoding together (1: one at a time; hybrids always are).
         cache_bytes: the prompt caches' budget (None: ``prompt_cache.default_bytes``).
         disk: the prompt caches' disk tier (``prompt_cache_disk.DiskTier``), or None.
+        lockstep: under ``mlx.launch``, rank 0's ``distributed.follow.Lead``: the pool and
+            every batch are wrapped so that the other ranks repeat their calls (always
+            batched then: a one-at-a-time job could not be cancelled alike on every rank).
     """
 
     def __init__(
@@ -74,12 +78,19 @@ class Engine:
         max_batch: int = 8,
         cache_bytes: int | None = None,
         disk=None,
+        lockstep=None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max(1, int(max_queue)))
         self.max_batch = 1 if model.adapter.is_hybrid else max(1, int(max_batch))
         budget = default_bytes(model) if cache_bytes is None else cache_bytes
         self.pool = PromptPool(model, budget, disk)
+        self.lockstep = lockstep
+        if lockstep is not None:
+            self.pool = lockstep.pool(self.pool)
+            lockstep.hello({"max_batch": self.max_batch, "cache_bytes": self.pool.max_bytes})
+            if lockstep.dog is not None:
+                lockstep.dog.on_fault = self.abandon
         self.lent: dict[int, object] = {}  # batched jobs' prompt caches until their prefill ends
         self.running = False
         self.current: Job | None = None
@@ -94,7 +105,8 @@ class Engine:
     @property
     def occupancy(self) -> int:
         """Jobs decoding (or prefilling) now."""
-        return len(self.active) if self.max_batch > 1 else int(self.current is not None)
+        batched = self.max_batch > 1 or self.lockstep is not None
+        return len(self.active) if batched else int(self.current is not None)
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full or the server is stopping."""
@@ -111,8 +123,11 @@ class Engine:
         """Serve jobs until ``close`` or ``stop``; call from the thread that owns the MLX
         stream."""
         try:
-            self._run_batched() if self.max_batch > 1 else self._run_serial()
+            batched = self.max_batch > 1 or self.lockstep is not None
+            self._run_batched() if batched else self._run_serial()
         finally:
+            if self.lockstep is not None:
+                self.lockstep.quit()
             self.finished.set()
 
     def close(self) -> None:
@@ -207,9 +222,7 @@ class Engine:
 
     # -- continuous batching ---------------------------------------------------------
     def _run_batched(self) -> None:
-        from ..batching import BatchGenerator
-
-        gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+        gen = self._batch()
         try:
             while not self.stopping.is_set() or self.active:
                 self._admit(gen)
@@ -221,7 +234,7 @@ class Engine:
                 except Exception as e:
                     logger.exception("batched generation failed")
                     self._fail_all(APIError(500, f"generation failed: {type(e).__name__}: {e}"))
-                    gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+                    gen = self._batch()
                     continue
                 for uid, r in results:
                     job = self.active.get(uid)
@@ -246,6 +259,38 @@ class Engine:
         finally:
             self.running = False
         self.close()  # what was queued meanwhile gets its 503
+
+    def _batch(self):
+        from ..batching import BatchGenerator
+
+        gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+        return gen if self.lockstep is None else self.lockstep.batch(gen)
+
+    def abandon(self, why: str, settle: float = 2.0) -> None:
+        """The group of ranks broke (``distributed.faults``): answer every queued and
+        running job 503 now, from another thread (the worker may be stuck in a collective),
+        and give their answers up to ``settle`` seconds to be taken."""
+        err = APIError(
+            503,
+            f"the server stopped: {why}; retry when it is back",
+            code="server_group_broken",
+        )
+        with self._gate:
+            self.closing = True
+            jobs = [self.current, *list(self.active.values())]
+            while True:
+                try:
+                    jobs.append(self.jobs.get_nowait())
+                except queue.Empty:
+                    break
+        for job in jobs:
+            if job is not None:
+                job.out.put(("error", err))
+                job.out.put(("end", None))
+        deadline = time.monotonic() + settle
+        while time.monotonic() < deadline and any(j and not j.out.empty() for j in jobs):
+            time.sleep(0.05)
+        time.sleep(0.2)  # the handlers write what they took
 
     def _admit(self, gen) -> None:
         """Move queued jobs into free rows (waiting briefly when nothing is decoding)."""

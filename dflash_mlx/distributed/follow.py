@@ -1,0 +1,307 @@
+"""One voice (docs/distributed.md): rank 0 owns the terminal or the HTTP server and decides;
+the other ranks follow it, making the same engine calls in the same order, so that every
+rank's batch, caches and decode issue the same collectives.
+
+Rank 0 sends each command as JSON bytes over the group's own ``all_sum`` (its length first;
+the other ranks add zeros), on the decode's stream, so commands and the model's collectives
+stay in one order on every rank. For ``dflash serve`` the engine wraps its prompt-cache pool
+and its ``BatchGenerator`` (``LeadPool`` / ``LeadBatch``): every take, give, insert and
+remove is logged and sent with the next step, and ``follow_batches`` replays them.
+``lead_stream`` / ``follow_stream`` do the same for one stream of cycles (``dflash chat``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import DFlashError
+
+
+class Channel:
+    """Rank 0's commands to the other ranks, over ``group``'s ``all_sum``.
+
+    Args:
+        group: the launched ``mx.distributed.Group``.
+    """
+
+    def __init__(self, group):
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.sending_since: float | None = None  # rank 0 in ``send`` since (``faults``)
+
+    def _sum(self, a: mx.array) -> mx.array:
+        from ..decoding.steps import generation_stream
+
+        # the decode's own stream: collectives of two streams could pair differently per rank
+        with mx.stream(generation_stream()):
+            s = mx.distributed.all_sum(a, group=self.group)
+        mx.eval(s)
+        return s
+
+    def _exchange(self, data: bytes) -> bytes:
+        n = int(self._sum(mx.array([len(data)], dtype=mx.int32)).item())
+        if n == 0:
+            return b""
+        buf = np.frombuffer(data, np.uint8) if data else np.zeros(n, np.uint8)
+        return bytes(np.array(self._sum(mx.array(buf))))
+
+    def send(self, cmd: dict) -> None:
+        """Rank 0: send one command (JSON-able) to every other rank."""
+        self.sending_since = time.monotonic()
+        try:
+            self._exchange(json.dumps(cmd, separators=(",", ":")).encode())
+        finally:
+            self.sending_since = None
+
+    def recv(self) -> dict:
+        """Another rank: the next command of rank 0."""
+        return json.loads(self._exchange(b"").decode())
+
+
+def config_dict(cfg) -> dict:
+    """A ``GenerationConfig`` as JSON-able fields (``logit_bias`` keys become text)."""
+    return asdict(cfg)
+
+
+def config_of(fields: dict):
+    """The ``GenerationConfig`` of ``config_dict``'s fields."""
+    from ..settings import GenerationConfig
+
+    bias = fields.get("logit_bias")
+    if bias is not None:
+        fields = {**fields, "logit_bias": {int(k): v for k, v in bias.items()}}
+    return GenerationConfig(**fields)
+
+
+def seeded(cfg, seed: int):
+    """``cfg`` with ``seed`` unless it has one: without, each rank would read its own clock
+    for the sampling keys, and their decisions would part."""
+    return cfg if cfg.seed is not None else replace(cfg, seed=seed % 2**31)
+
+
+def pinned(cfg, block: int, seed: int):
+    """``cfg`` with what each rank could pick differently fixed: the seed (else read from
+    the clock) and ``block_size="auto"`` (it times cycles) replaced by ``block``."""
+    if cfg.block_size == "auto":
+        cfg = replace(cfg, block_size=block)
+    return seeded(cfg, seed)
+
+
+def start(group):
+    """(channel, watchdog) of a command run across ranks: every rank calls it at the same
+    point, after loading. Rank 0's normal exit tells the others it was no fault. The
+    channel's ``seed`` is rank 0's random seed, the same on every rank (``seeded``).
+
+    Args:
+        group: the launched ``mx.distributed.Group``.
+    """
+    from . import faults
+
+    channel = Channel(group)
+    dog = faults.watch(channel)
+    atexit.register(dog.close)
+    channel.seed = int.from_bytes(os.urandom(4), "little") % 2**31
+    if channel.rank == 0:
+        channel.send({"seed": channel.seed})
+    else:
+        channel.seed = channel.recv()["seed"]
+    return channel, dog
+
+
+@contextmanager
+def guarded(dog):
+    """Inside: a collective that fails (MLX's ring: "connection to a peer was lost") ends
+    the rank through ``dog`` (one ``error:`` line naming the rank), not with a traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        dog.broke(e)
+
+
+class Lead:
+    """Rank 0's log of engine calls, sent with the next step (or reset, or quit).
+
+    Args:
+        channel: the group's ``Channel``. dog: its ``faults.Watchdog`` (a broken link ends
+            the process through it), or None (the error is raised).
+    """
+
+    def __init__(self, channel: Channel, dog=None):
+        self.channel, self.dog, self.ops = channel, dog, []
+        self.on_break = None if dog is None else dog.broke
+        self._handles = itertools.count()
+        self.handles: dict[int, int] = {}  # id(cache) -> the handle every rank knows it by
+
+    def send(self, last: list) -> None:
+        """Send the logged calls and ``last``; a broken link ends the process
+        (``faults``)."""
+        ops, self.ops = [*self.ops, last], []
+        try:
+            self.channel.send({"ops": ops})
+        except RuntimeError as e:
+            self.broke(e)
+
+    def broke(self, err: BaseException):
+        """The group broke under a collective: hand it to ``on_break`` (it does not return)."""
+        if self.on_break is None:
+            raise err
+        self.on_break(err)
+
+    def pool(self, pool) -> LeadPool:
+        """``pool`` wrapped so that its takes and gives are followed."""
+        return LeadPool(pool, self)
+
+    def batch(self, gen) -> LeadBatch:
+        """``gen`` (a new ``BatchGenerator``) wrapped so that its calls are followed."""
+        self.ops.append(["reset"])
+        return LeadBatch(gen, self)
+
+    def hello(self, fields: dict) -> None:
+        """Tell the other ranks how to build their pool and batch (rank 0's choices)."""
+        self.channel.send(fields)
+
+    def quit(self) -> None:
+        """The server is done: the other ranks leave their loop."""
+        self.send(["quit"])
+
+
+class LeadPool:
+    """A ``PromptPool`` whose takes and gives every rank repeats (same entries, same
+    evictions, same reused prefix: the check that the pools did not part)."""
+
+    def __init__(self, pool, lead: Lead):
+        self._pool, self._lead = pool, lead
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+    def take(self, ids: list[int]):
+        """As ``PromptPool.take``; logged with the prefix it reused."""
+        cache = self._pool.take(ids)
+        h = next(self._lead._handles)
+        self._lead.handles[id(cache)] = h
+        self._lead.ops.append(["take", list(ids), h, len(cache.tokens)])
+        return cache
+
+    def give(self, cache, keep: bool = True) -> None:
+        """As ``PromptPool.give``; logged."""
+        h = self._lead.handles.pop(id(cache))
+        self._pool.give(cache, keep)
+        self._lead.ops.append(["give", h, bool(keep)])
+
+
+class LeadBatch:
+    """A ``BatchGenerator`` whose inserts, removes and steps every rank repeats."""
+
+    def __init__(self, gen, lead: Lead):
+        self._gen, self._lead = gen, lead
+
+    def __getattr__(self, name):
+        return getattr(self._gen, name)
+
+    def insert(self, ids: list[int], config, *, cache=None, processors=()) -> int:
+        """As ``BatchGenerator.insert`` with the seed and block pinned (``pinned``).
+
+        Raises:
+            DFlashError: logits processors (a grammar, a thinking budget), which cannot be
+                sent to the other ranks yet; or what ``insert`` refuses.
+        """
+        if processors:
+            raise DFlashError(
+                "structured output (response_format, a forced tool call) and thinking "
+                "budgets do not run across several processes yet; send the request without them"
+            )
+        seed = int.from_bytes(os.urandom(4), "little")
+        cfg = pinned(config, self._gen.model.block_size, seed)
+        uid = self._gen.insert(ids, cfg, cache=cache)
+        h = None if cache is None else self._lead.handles[id(cache)]
+        self._lead.ops.append(["insert", list(ids), config_dict(cfg), h])
+        return uid
+
+    def remove(self, uid: int) -> None:
+        """As ``BatchGenerator.remove``; logged."""
+        self._gen.remove(uid)
+        self._lead.ops.append(["remove", uid])
+
+    def step(self):
+        """Send the logged calls, then step: every rank steps the same batch."""
+        self._lead.send(["step"])
+        try:
+            return self._gen.step()
+        except RuntimeError as e:  # MLX's ring: "connection to a peer was lost"
+            self._lead.broke(e)
+
+
+class Parted(DFlashError):
+    """A follower's state no longer matches rank 0's."""
+
+
+def follow_batches(channel: Channel, pool, make_batch) -> None:
+    """Another rank's serving loop: replay rank 0's pool and batch calls until it quits.
+
+    Args:
+        channel: the group's ``Channel``. pool: this rank's ``PromptPool`` (rank 0's
+            budget). make_batch: a new ``BatchGenerator``.
+
+    Raises:
+        Parted: this rank's pool reused another prefix than rank 0's.
+    """
+    gen, caches = make_batch(), {}
+    while True:
+        for op, *args in channel.recv()["ops"]:
+            if op == "take":
+                ids, h, n = args
+                caches[h] = pool.take(ids)
+                if len(caches[h].tokens) != n:
+                    raise Parted(
+                        f"rank {channel.rank}'s prompt cache reused {len(caches[h].tokens)} "
+                        f"tokens where rank 0's reused {n}; restart every rank"
+                    )
+            elif op == "give":
+                pool.give(caches.pop(args[0]), args[1])
+            elif op == "insert":
+                ids, fields, h = args
+                gen.insert(ids, config_of(fields), cache=None if h is None else caches[h])
+            elif op == "remove":
+                gen.remove(args[0])
+            elif op == "step":
+                gen.step()
+            elif op == "reset":
+                gen = make_batch()
+            elif op == "quit":
+                return
+
+
+def lead_stream(channel: Channel, gen, on_break=None):
+    """Rank 0: yield ``gen``'s responses, telling the other ranks after each one whether
+    to go on (the consumer asked for the next) or stop (it broke off)."""
+    try:
+        for r in gen:
+            try:
+                yield r
+            except GeneratorExit:  # the consumer broke off at a cycle boundary
+                channel.send({"op": "stop"})
+                raise
+            channel.send({"op": "next"})
+    except RuntimeError as e:  # MLX's ring: "connection to a peer was lost"
+        if on_break is None:
+            raise
+        on_break(e)
+
+
+def follow_stream(channel: Channel, gen) -> None:
+    """Another rank: run ``gen`` in step with rank 0's ``lead_stream``."""
+    try:
+        for _ in gen:
+            if channel.recv()["op"] == "stop":
+                return
+    finally:
+        gen.close()

@@ -1,0 +1,125 @@
+"""``dflash serve`` on two ranks (``mlx.launch -n 2 --backend ring``, loopback), in one
+launch: a streamed and a whole request sent together get the same greedy text, with both
+ranks alive; then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
+error event in the API's shape and exits within 30 s with one line naming rank 1."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+START = 180  # seconds for both ranks to load and listen
+BOUND = 30  # seconds the survivors may take to exit once a rank is killed
+
+
+def _post(port: int, body: dict, timeout: float = 120):
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    return urllib.request.urlopen(req, timeout=timeout)
+
+
+def _text(port: int, stream: bool, max_tokens: int) -> str:
+    body = {"prompt": "def parse_args(argv):", "max_tokens": max_tokens, "temperature": 0}
+    with _post(port, {**body, "stream": stream}) as r:
+        if not stream:
+            return json.loads(r.read())["choices"][0]["text"]
+        events = [ln[6:] for ln in r.read().decode().splitlines() if ln.startswith("data: ")]
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events if e != "[DONE]")
+
+
+def _ranks(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the processes mlx.launch started (Linux /proc)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and int((d / "stat").read_text().split()[3]) == launcher:
+                env = (d / "environ").read_bytes().split(b"\0")
+                rank = [e for e in env if e.startswith(b"MLX_RANK=")]
+                if rank:
+                    out[int(rank[0][9:])] = int(d.name)
+        except OSError:
+            continue
+    return out
+
+
+class _Reader(threading.Thread):
+    def __init__(self, proc):
+        super().__init__(daemon=True)
+        self.proc, self.lines = proc, []
+
+    def run(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.decode(errors="replace"))
+
+    def port(self) -> int | None:
+        for line in self.lines:
+            if "listening on http://127.0.0.1:" in line:
+                return int(line.split("127.0.0.1:")[1].split("/")[0])
+        return None
+
+
+@pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks in /proc")
+def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(tiny_dir, tmp_path):
+    model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "dflash_mlx.cli"]
+    proc = subprocess.Popen(
+        [*cmd, "serve", *model, "--port", "0", "--max-batch", "4"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    reader = _Reader(proc)
+    reader.start()
+    try:
+        deadline = time.monotonic() + START
+        while reader.port() is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        port = reader.port()
+        assert port is not None, "".join(reader.lines)[-3000:]
+        got = {}
+        both = [
+            threading.Thread(target=lambda s=s: got.update({s: _text(port, s, 24)}))
+            for s in (True, False)
+        ]
+        for t in both:
+            t.start()
+        for t in both:
+            t.join(120)
+        assert got[True] == got[False] and got[True], got  # batched together, same text
+        ranks = _ranks(proc.pid)
+        assert sorted(ranks) == [0, 1], "".join(reader.lines)[-2000:]
+
+        with _post(port, {"prompt": "import os", "max_tokens": 4000, "stream": True}) as r:
+            first = r.readline()  # the answer has begun
+            assert first.startswith(b"data: "), first
+            os.kill(ranks[1], signal.SIGKILL)
+            killed = time.monotonic()
+            rest = r.read().decode()
+        proc.wait(BOUND)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+        proc.wait()
+        reader.join(5)
+    log = "".join(reader.lines)
+    errors = [ln for ln in rest.splitlines() if '"error"' in ln]
+    assert len(errors) == 1 and "rank 1 of 2 exited" in errors[0], rest[-1500:]
+    assert json.loads(errors[0][6:])["error"]["code"] == "server_group_broken"
+    lines = [ln for ln in log.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: rank 1 of 2 exited; every rank stops (rank 0 now)"], log[-2000:]
+    assert took < BOUND
