@@ -68,6 +68,13 @@ def _messages(prompt, n: int, system: str | None) -> list[dict]:
     return list(prompt)
 
 
+def prepared(images) -> bool:
+    """Whether ``images`` is a ``VisionPrompt`` (``prepare``'s) rather than images."""
+    from .prompt import VisionPrompt
+
+    return isinstance(images, VisionPrompt)
+
+
 def no_vision(model) -> ImageError:
     """The refusal of an image sent to a text-only model."""
     return ImageError(
