@@ -128,7 +128,7 @@ def _vision(target, text: str, pictures):
         pos, delta = target.language_model.get_rope_index(ids, grid, None, out["attention_mask"])
         return VisionPrompt(
             ids[0].tolist(),
-            cfg.image_token_index,
+            getattr(cfg, "image_token_index", None) or cfg.image_token_id,
             out["pixel_values"],
             grid,
             [p.sha256 for p in pictures],

@@ -114,3 +114,12 @@ def test_a_prepared_prompt_passes_with_its_ids(pair, tiny_vlm_dir, images):
     ours, _ = run(pair, ids, vision, cache)
     same(ours, greedy(tiny_vlm_dir[0], msgs, [images[0]], N))
     assert cache.tokens[: len(vision.keys)] == vision.keys  # the cache holds the image keys
+
+
+def test_a_dense_family_qwen2_5_vl_equals_mlx_vlm(dense_vlm_dir, images):
+    """qwen2_5_vl (all attention layers, no recurrent state): one and two images, greedy."""
+    pair = load(str(dense_vlm_dir[0]), drafter=str(dense_vlm_dir[1]))
+    for n in (1, 2):
+        msgs = [user("Look.", n)]
+        ours, _ = run(pair, msgs, images[:n])
+        same(ours, greedy(dense_vlm_dir[0], msgs, images[:n], N))
