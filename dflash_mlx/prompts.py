@@ -111,7 +111,8 @@ def request_ids(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCo
 
     Args:
         model, tokenizer, prompt, cfg: as for ``fit_prompt``. kw: ``raw``, ``system`` and
-            ``images`` (a list of ``vision.images.Picture`` or what ``images.read`` takes).
+            ``images`` (a list of ``vision.images.Picture`` or what ``images.read`` takes,
+            or the ``VisionPrompt`` that ``vision.request.prepare`` made of this prompt).
 
     Raises:
         DFlashError: as ``fit_prompt``. ImageError: an image sent to a text-only model
@@ -123,11 +124,14 @@ def request_ids(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCo
         raise DFlashError(
             "kv_bits is not supported on a vision-language model yet; leave kv_bits unset"
         )
-    if images is not None and not isinstance(images, (str, bytes)) and not len(images):
-        images = None
+    if isinstance(images, (list, tuple)) and not images:
+        images = None  # no images: exactly the text path
     if images is not None:
-        from .vision.request import prepare
+        from .vision.request import prepare, prepared
 
+        if prepared(images):  # encoded already (a server tokenizes first): its own ids
+            ids, cfg = fit_prompt(model, tokenizer, images.check(prompt), cfg, **kw)
+            return ids, cfg, images
         return prepare(model, tokenizer, prompt, images, cfg, **kw)
     if _has_parts(prompt):
         from .vision.request import flatten

@@ -44,6 +44,7 @@ SUPPORTED = {
     "glm",
     "phi3",
     "gemma3_text",
+    "qwen2_5_vl",  # mlx-vlm's, through vision/target.py
 }
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 from ..errors import DFlashError
 
 # mlx-vlm model types whose language model the adapter has been checked against (taps,
-# rollback of its Gated DeltaNet layers, mRoPE positions given per forward)
-SUPPORTED = {"qwen3_5"}
+# rollback, mRoPE positions given per forward): qwen3_5 (hybrid: Gated DeltaNet layers) and
+# qwen2_5_vl (dense attention)
+SUPPORTED = {"qwen3_5", "qwen2_5_vl"}
 INSTALL = "this is a vision-language model; pip install 'dflash-mlx[vision]'"
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..errors import DFlashError
+
 
 def image_keys(sha256: str, n: int) -> list[int]:
     """The prompt cache's ids for an image's ``n`` rows: negative int32s from its hash."""
@@ -48,6 +50,16 @@ class VisionPrompt:
         for (s, e), h in zip(self.spans, hashes):
             self.keys[s:e] = image_keys(h, e - s)
         self.features: dict[int, mx.array] = {}
+
+    def check(self, prompt) -> list[int]:
+        """``prompt`` when it is these ids (a request passing this prompt's images along).
+
+        Raises:
+            DFlashError: other ids.
+        """
+        if not isinstance(prompt, list) or prompt != self.ids:
+            raise DFlashError("images= is the VisionPrompt of another prompt; pass its own ids")
+        return prompt
 
     def rows(self, vlm, start: int, end: int) -> tuple[mx.array, mx.array]:
         """(input embeddings [1, n, H], positions [3, 1, n]) of prompt rows start..end:

@@ -68,6 +68,13 @@ def _messages(prompt, n: int, system: str | None) -> list[dict]:
     return list(prompt)
 
 
+def prepared(images) -> bool:
+    """Whether ``images`` is a ``VisionPrompt`` (``prepare``'s) rather than images."""
+    from .prompt import VisionPrompt
+
+    return isinstance(images, VisionPrompt)
+
+
 def no_vision(model) -> ImageError:
     """The refusal of an image sent to a text-only model."""
     return ImageError(
@@ -121,7 +128,7 @@ def _vision(target, text: str, pictures):
         pos, delta = target.language_model.get_rope_index(ids, grid, None, out["attention_mask"])
         return VisionPrompt(
             ids[0].tolist(),
-            cfg.image_token_index,
+            getattr(cfg, "image_token_index", None) or cfg.image_token_id,
             out["pixel_values"],
             grid,
             [p.sha256 for p in pictures],

@@ -42,7 +42,9 @@ class VisionTarget(nn.Module):
         self.processor = processor
         self.model_type = model_type
         self.args = vlm.language_model.args
-        self._fa = vlm.language_model.model.fa_idx  # a full-attention layer: its offset
+        # a full-attention layer, whose cache offset counts the rows run (qwen3_5's first
+        # layers are recurrent; a dense family's are all attention)
+        self._fa = getattr(vlm.language_model.model, "fa_idx", 0)
 
     @property
     def language_model(self) -> nn.Module:
@@ -51,7 +53,9 @@ class VisionTarget(nn.Module):
 
     def make_cache(self) -> VisionCaches:
         """mlx-vlm's caches for the language model, as one conversation's list."""
-        return VisionCaches(self.language_model.make_cache())
+        from mlx_vlm.models.cache import make_prompt_cache
+
+        return VisionCaches(make_prompt_cache(self.language_model))
 
     def prepare(self, cache: VisionCaches, vision) -> None:
         """Bind the request whose prompt the next forwards run (None: no images)."""

@@ -19,6 +19,12 @@ def tiny_vlm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def dense_vlm_dir(tmp_path_factory):
+    """(target dir, drafter dir) of the tiny qwen2_5_vl pair (dense attention, mRoPE)."""
+    return tiny_vlm(tmp_path_factory.mktemp("vlm"), kind="qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def images():
     """Three different tiny PNG images' bytes (64x64: 4 image tokens each)."""
     return [tiny_image(seed) for seed in range(3)]

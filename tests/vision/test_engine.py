@@ -93,3 +93,33 @@ def test_batched_requests_with_images_equal_mlx_vlm(pair, tiny_vlm_dir, images):
     for uid, (msgs, imgs) in zip(uids, prompts):
         ours = got[uid] + ([3] if done[uid] == "stop" and len(got[uid]) < N else [])
         same(ours, greedy(tiny_vlm_dir[0], msgs, imgs, N))
+
+
+def test_prefill_chunks_that_cut_through_images(pair, tiny_vlm_dir, images):
+    """Chunks of 3 rows: images are split across chunks (features and positions sliced)."""
+    msgs = [user("Compare these two.", 2)]
+    ours, _ = run(pair, msgs, images[:2], prefill_step_size=3)
+    same(ours, greedy(tiny_vlm_dir[0], msgs, images[:2], N))
+
+
+def test_a_prepared_prompt_passes_with_its_ids(pair, tiny_vlm_dir, images):
+    """What a server does: encode once (``prepare``), then decode the ids with it."""
+    from dflash_mlx.settings import GenerationConfig
+    from dflash_mlx.vision.request import prepare
+
+    model, tok = pair
+    msgs = [user("What is in this picture?", 1)]
+    ids, _, vision = prepare(model, tok, msgs, [images[0]], GenerationConfig())
+    cache = model.make_cache()
+    ours, _ = run(pair, ids, vision, cache)
+    same(ours, greedy(tiny_vlm_dir[0], msgs, [images[0]], N))
+    assert cache.tokens[: len(vision.keys)] == vision.keys  # the cache holds the image keys
+
+
+def test_a_dense_family_qwen2_5_vl_equals_mlx_vlm(dense_vlm_dir, images):
+    """qwen2_5_vl (all attention layers, no recurrent state): one and two images, greedy."""
+    pair = load(str(dense_vlm_dir[0]), drafter=str(dense_vlm_dir[1]))
+    for n in (1, 2):
+        msgs = [user("Look.", n)]
+        ours, _ = run(pair, msgs, images[:n])
+        same(ours, greedy(dense_vlm_dir[0], msgs, images[:n], N))

@@ -30,7 +30,7 @@ VLM_TEMPLATE = (
 PATCH, MERGE = 16, 2  # an image's side in pixels / 32 = its merged patches per side
 
 
-def _tokenizer(path: Path) -> int:
+def _tokenizer(path: Path, patch: int = PATCH) -> int:
     """The tiny pairs' BPE with the vision specials; writes tokenizer files, returns V."""
     tok = train_tokenizer([CORPUS], 320, SPECIALS + VISION_SPECIALS)
     tok.save(str(path / "tokenizer.json"))
@@ -46,7 +46,7 @@ def _tokenizer(path: Path) -> int:
     pre = {
         "image_processor_type": "Qwen2VLImageProcessorFast",
         "processor_class": "Qwen3VLProcessor",
-        "patch_size": PATCH,
+        "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": MERGE,
         "min_pixels": 32 * 32,
@@ -92,17 +92,59 @@ def vlm_config(vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
     }
 
 
-def build_vlm(path: Path, seed: int = 0) -> Path:
-    """Write the tiny random float32 qwen3_5 VLM (mlx-vlm's classes) to path."""
+def dense_config(vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
+    """config.json of a tiny qwen2_5_vl VLM (dense attention, mRoPE): 14-pixel patches."""
+    ids = {t: SPECIALS.__len__() + i for i, t in enumerate(VISION_SPECIALS)}
+    text = target_config("qwen3", vocab_size, hidden, layers)
+    text = {k: v for k, v in text.items() if k not in ("model_type", "head_dim")}
+    vision = {
+        "model_type": "qwen2_5_vl",
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": hidden,
+        "num_heads": 2,
+        "patch_size": 14,
+        "spatial_patch_size": 14,
+        "spatial_merge_size": MERGE,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [0],
+        "in_channels": 3,
+    }
+    return {
+        **text,
+        "model_type": "qwen2_5_vl",
+        "rope_theta": 10000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [4, 2, 2]},  # head_dim 16
+        "vision_config": vision,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "eos_token_id": 3,
+    }
+
+
+def build_vlm(path: Path, seed: int = 0, kind: str = "qwen3_5") -> Path:
+    """Write a tiny random float32 VLM (mlx-vlm's classes) to path: ``qwen3_5`` (hybrid)
+    or ``qwen2_5_vl`` (dense)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_vlm.models import qwen3_5
+    from mlx_vlm.models import qwen2_5_vl, qwen3_5
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = vlm_config(_tokenizer(path))
+    dense = kind == "qwen2_5_vl"
+    V = _tokenizer(path, 14 if dense else PATCH)
+    cfg = dense_config(V) if dense else vlm_config(V)
     mx.random.seed(seed)
-    model = qwen3_5.Model(qwen3_5.ModelConfig.from_dict(cfg))
+    family = qwen2_5_vl if dense else qwen3_5
+    mcfg = family.ModelConfig.from_dict(dict(cfg))
+    for name, cls in (("vision_config", family.VisionConfig), ("text_config", family.TextConfig)):
+        if isinstance(getattr(mcfg, name), dict):  # as mlx-vlm's load_model does
+            setattr(mcfg, name, cls.from_dict(getattr(mcfg, name)))
+    model = family.Model(mcfg)
     weights = dict(tree_flatten(model.parameters()))
     # as a Hub checkpoint stores them: mlx-vlm's sanitize maps these names back
     # (its norms are stored as offsets from 1, the conv1d as [C, 1, K] is kept as is)
@@ -111,17 +153,18 @@ def build_vlm(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def tiny_vlm(root: Path, seed: int = 0) -> tuple[Path, Path]:
-    """(target dir, drafter dir): the tiny VLM and a tiny DFlash 2 drafter (block 8) for
-    its language model, both under root; built once per root."""
+def tiny_vlm(root: Path, seed: int = 0, kind: str = "qwen3_5") -> tuple[Path, Path]:
+    """(target dir, drafter dir): the tiny VLM of ``kind`` and a tiny DFlash 2 drafter
+    (block 8) for its language model, both under root; built once per root."""
     root = Path(root)
-    target, drafter = root / "vlm", root / "vlm_drafter"
+    target, drafter = root / kind, root / f"{kind}_drafter"
     if not (drafter / "config.json").exists():
-        build_vlm(target, seed)
-        text = json.loads((target / "config.json").read_text())["text_config"]
-        (root / "vlm_text").mkdir(parents=True, exist_ok=True)
-        (root / "vlm_text" / "config.json").write_text(json.dumps(text))
-        build_drafter(drafter, root / "vlm_text", dflash2=True, block_size=8, seed=seed + 1)
+        build_vlm(target, seed, kind)
+        cfg = json.loads((target / "config.json").read_text())
+        text = cfg.get("text_config", cfg)
+        (root / f"{kind}_text").mkdir(parents=True, exist_ok=True)
+        (root / f"{kind}_text" / "config.json").write_text(json.dumps(text))
+        build_drafter(drafter, root / f"{kind}_text", dflash2=True, block_size=8, seed=seed + 1)
     return target, drafter
 
 
