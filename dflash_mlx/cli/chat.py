@@ -1,11 +1,9 @@
 """``dflash chat``: the command and its interactive loop.
 
-The whole message history is re-sent each turn with one ``PromptCache`` kept for the
-session, so a new turn prefills only its own tokens. When the next turn would not fit in the
-context, the oldest turns are dropped (the system prompt stays). Ctrl-C stops an answer at
-the next cycle boundary, or a prefill at its next chunk (the caches stay consistent), and
-keeps the session; a second Ctrl-C stops at once and starts a fresh cache. Ctrl-D or /exit
-leaves.
+The whole history is re-sent each turn with one ``PromptCache`` for the session, so a turn
+prefills only its own tokens; the oldest turns are dropped when the next would not fit (the
+system prompt stays). Ctrl-C stops an answer at the next cycle boundary, or a prefill at its
+next chunk, and keeps the session; a second one stops at once with a fresh cache.
 """
 
 from __future__ import annotations

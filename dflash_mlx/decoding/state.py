@@ -13,7 +13,8 @@ from mlx_lm.models.cache import QuantizedKVCache
 
 from ..errors import DFlashError
 from ..model.drafter import ContextCache, DFlashDrafter, embed_block
-from ..model.target import TargetAdapter, recurrent
+from ..model.recurrent import recurrent
+from ..model.target import TargetAdapter
 
 _thread = threading.local()
 

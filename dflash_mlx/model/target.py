@@ -12,7 +12,6 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx import nn
 from mlx_lm.models.cache import (
-    ArraysCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -23,6 +22,7 @@ from .. import ops
 from ..decoding import tree
 from ..errors import UnsupportedModelError
 from . import qmm, tape
+from .recurrent import recurrent
 from .wrapper import Wrapper as _Wrapper
 
 # Architectures whose attention takes positions from ``cache.offset`` and its mask from
@@ -46,22 +46,6 @@ SUPPORTED = {
     "gemma3_text",
     "qwen2_5_vl",  # mlx-vlm's, through vision/target.py
 }
-
-
-# The caches of recurrent layers: mlx-lm's, and mlx-vlm's once a vision-language target is
-# loaded (``vision/loader.py``); a snapshot copies them, a rollback replays into them.
-_RECURRENT: list[type] = [ArraysCache]
-
-
-def add_recurrent(cls: type) -> None:
-    """Treat caches of ``cls`` as recurrent layers' (another library's ``ArraysCache``)."""
-    if cls not in _RECURRENT:
-        _RECURRENT.append(cls)
-
-
-def recurrent(c) -> bool:
-    """Whether ``c`` is a recurrent layer's cache (a list of states, not trimmable)."""
-    return isinstance(c, tuple(_RECURRENT))
 
 
 class _Tap(_Wrapper):

@@ -52,7 +52,7 @@ def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None):
     from mlx_vlm.models.cache import ArraysCache
     from mlx_vlm.utils import load_model, load_processor
 
-    from ..model import target as adapter
+    from ..model.recurrent import add_recurrent
     from .target import VisionTarget
 
     try:
@@ -64,7 +64,7 @@ def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None):
             f"cannot load vision-language model {path} ({type(e).__name__}: {reason}); "
             "re-download it or check that mlx-vlm supports this model"
         ) from None
-    adapter.add_recurrent(ArraysCache)  # mlx-vlm's recurrent layers' caches
+    add_recurrent(ArraysCache)  # mlx-vlm's recurrent layers' caches
     eos = params.get("eos_token_id")
     tokenizer = load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos)
     return VisionTarget(vlm, processor, mtype), tokenizer
