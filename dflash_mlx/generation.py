@@ -29,7 +29,7 @@ from .decoding.prompt import (
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import Cycle
-from .decoding.warmup import ensure as ensure_tuning
+from .distributed import policy as across
 from .errors import DFlashError
 from .loading import memory
 from .settings import AUTO, GenerationConfig
@@ -277,7 +277,7 @@ def _scheduler(model, cfg: GenerationConfig, params, context: int):
     """The ``block_size="auto"`` scheduler of one request of ``context`` prompt tokens; the
     first one sets the pair's step costs (``warmup.ensure``: stored and spot-checked, or
     measured)."""
-    tuning = ensure_tuning(model)
+    tuning = across.ensure(model, model.group)  # warmup.ensure, alike on every rank
     selector = cfg.use_selector and model.drafter.has_selector
     seeded = cfg.seed is not None
     return tuning.scheduler(
@@ -333,7 +333,8 @@ def stream_generate(
     stats = RequestStats(len(ids), block_size)
     eos = eos_ids(tokenizer)
     cache = inputs.own_cache(model, prompt_cache)
-    opts = {"profile": profile, "prefill_step_size": step, "policy": sched}
+    policy = across.follow(sched, model.group)  # under a group: rank 0's decisions
+    opts = {"profile": profile, "prefill_step_size": step, "policy": policy}
     cycles = _decode(model, ids, cache, params, cfg, block_size, **opts)
     try:
         while (cyc := model.step(cycles)) is not None:  # other threads' steps may interleave

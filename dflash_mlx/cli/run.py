@@ -47,7 +47,6 @@ def run(
     budget = check_budget(thinking_budget)
     text = c.read_prompt(prompt, prompt_opt)
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
-    cfg = _across_ranks(m, cfg)
     kw = template_kwargs(False if no_think else None)
     ids, cfg = c.fit_prompt(m, tok, text, cfg, ignore_chat_template, system, quiet, kw)
     opts = {"profile": verbose, "logits_processors": processors(tok, ids, budget)}
@@ -69,15 +68,6 @@ def run(
         con = stderr_console()
         for line in stats_lines(s, last.timings if verbose else None, extra):
             con.print(line)
-
-
-def _across_ranks(m, cfg: GenerationConfig) -> GenerationConfig:
-    """Under ``mlx.launch``: a block size that every rank takes alike."""
-    from .. import distributed
-
-    if distributed.group() is None:
-        return cfg
-    return distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
 
 
 def _dim(text: str) -> None:

@@ -3,8 +3,8 @@ with mlx-lm's own tensor parallelism (``Model.shard``) and every rank runs the s
 loop. Each sharded layer ends in MLX's ``all_sum``, which leaves every rank the same sum, so
 every rank sees the same logits, drafts the same block with its own copy of the drafter,
 and takes the same decisions with the same keys: no rank sends another its tokens. Only
-rank 0 speaks. What reads a clock (``block_size="auto"``) could decide otherwise on each
-rank, so it is replaced by the checkpoint's block, with a note.
+rank 0 speaks. What reads a clock (``block_size="auto"``) is decided on rank 0 and sent to
+the others (``policy.py``).
 """
 
 from __future__ import annotations
@@ -72,21 +72,3 @@ def speak_only_on_rank_zero(group) -> None:
     if group is not None and group.rank() != 0:
         devnull = open(os.devnull, "w")  # noqa: SIM115 - for the rest of the process
         sys.stdout, sys.stderr = devnull, devnull
-
-
-def fixed_block(cfg, block: int, note=print):
-    """``cfg`` with ``block_size="auto"`` replaced by ``block`` (the scheduler times cycles,
-    which could part the ranks), said in one note.
-
-    Args:
-        cfg: a ``GenerationConfig``. block: the checkpoint's block. note: where to say it.
-    """
-    from dataclasses import replace
-
-    if cfg.block_size != "auto":
-        return cfg
-    note(
-        f"note: several processes: block size {block} instead of auto (auto times each "
-        "cycle on each process, which could part them); --block-size N to choose another"
-    )
-    return replace(cfg, block_size=block)

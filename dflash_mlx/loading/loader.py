@@ -358,16 +358,20 @@ def load(
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
     fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits)
     notes = _notices(quiet, log)
-    from ..decoding import warmup as warm  # MLX and mlx-lm: after the plan, which is quick
+    from ..distributed import handshake
+    from ..distributed import policy as across  # MLX and mlx-lm: after the plan, quick
 
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
+    group = distributed.group(group)
+    handshake.check(group, (tpath, dpath))  # ranks started alike, or one error on each
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
-    distributed.shard(target, distributed.group(group))  # before any wrapper of ours
+    distributed.shard(target, group)  # before any wrapper of ours
     pair = _assemble(target, tpath, dname, dpath, res.display_name, bits, notes)
+    pair.group = group
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:
-        warm.ensure(pair)
+        across.ensure(pair, group)  # warmup.ensure, on the same path on every rank
     return pair, tokenizer

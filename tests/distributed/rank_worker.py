@@ -1,5 +1,7 @@
 """One rank of the sharded-decoding test (run by ``mlx.launch``): load the tiny pair sharded
-over the launched group, decode plain (mlx-lm) and with DFlash greedily, write the tokens."""
+over the launched group, decode plain (mlx-lm) and with DFlash greedily (blocks 2, 4 and
+``auto``), write the tokens. For ``auto``, every rank but 0 gets a scheduler that would
+always choose a plain step: the ranks stay paired only if they take rank 0's choices."""
 
 import json
 import sys
@@ -9,6 +11,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 
 from dflash_mlx import load, stream_generate
+from dflash_mlx.decoding.policy import Choice
+from dflash_mlx.decoding.schedule import Scheduler
 
 out, target, drafter = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 group = mx.distributed.init()
@@ -18,13 +22,18 @@ plain = [int(t) for t, _ in generate_step(mx.array(ids), model.target, max_token
 # mlx-lm leaves its next step in flight on its own stream: let it finish, or its all_sums
 # would run beside the next decode's and the ranks could pair different ones
 mx.synchronize(generation_stream)
+if group.rank() != 0:  # its own clock would decide otherwise: here, always plain
+    Scheduler.choose = lambda self, budget=None, match=0: Choice(1)
 runs = {}
-for block in (2, 4):
+for block in (2, 4, "auto"):
     got = []
     for r in stream_generate(model, tok, ids, max_tokens=24, block_size=block, temperature=0.0):
         got += r.tokens
     runs[str(block)] = got
+blocks = {str(b): n for b, n in r.blocks.items()}  # auto's: steps per block size
 shards = model.target.layers[0].self_attn.n_heads  # query heads kept on this rank
 (out / f"rank{group.rank()}.json").write_text(
-    json.dumps({"size": group.size(), "plain": plain, "dflash": runs, "heads": shards})
+    json.dumps(
+        {"size": group.size(), "plain": plain, "dflash": runs, "heads": shards, "blocks": blocks}
+    )
 )
