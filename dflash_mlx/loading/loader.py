@@ -356,14 +356,15 @@ def load(
     """
     bits = parse_draft_quant(draft_quant)  # before any I/O
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
-    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits)
+    group = distributed.group(group)
+    shard = None if group is None else (group.size(), group.rank(), "tensor")  # per rank
+    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits, shard)
     notes = _notices(quiet, log)
     from ..distributed import handshake
     from ..distributed import policy as across  # MLX and mlx-lm: after the plan, quick
 
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
-    group = distributed.group(group)
     handshake.check(group, (tpath, dpath))  # ranks started alike, or one error on each
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
