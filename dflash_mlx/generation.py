@@ -333,8 +333,7 @@ def stream_generate(
     stats = RequestStats(len(ids), block_size)
     eos = eos_ids(tokenizer)
     cache = inputs.own_cache(model, prompt_cache)
-    policy = across.follow(sched, model.group)  # under a group: rank 0's decisions
-    opts = {"profile": profile, "prefill_step_size": step, "policy": policy}
+    opts = {"profile": profile, "prefill_step_size": step, "policy": sched}
     cycles = _decode(model, ids, cache, params, cfg, block_size, **opts)
     try:
         while (cyc := model.step(cycles)) is not None:  # other threads' steps may interleave
@@ -362,6 +361,7 @@ def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, *
     here. opts: ``DecodeOptions``' profile, prefill_step_size and policy."""
     key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()
+    opts["policy"] = across.follow(opts.get("policy"), model.group)  # rank 0 decides
     run = DecodeOptions(
         max_tokens=cfg.max_tokens,
         block_size=block_size,

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import distributed
+from ..distributed import handshake
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config, parse_draft_quant
 from . import backend, hub, memory, registry
@@ -311,6 +312,27 @@ def _assemble(target, tpath: Path, dname: str, dpath: Path, name: str, bits, not
     return DFlashModel(target, draft, adapter, str(tpath), str(dpath), name, notes=notes)
 
 
+def _shard(group) -> tuple[int, int, str] | None:
+    """This rank's (size, rank, mode) for its memory plan; None for one process."""
+    return None if group is None else (group.size(), group.rank(), "tensor")
+
+
+def _sharded_pair(target, group, parts: tuple, notes) -> DFlashModel:
+    """The pair around ``target`` (``_assemble``'s ``parts``), the target sharded over
+    ``group`` first: mlx-lm's sharding comes before any wrapper of ours."""
+    distributed.shard(target, group)
+    pair = _assemble(target, *parts, notes)
+    pair.group = group
+    return pair
+
+
+def _warm(pair, group) -> None:
+    """The ``auto`` step costs now (``warmup.ensure``), on the same path on every rank."""
+    from ..distributed import policy
+
+    policy.ensure(pair, group)
+
+
 def load(
     model: str,
     drafter: str | None = None,
@@ -357,22 +379,17 @@ def load(
     bits = parse_draft_quant(draft_quant)  # before any I/O
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
     group = distributed.group(group)
-    shard = None if group is None else (group.size(), group.rank(), "tensor")  # per rank
-    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits, shard)
+    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits, _shard(group))
     notes = _notices(quiet, log)
-    from ..distributed import handshake
-    from ..distributed import policy as across  # MLX and mlx-lm: after the plan, quick
 
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     handshake.check(group, (tpath, dpath))  # ranks started alike, or one error on each
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     target, tokenizer = _load_target(tpath, res.display_name, tokenizer_config, notes)
-    distributed.shard(target, group)  # before any wrapper of ours
-    pair = _assemble(target, tpath, dname, dpath, res.display_name, bits, notes)
-    pair.group = group
+    pair = _sharded_pair(target, group, (tpath, dname, dpath, res.display_name, bits), notes)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:
-        across.ensure(pair, group)  # warmup.ensure, on the same path on every rank
+        _warm(pair, group)
     return pair, tokenizer
