@@ -138,3 +138,28 @@ def table(rows: list[dict]) -> str:
             f"{row['mlx-lm']:<10}{row['n_files']:<8}{row['gb']:>9.3f}"
         )
     return "\n".join(lines)
+
+
+def reachable(group, timeout: float) -> float | None:
+    """Seconds one ``all_sum`` over the group took, or None when it did not complete within
+    ``timeout`` seconds (a rank is down or unreachable; the waiting thread is left behind).
+
+    Args:
+        group: the ``mx.distributed.Group``. timeout: seconds to wait.
+    """
+    import threading
+    import time
+
+    import mlx.core as mx
+
+    got: dict = {}
+
+    def ring() -> None:
+        t = time.perf_counter()
+        total = mx.distributed.all_sum(mx.array([1], mx.int32), group=group).item()
+        got["seconds"] = time.perf_counter() - t if total == group.size() else None
+
+    worker = threading.Thread(target=ring, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return got.get("seconds")

@@ -2,6 +2,8 @@
 over a simulated wire), the cost tables survive the trip, and the start-up handshake
 refuses ranks started with other versions, flags or model files."""
 
+import json
+
 import pytest
 
 from dflash_mlx import DFlashError
@@ -124,3 +126,41 @@ def test_facts_round_trip_and_compare_paths_by_name_and_files_by_size(tmp_path):
     (tmp_path / "b" / "m" / "model.safetensors").write_bytes(b"x" * 11)
     assert handshake.facts([tmp_path / "b" / "m"])["files"] != here["files"]
     assert handshake.gather(here, mx.distributed.init()) == [here]
+
+
+@pytest.fixture
+def launched_doctor(monkeypatch):
+    """``dflash doctor`` as rank 0 of a group (MLX's group of one, as ``init`` gives it
+    unlaunched), its own checks reduced to one line: only the group's are under test."""
+    import mlx.core as mx
+    from typer.testing import CliRunner
+
+    from dflash_mlx import distributed, doctor
+    from dflash_mlx.cli import app
+
+    monkeypatch.setattr(distributed, "group", lambda given=None: mx.distributed.init())
+    monkeypatch.setattr(doctor, "run_checks", lambda: [doctor.Check("device", "here")])
+    return lambda *a: CliRunner().invoke(app, ["doctor", *a])
+
+
+def test_doctor_under_a_group_checks_it_and_prints_a_line_per_rank(launched_doctor):
+    r = launched_doctor()
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("group") and "1 ranks answer (an all_sum in" in lines[1]
+    assert "same versions and demo files on every rank" in lines[1]
+    assert lines[3].split()[0] == "rank" and lines[4].split()[0] == "0"
+
+
+def test_doctor_names_an_unreachable_group_and_a_rank_that_differs(launched_doctor, monkeypatch):
+    answers = handshake.reachable
+    monkeypatch.setattr(handshake, "reachable", lambda group, timeout: None)
+    r = launched_doctor()
+    assert r.exit_code == 1 and "did not complete in 30 s: a rank is down" in r.stdout
+    monkeypatch.setattr(handshake, "reachable", answers)
+    rows = _rows()
+    monkeypatch.setattr(handshake, "gather", lambda row, group: rows)
+    r = launched_doctor("--json")
+    out = json.loads(r.stdout)
+    assert r.exit_code == 1 and not out["checks"]["group"]["ok"] and len(out["ranks"]) == 3
+    assert "rank 2 (mac-b) has other mlx version" in out["checks"]["group"]["value"]
