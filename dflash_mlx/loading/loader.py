@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import distributed
-from ..distributed import handshake
+from ..distributed import handshake, link
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config, parse_draft_quant
 from . import backend, hub, memory, registry
@@ -321,6 +321,7 @@ def _sharded_pair(target, group, parts: tuple, notes) -> DFlashModel:
     """The pair around ``target`` (``_assemble``'s ``parts``), the target sharded over
     ``group`` first: mlx-lm's sharding comes before any wrapper of ours."""
     distributed.shard(target, group)
+    link.from_env(group)  # the benchmark's test hook (DFLASH_TEST_LINK_DELAY_MS), if set
     pair = _assemble(target, *parts, notes)
     pair.group = group
     return pair
