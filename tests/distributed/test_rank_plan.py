@@ -52,3 +52,19 @@ def test_a_pair_too_big_for_one_machine_fits_as_two_ranks_shards(tiny_dir):
     with pytest.raises(DFlashError, match="this pair needs"):
         memory.Fit(res, None, max_memory=gb)
     assert memory.Fit(res, None, max_memory=gb, shard=(2, 0, "tensor")).plan.peak == one.peak
+
+
+def test_the_verbose_plan_line_is_this_ranks(tiny_dir, capsys):
+    from dflash_mlx.cli.common import print_plan
+    from dflash_mlx.cli.options import ModelOptions
+
+    class _Group:
+        def size(self):
+            return 2
+
+        def rank(self):
+            return 1
+
+    src = ModelOptions(model=str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"))
+    print_plan(src, None, _Group())
+    assert "rank 1 of 2, tensor shard" in capsys.readouterr().err
