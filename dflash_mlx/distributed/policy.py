@@ -5,8 +5,8 @@ The scheduler reads a clock: each rank's own timings could choose another block,
 the ranks' collectives no longer pair (a hang, or sums of unlike tensors). So every value
 the decode loop steers by (``choose``, ``plain_run``, ``copy_pays``) is rank 0's, sent to
 the others in one small ``all_sum`` (they add zeros). The warm-up that fills the cost
-tables runs the sharded target, so its path (stored table, spot check, full warm-up) is
-rank 0's too, and its tables end up on every rank. Only decisions travel, never tokens:
+tables runs the sharded target, so every rank runs it, and rank 0's tables end up on every
+rank. Only decisions travel, never tokens:
 the tokens still follow from identical logits and keys on every rank.
 """
 
@@ -92,9 +92,11 @@ def follow(policy, group):
 
 
 def ensure(model, group=None):
-    """``warmup.ensure`` (the ``auto`` step costs), the same path on every rank: rank 0
-    says whether it trusts a stored table, every rank runs the spot check and the warm-up
-    when rank 0 does (they run the sharded target), and rank 0's tables end on every rank.
+    """``warmup.ensure`` (the ``auto`` step costs), alike on every rank: every rank runs the
+    warm-up (it runs the sharded target, so every rank must take its steps), and rank 0's
+    tables replace the others'. The start-up cache is neither read nor written under a
+    group: it keys costs by the pair, and a sharded pair's would stand for the one-process
+    pair's (a key per group size is left to do).
 
     Args:
         model: the loaded pair. group: the pair's group (None: ``warmup.ensure`` as is).
@@ -105,36 +107,11 @@ def ensure(model, group=None):
         return warmup.ensure(model)
     if model.tuning is not None:
         return model.tuning
-    _ensure_on_rank(model, group, warmup)
+    warmup.warm_up(model)
     tables = send_tables(model.tuning.tables() if group.rank() == 0 else {}, model, group)
     if group.rank() != 0:
         warmup.tune(model, tables)
     return model.tuning
-
-
-def _ensure_on_rank(model, group, warmup) -> None:
-    """Rank 0's path to a table (0: measure, 1: stored, 2: stored once a spot check
-    agrees), walked on every rank; only rank 0 reads and writes the store."""
-    from .. import env
-    from ..loading import diskcache
-
-    lead = group.rank() == 0
-    stored = diskcache.read_costs(model) if lead else None
-    path = 0 if stored is None else 2 if env.switch(warmup.ENV_CHECK) else 1
-    path = broadcast([path], group)[0]
-    if path == 2:
-        spot = warmup.spot_check(model)
-        why = warmup.disagreement(stored, *spot, model.block_size) if lead else None
-        if why is not None:
-            diskcache.note(f"the stored warm-up costs {why}; measuring them again", model.notes)
-        path = broadcast([int(why is None)], group)[0]
-    if path:
-        if lead:
-            warmup.tune(model, stored)
-        return
-    warmup.warm_up(model)
-    if lead:
-        diskcache.write_costs(model, model.tuning.tables())
 
 
 def send_tables(tables: dict, model, group) -> dict:
