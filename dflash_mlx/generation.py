@@ -22,7 +22,7 @@ from .decoding.prompt import (
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import Cycle
-from .decoding.warmup import ensure as ensure_tuning
+from .distributed import policy as across
 from .loading import memory
 from .prompts import Prompt, encode_prompt, fit_prompt, request_ids  # noqa: F401 (re-exported)
 from .settings import AUTO, GenerationConfig
@@ -189,7 +189,7 @@ def _scheduler(model, cfg: GenerationConfig, params, context: int):
     """The ``block_size="auto"`` scheduler of one request of ``context`` prompt tokens; the
     first one sets the pair's step costs (``warmup.ensure``: stored and spot-checked, or
     measured)."""
-    tuning = ensure_tuning(model)
+    tuning = across.ensure(model, model.group)  # warmup.ensure, alike on every rank
     selector = cfg.use_selector and model.drafter.has_selector
     seeded = cfg.seed is not None
     return tuning.scheduler(
@@ -286,6 +286,7 @@ def _decode(model, ids, cache, params, cfg: GenerationConfig, block_size: int, *
     here. opts: ``DecodeOptions``' profile, prefill_step_size, policy and vision."""
     key = mx.random.key(cfg.seed) if cfg.seed is not None else None
     mx.reset_peak_memory()
+    opts["policy"] = across.follow(opts.get("policy"), model.group)  # rank 0 decides
     run = DecodeOptions(
         max_tokens=cfg.max_tokens,
         block_size=block_size,

@@ -48,7 +48,7 @@ def load_pair(src: ModelOptions, quiet: bool, verbose: bool, cfg=None, sharded: 
     if getattr(cfg, "kv_bits", None):
         kv = (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start)
     if verbose:
-        print_plan(src, kv)
+        print_plan(src, kv, group)
     m, tok = load(
         src.model,
         drafter=src.drafter,
@@ -109,14 +109,14 @@ def note_lost_kernels() -> None:
     )
 
 
-def print_plan(src: ModelOptions, kv: tuple[int, int, int] | None) -> None:
+def print_plan(src: ModelOptions, kv: tuple[int, int, int] | None, group=None) -> None:
     """The memory plan (estimated) in one line on stderr, when the pair's files are here.
 
     Args:
         src: the command's model options. kv: (kv_bits, kv_group_size, quantized_kv_start)
-            of a quantized KV cache, or None.
+            of a quantized KV cache, or None. group: under ``mlx.launch``, this rank's plan.
     """
-    from ..loading import memory
+    from ..loading import memory, rank_plan
     from ..loading.loader import resolve
 
     res = resolve(src.model, src.drafter, src.quant)
@@ -126,6 +126,8 @@ def print_plan(src: ModelOptions, kv: tuple[int, int, int] | None) -> None:
         return
     try:
         plan = memory.make_plan(tpath, dpath, src.max_context, kv)
+        shard = None if group is None else (group.size(), group.rank(), "tensor")
+        plan = rank_plan.for_rank(plan, tpath, shard)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
         return  # a damaged file: loading it names the problem
     budget, where = memory.device_budget(src.max_memory)

@@ -58,6 +58,17 @@ def _check(quant, context: int, block: int | None, draft_vocab: int | None, roll
         raise DFlashError(f"--rollback must be tape or replay (got {rollback!r})")
 
 
+def _check_group(hosts: int, link: str, shard: str) -> None:
+    from ..bench.roofline_link import LINKS, MODES
+
+    if not 1 <= hosts <= 64:
+        raise DFlashError(f"--hosts must be 1 to 64 Macs (got {hosts})")
+    if link not in LINKS:
+        raise DFlashError(f"--link {link} is not one of {', '.join(LINKS)}; pick one of them")
+    if shard not in MODES:
+        raise DFlashError(f"--shard must be tensor or pipeline (got {shard!r})")
+
+
 def _check_sizes(configs: tuple, context: int, draft_vocab: int | None) -> tuple:
     """``_configs``'s answer, after refusing a context past the model's and a draft
     vocabulary past its vocabulary."""
@@ -98,39 +109,36 @@ def roofline(
         None, "--draft-vocab", help="Draft vocabulary size (0: full; default: the drafter's own)."
     ),
     rollback: str = typer.Option("tape", "--rollback", help="A hybrid's rollback: tape or replay."),
+    hosts: int = typer.Option(1, "--hosts", help="Macs the target is sharded over."),
+    link: str = typer.Option("tb5-rdma", "--link", help="Their link: tb5-rdma, tb5, tb4, ..."),
+    shard: str = typer.Option("tensor", "--shard", help="With --hosts: tensor or pipeline."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead."),
 ):
     """Offline cost model of a verify cycle: the bytes the target's verify, the drafter and
-    the rollback read, and their time at the chip's bandwidth (estimated; nothing runs)."""
+    the rollback read, and their time at the chip's bandwidth (estimated; nothing runs).
+    With --hosts N, also plain and DFlash per token with the link's round trips added."""
     from ..bench import roofline as rl
     from ..bench import roofline_data as data
     from ..model.config import parse_draft_quant
 
     _check(quant, context, block, draft_vocab, rollback)
+    _check_group(hosts, link, shard)
     bits = parse_draft_quant(draft_quant, "--draft-quant")
     try:
         chip_name, bandwidth, note = data.chip(chip)
     except KeyError:
         raise DFlashError(f"--chip {chip!r} is unknown; use one of: {', '.join(data.CHIPS)}")
     name, tcfg, dcfg, stored = _check_sizes(_configs(model, drafter), context, draft_vocab)
-    dc = dcfg.get("dflash_config", {})
-    draft_vocab = dc.get("draft_vocab_size") or 0 if draft_vocab is None else draft_vocab
-    inp = rl.Inputs(
-        target=tcfg,
-        drafter=dcfg,
-        quant=(quant or stored or "4bit").lower(),
-        draft_quant=4 if bits is None else bits,
-        draft_vocab=draft_vocab,
-        block=block or dc.get("block_size") or dcfg.get("block_size") or 8,
-        context=context,
-        rollback=rollback,
-    )
+    inp = _inputs(tcfg, dcfg, (quant or stored or "4bit").lower(), bits, draft_vocab, block)
+    inp.context, inp.rollback, draft_vocab = context, rollback, inp.draft_vocab
     rep = rl.estimate(inp)
     total = rl.summary(rep, bandwidth) | {"compute": rl.compute(rep, inp, chip_name, bandwidth)}
     head = {"model": name, "quant": inp.quant, "chip": chip_name, "bandwidth_gb_s": bandwidth}
     head |= {"block": inp.block, "context": context, "draft_quant": inp.draft_quant}
     head |= {"draft_vocab": draft_vocab, "rollback": rollback if rep.hybrid else None}
+    group = _group(inp, rep, total, bandwidth, (hosts, link, shard))
     if json_out:
+        head["hosts"] = group
         parts = {k: {"bytes": v, "seconds": v / (bandwidth * 1e9)} for k, v in rep.parts.items()}
         other = None if rep.other is None else {"kind": rep.other[0], "bytes": rep.other[1]}
         print(
@@ -140,6 +148,35 @@ def roofline(
         )
         return
     _print(head, rep, total, bandwidth, note)
+    if group is not None:
+        print(_render(name, inp.quant, chip_name, group))
+
+
+def _inputs(tcfg: dict, dcfg: dict, quant: str, bits, draft_vocab, block):
+    """``roofline.Inputs`` of a pair: the drafter's own draft vocabulary and block unless
+    given."""
+    from ..bench import roofline as rl
+
+    dc = dcfg.get("dflash_config", {})
+    draft_vocab = dc.get("draft_vocab_size") or 0 if draft_vocab is None else draft_vocab
+    block = block or dc.get("block_size") or dcfg.get("block_size") or 8
+    draft_quant = 4 if bits is None else bits
+    return rl.Inputs(tcfg, dcfg, quant, draft_quant, draft_vocab, block)
+
+
+def _group(inp, rep, total: dict, bandwidth: float, group: tuple) -> dict | None:
+    """``roofline_link.estimate`` for (hosts, link, mode); None for one Mac."""
+    if group[0] <= 1:
+        return None
+    from ..bench import roofline_link
+
+    return roofline_link.estimate(inp, rep, total["compute"]["mlx_qmm"], bandwidth, *group)
+
+
+def _render(name: str, quant: str, chip_name: str, group: dict) -> str:
+    from ..bench.roofline_link import render
+
+    return render(name, quant, chip_name, group["hosts"], group["link"], group["mode"], group)
 
 
 def _print(head: dict, rep, total: dict, bandwidth: float, note: str) -> None:

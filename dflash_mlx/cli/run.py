@@ -57,7 +57,7 @@ def run(
     text = c.read_prompt(prompt, prompt_opt)
     pictures = c.read_images(image)  # a bad file is refused before the model loads
     m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
-    cfg, guard = _across_ranks(m, cfg)
+    cfg, guard = _across_ranks(cfg)
     kw = template_kwargs(False if no_think else None)
     prompt, ids, cfg, opts = _request(m, tok, text, cfg, (system, pictures), ignore_chat_template, quiet, kw)  # fmt: skip
     opts.update(profile=verbose, logits_processors=processors(tok, ids, budget))
@@ -96,9 +96,10 @@ def _request(m, tok, text: str, cfg, given: tuple, raw: bool, quiet: bool, kw):
     return text, ids, cfg, {"images": pictures, "system": system}
 
 
-def _across_ranks(m, cfg: GenerationConfig):
-    """(settings, guard): under ``mlx.launch`` a block size that every rank takes alike,
-    and the watchdog that ends every rank when one is lost (``distributed.faults``)."""
+def _across_ranks(cfg: GenerationConfig):
+    """(settings, guard): under ``mlx.launch`` rank 0's seed for every rank, and the
+    watchdog that ends every rank when one is lost (``distributed.faults``); ``auto``
+    follows rank 0's choices in the decode itself (``distributed.policy``)."""
     from contextlib import nullcontext
 
     from .. import distributed
@@ -109,7 +110,6 @@ def _across_ranks(m, cfg: GenerationConfig):
     from ..distributed import follow
 
     channel, dog = follow.start(group)
-    cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
     return follow.seeded(cfg, channel.seed), follow.guarded(dog)
 
 

@@ -66,6 +66,15 @@ class _CompiledRope(_Wrapper):
         return self._fn(x, mx.array(offset, mx.int32) if isinstance(offset, int) else offset)
 
 
+def _plain_mlp(mlp) -> bool:
+    """An mlx-lm MLP that issues no collective: a sharded one (its ``down_proj`` ends in an
+    ``all_sum``) stays uncompiled, since a compiled trace would issue its collectives out of
+    the sight of ``distributed/link.py``'s counting and delay (and Metal compiles none)."""
+    if type(mlp).__name__ != "MLP" or not type(mlp).__module__.startswith("mlx_lm.models"):
+        return False
+    return "ShardedToAll" not in type(getattr(mlp, "down_proj", None)).__name__
+
+
 def compile_layers(layers: list) -> int:
     """Compile each decoder layer's block-only modules: RoPE, the two RMSNorms and a plain
     MLP (only these exact kinds; anything else is left as it is). The attention with its
@@ -86,7 +95,7 @@ def compile_layers(layers: list) -> int:
                 setattr(base, name, _Compiled(getattr(base, name)))
                 n += 1
         mlp = getattr(base, "mlp", None)
-        if type(mlp).__name__ == "MLP" and type(mlp).__module__.startswith("mlx_lm.models"):
+        if _plain_mlp(mlp):
             fast = _exact_mlp(mlp) if exact else None
             exact = fast is not None  # one probe failing keeps MLX's SiLU for all layers
             base.mlp, n = fast or _Compiled(mlp), n + 1

@@ -57,6 +57,9 @@ class DFlashModel:
     lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
     # Where the pair's later notes go (``load``'s notices, a no-op under quiet; None: stderr).
     notes: Callable[[str], None] | None = field(default=None, repr=False, compare=False)
+    # The ``mx.distributed.Group`` the target is sharded over (None: one process); the
+    # ``auto`` schedule then follows rank 0 (``distributed/policy.py``).
+    group: object | None = field(default=None, repr=False, compare=False)
 
     @property
     def block_size(self) -> int:

@@ -3,8 +3,8 @@ with mlx-lm's own tensor parallelism (``Model.shard``), or its pipeline parallel
 (``pipeline.py``), and every rank runs the same DFlash loop. Each sharded layer ends in MLX's ``all_sum``, which leaves every rank the same sum, so
 every rank sees the same logits, drafts the same block with its own copy of the drafter,
 and takes the same decisions with the same keys: no rank sends another its tokens. Only
-rank 0 speaks. What reads a clock (``block_size="auto"``) could decide otherwise on each
-rank, so it is replaced by the checkpoint's block, with a note.
+rank 0 speaks. What reads a clock (``block_size="auto"``) is decided on rank 0 and sent to
+the others (``policy.py``).
 """
 
 from __future__ import annotations
@@ -101,6 +101,12 @@ def connect(pair, group, mode) -> None:
         pipeline.connect(pair.adapter, group)
 
 
+def plan_shard(group, mode: str | None) -> tuple[int, int, str] | None:
+    """This rank's (size, rank, mode) for its memory plan, before the load (without
+    ``--shard`` the plan assumes tensor); None for one process."""
+    return None if group is None else (group.size(), group.rank(), mode or "tensor")
+
+
 def speak_only_on_rank_zero(group) -> None:
     """Ranks other than 0 write nothing (they compute the same text as rank 0)."""
     if group is not None and group.rank() != 0:
@@ -109,8 +115,9 @@ def speak_only_on_rank_zero(group) -> None:
 
 
 def fixed_block(cfg, block: int, note=print):
-    """``cfg`` with ``block_size="auto"`` replaced by ``block`` (the scheduler times cycles,
-    which could part the ranks), said in one note.
+    """``cfg`` with ``block_size="auto"`` replaced by ``block``, said in one note: the
+    commands whose ranks replay rank 0's calls (serve, chat, bench) do not send auto's
+    choices yet (``dflash run`` and the Python API do: ``policy.py``).
 
     Args:
         cfg: a ``GenerationConfig``. block: the checkpoint's block. note: where to say it.
@@ -120,7 +127,7 @@ def fixed_block(cfg, block: int, note=print):
     if cfg.block_size != "auto":
         return cfg
     note(
-        f"note: several processes: block size {block} instead of auto (auto times each "
-        "cycle on each process, which could part them); --block-size N to choose another"
+        f"note: several processes: block size {block} instead of auto (this command does "
+        "not share auto's choices across processes yet); --block-size N to choose another"
     )
     return replace(cfg, block_size=block)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .. import distributed
+from ..distributed import handshake, link, policy
 from ..errors import DFlashError, IncompatibleDrafterError
 from ..model.config import check_target_config, parse_draft_quant
 from . import backend, hub, memory, registry
@@ -321,11 +322,12 @@ def _pair(res, paths, bits, notes, tokenizer_config, group, shard):
     drafter), the target sharded over ``group`` by ``shard`` before any wrapper of ours (a
     group's target loads lazily: each rank reads only the weights it keeps)."""
     (tpath, dname, dpath), name = paths, res.display_name
-    group = distributed.group(group)
     target, tokenizer = _load_target(tpath, name, tokenizer_config, notes, group is not None)
     mode = distributed.shard(target, group, shard)
+    link.from_env(group)  # the benchmark's test hook (DFLASH_TEST_LINK_DELAY_MS), if set
     pair = _assemble(target, tpath, dname, dpath, name, bits, notes)
     distributed.connect(pair, group, mode)
+    pair.group = group
     return pair, tokenizer
 
 
@@ -350,8 +352,8 @@ def load(
     """Load a target model and its DFlash drafter.
 
     Args:
-        model: a registry alias (case-insensitive; ``dflash models`` lists them), a Hub id,
-            a local mlx-lm directory, or a llama-family ``.gguf`` file.
+        model: a registry alias (``dflash models``), a Hub id, a local mlx-lm or
+            vision-language directory, or a llama-family ``.gguf`` file.
         drafter: drafter directory or Hub id (default: ``resolve``'s, tried in order).
         quant: an alias's target quantisation (4bit, 8bit, bf16, mxfp8). offline: never
             touch the network (default: the environment, ``hub.offline_mode``).
@@ -368,24 +370,23 @@ def load(
 
     Returns:
         (DFlashModel, tokenizer): ``model.target`` is the mlx-lm model, ``model.drafter``
-        the drafter, ``model.name`` the alias, Hub id or directory name.
-
-    Raises:
-        DFlashError: one line naming the problem and the fix.
+        the drafter, ``model.name`` the alias, Hub id or directory name. Raises
+        ``DFlashError``: one line naming the problem and the fix.
     """
     bits = parse_draft_quant(draft_quant)  # before any I/O
     distributed.check_shard(shard)
     res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
-    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits)
+    group = distributed.group(group)
+    ranks = distributed.plan_shard(group, shard)
+    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits, ranks)
     notes = _notices(quiet, log)
-    from ..decoding import warmup as warm  # MLX and mlx-lm: after the plan, which is quick
-
     tpath = locate(res.target, "model", offline, quiet, log)
     dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
+    handshake.check(group, (tpath, dpath))  # ranks started alike, or one error on each
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     pair, tokenizer = _pair(res, (tpath, dname, dpath), bits, notes, tokenizer_config, group, shard)
     fit.cap(pair)
     set_draft_vocab(pair, tokenizer, draft_vocab)
-    if warmup:
-        warm.ensure(pair)
+    if warmup:  # the auto step costs now, on the same path on every rank
+        policy.ensure(pair, group)
     return pair, tokenizer

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..errors import DFlashError
 from .footprint import config_int, drafter_size, kv_cache_bytes, target_size, transient_bytes
+from .rank_plan import for_rank
 from .wired import _WIRED, decoding  # noqa: F401  (importable from here as before)
 
 GB = 1e9
@@ -280,19 +281,26 @@ class Fit:
             device's budget). max_context: tokens (None: see ``choose_context``).
         kv: (kv_bits, kv_group_size, quantized_kv_start) the estimate counts, or None.
         offline: never ask the Hub (the plan waits until the files are here). bits: as
-            ``make_plan``'s ``draft_bits``.
+            ``make_plan``'s ``draft_bits``. shard: (size, rank, mode): one rank's plan.
 
     Raises:
-        DFlashError: a bad limit, or a pair that does not fit.
-    """
+        DFlashError: a bad limit, or a pair that does not fit."""
 
     def __init__(
-        self, res, quant, max_memory=None, max_context=None, kv=None, offline=True, bits=0
+        self,
+        res,
+        quant,
+        max_memory=None,
+        max_context=None,
+        kv=None,
+        offline=True,
+        bits=0,
+        shard=None,
     ):
         check_limits(max_memory, max_context, kv=kv)
         entry = res.entry
         self.quants = (list(entry.targets), quant) if entry and not entry.local else ((), None)
-        self.limits = (max_memory, max_context, kv, bits)
+        self.limits = (max_memory, max_context, kv, bits, shard)
         self.plan, self.warning = None, None
         self.check(res.target, res.drafters[0], offline=offline)
 
@@ -307,9 +315,9 @@ class Fit:
             tpath, dpath = _source(target, offline), _source(drafter, offline)
             if tpath is None or dpath is None:
                 return
-            max_memory, max_context, kv, bits = self.limits
+            max_memory, max_context, kv, bits, shard = self.limits
             try:
-                self.plan = make_plan(tpath, dpath, max_context, kv, bits)
+                self.plan = for_rank(make_plan(tpath, dpath, max_context, kv, bits), tpath, shard)
             except (OSError, ValueError, KeyError, TypeError, AttributeError, DFlashError):
                 return  # a damaged file: loading it names the problem
             budget, where = device_budget(max_memory)
