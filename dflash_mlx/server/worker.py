@@ -23,6 +23,7 @@ from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from ..vision.images import ImageError
+from ..vision.notes import batch_note
 from .images import api_error
 from .prompt_cache import PromptPool, default_bytes
 from .schema import APIError, bad, shutting_down
@@ -83,6 +84,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max(1, int(max_queue)))
         self.max_batch = 1 if model.adapter.is_hybrid else max(1, int(max_batch))
+        # one at a time where a batch was asked: said in each answer's notes (a VLM's)
+        self.solo_note = batch_note(model, int(max_batch)) if self.max_batch == 1 else None
         budget = default_bytes(model) if cache_bytes is None else cache_bytes
         self.pool = PromptPool(model, budget, disk)
         self.lockstep = lockstep
@@ -190,6 +193,8 @@ class Engine:
         )
         try:
             for r in gen:
+                if self.solo_note:
+                    r.notes.append(self.solo_note)
                 job.out.put(("data", r))
                 if job.cancel.is_set() and not r.finish_reason:
                     logger.info("generation cancelled (client gone or server stopping)")

@@ -47,6 +47,10 @@ def test_one_image_greedy_equals_mlx_vlm(pair, tiny_vlm_dir, images):
     ours, last = run(pair, msgs, [images[0]])
     same(ours, greedy(tiny_vlm_dir[0], msgs, [images[0]], N))
     assert last.cycles < last.generation_tokens  # verify blocks ran (drafts accepted)
+    # what the request runs without is in its stats, never silent (vision/notes.py)
+    assert [n.split(":")[0] for n in last.notes] == ["tree off", "rollback replays"]
+    _, last = run(pair, msgs, [images[0]], max_tokens=2, tree=False)
+    assert [n.split(":")[0] for n in last.notes] == ["rollback replays"]
 
 
 def test_two_images_and_a_str_prompt(pair, tiny_vlm_dir, images):
@@ -90,6 +94,7 @@ def test_batched_requests_with_images_equal_mlx_vlm(pair, tiny_vlm_dir, images):
         for uid, r in gen.step():
             got[uid] += r.tokens
             done[uid] = r.finish_reason
+            assert r.notes[-1].startswith("batch off: a vision-language target decodes"), r.notes
     for uid, (msgs, imgs) in zip(uids, prompts):
         ours = got[uid] + ([3] if done[uid] == "stop" and len(got[uid]) < N else [])
         same(ours, greedy(tiny_vlm_dir[0], msgs, imgs, N))
@@ -121,5 +126,6 @@ def test_a_dense_family_qwen2_5_vl_equals_mlx_vlm(dense_vlm_dir, images):
     pair = load(str(dense_vlm_dir[0]), drafter=str(dense_vlm_dir[1]))
     for n in (1, 2):
         msgs = [user("Look.", n)]
-        ours, _ = run(pair, msgs, images[:n])
+        ours, last = run(pair, msgs, images[:n])
         same(ours, greedy(dense_vlm_dir[0], msgs, images[:n], N))
+        assert [x.split(":")[0] for x in last.notes] == ["tree off"]  # no recurrent layers

@@ -131,6 +131,9 @@ def test_the_same_image_in_the_next_turn_is_a_prompt_cache_hit(vlm, port, images
     image_end = vision.spans[0][1]
     assert b.usage.prompt_tokens_details.cached_tokens >= image_end, b.usage
     assert b.dflash["prompt_tokens_processed"] < b.usage.prompt_tokens - image_end  # type: ignore[attr-defined]
+    # the fallbacks are in the answer's stats (a hybrid VLM: one request at a time)
+    notes = [n.split(":")[0] for n in b.dflash["notes"]]  # type: ignore[attr-defined]
+    assert notes == ["tree off", "rollback replays", "batch off"], b.dflash  # type: ignore[attr-defined]
 
 
 def test_run_image_answers_the_python_apis_text(vlm, tiny_vlm_dir, images, tmp_path):
@@ -142,6 +145,11 @@ def test_run_image_answers_the_python_apis_text(vlm, tiny_vlm_dir, images, tmp_p
     r = CliRunner().invoke(app, [*args, "--image", str(f), "-m", str(N), "--temp", "0", "-q", ASK])
     assert r.exit_code == 0, (r.stdout, r.stderr, r.exception)
     assert r.stdout == expected(vlm, ASK, images[:1]) + "\n"
+    assert "tree off" not in r.stderr  # --quiet: only the text
+    r = CliRunner().invoke(app, [*args, "--image", str(f), "-m", "2", ASK])
+    assert r.exit_code == 0, (r.stdout, r.stderr, r.exception)
+    assert "note       tree off: a vision-language target (qwen3_5)" in r.stderr, r.stderr
+    assert "note       rollback replays" in r.stderr
 
 
 def test_chat_image_goes_with_the_next_message(vlm, images, tmp_path):
