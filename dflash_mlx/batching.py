@@ -33,6 +33,7 @@ from .generation import (
     stream_generate,
 )
 from .settings import AUTO, GenerationConfig
+from .vision.notes import batch_note
 
 
 class BlockChooser:
@@ -108,6 +109,7 @@ class BatchGenerator:
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
         self.requests: dict[int, _Request] = {}
         self.solo: dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time
+        self.solo_note = batch_note(model, self.max_batch)  # said in each response's notes
         self.eos = eos_ids(tokenizer)
         self._uids = itertools.count()
 
@@ -236,6 +238,8 @@ class BatchGenerator:
             return []
         uid = next(iter(self.solo))
         r = next(self.solo[uid], None)
+        if r is not None and self.solo_note:
+            r.notes.append(self.solo_note)
         if r is None or r.finish_reason:
             self.solo.pop(uid).close()
         return [] if r is None else [(uid, r)]

@@ -26,6 +26,7 @@ from .distributed import policy as across
 from .loading import memory
 from .prompts import Prompt, encode_prompt, fit_prompt, request_ids  # noqa: F401 (re-exported)
 from .settings import AUTO, GenerationConfig
+from .vision.notes import fallbacks
 
 
 @dataclass
@@ -47,6 +48,8 @@ class GenerationResponse:
         siblings: verify cycles that committed a sibling of the first draft (``tree``).
         schedule: with block_size="auto", when and why decoding switched to or from
             plain decoding. timings: seconds per stage (profile=True).
+        notes: what the request runs without, and why, one line each (e.g. trees off on a
+            vision-language target: ``vision/notes.py``); empty when nothing fell back.
     """
 
     text: str
@@ -68,6 +71,7 @@ class GenerationResponse:
     siblings: int = 0
     schedule: list[str] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 def sampling_params(cfg: GenerationConfig, extra: Sequence = ()) -> SamplingParams:
@@ -150,6 +154,7 @@ def _response(st: RequestStats, text, tokens, accepted, finish) -> GenerationRes
         siblings=cyc.siblings,
         schedule=list(st.notes),
         timings=dict(st.timings),
+        notes=list(st.fallbacks),
     )
 
 
@@ -250,6 +255,7 @@ def stream_generate(
     block_size = model.block_size if cfg.block_size in (None, AUTO) else cfg.block_size
     text = _TextStream(tokenizer.detokenizer, cfg.stop)
     stats = RequestStats(len(ids), block_size)
+    stats.fallbacks = fallbacks(model, cfg)
     eos = eos_ids(tokenizer)
     cache = inputs.own_cache(model, prompt_cache)
     opts = {"profile": profile, "prefill_step_size": step, "policy": sched, "vision": vision}

@@ -110,7 +110,8 @@ def request_ids(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCo
     the prefill (``vision.prompt.VisionPrompt``; None without images).
 
     Args:
-        model, tokenizer, prompt, cfg: as for ``fit_prompt``. kw: ``raw``, ``system`` and
+        model, tokenizer, prompt, cfg: as for ``fit_prompt``. kw: ``raw``, ``system``,
+            ``tools`` and ``template_kwargs`` (``encode_prompt``'s; with images too) and
             ``images`` (a list of ``vision.images.Picture`` or what ``images.read`` takes,
             or the ``VisionPrompt`` that ``vision.request.prepare`` made of this prompt).
 

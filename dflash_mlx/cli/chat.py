@@ -290,9 +290,8 @@ class ChatSession(Conversation):
         last, stopped = None, False
         self.cache.interrupt.clear()
         procs = processors(self.tok, ids, self.budget)
-        images = self.images()  # with images the engine takes the messages, not ids
-        prompt, extra = (self.messages(), {"images": images}) if images else (ids, {})
         cfg = self.gen if self.lead is None else self.lead.pin(self.gen)  # a seed for all ranks
+        prompt, extra = self.engine_prompt(ids, cfg)
         gen = stream_generate(
             self.model, self.tok, prompt, config=cfg, prompt_cache=self.cache,
             logits_processors=procs, **extra,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 class Conversation:
-    """The prompt side of ``chat.ChatSession`` (a mixin: it reads the session's ``tok``,
+    """The prompt side of ``chat.ChatSession`` (a mixin: it reads the session's ``model``, ``tok``,
     ``system``, ``history``, ``context``, ``gen``, ``think``, ``prev_text`` / ``prev_ids``,
     ``pending`` / ``pictures`` (images) and writes through ``con`` and ``_error``)."""
 
@@ -33,6 +33,20 @@ class Conversation:
             tail = self.tok.encode(full[len(self.prev_text) :], add_special_tokens=False)
             return full, self.prev_ids + list(tail)
         return full, encode_prompt(self.tok, msgs, template_kwargs=kw)
+
+    def engine_prompt(self, ids: list[int], cfg) -> tuple:
+        """(the engine's prompt, its image keywords): ``ids`` alone without images; with
+        them, the conversation prepared by the engine's entry with the same template
+        variables (``/think``) as the text, decoded as it is (the processor runs once)."""
+        images = self.images()
+        if not images:
+            return ids, {}
+        from ..generation import request_ids
+        from .thinking import template_kwargs
+
+        kw = {"images": images, "template_kwargs": template_kwargs(self.think)}
+        vids, _, vision = request_ids(self.model, self.tok, self.messages(), cfg, **kw)
+        return vids, {"images": vision}
 
     def user_turn(self, text: str) -> dict:
         """The next user message: the images ``/image`` attached first, then ``text``."""

@@ -85,15 +85,18 @@ def run(
 def _request(m, tok, text: str, cfg, given: tuple, raw: bool, quiet: bool, kw):
     """(the engine's prompt, its ids, the fitted settings, the engine's image keywords) of
     the prompt ``text`` with ``given`` = (--system, the --image pictures). With images the
-    engine takes the text and expands each image (refusing a text-only model)."""
+    engine's entry expands each image (refusing a text-only model), rendering the template
+    with ``kw`` (--no-think) as the text path does; the engine decodes that prepared prompt."""
     system, pictures = given
     if not pictures:
         ids, cfg = c.fit_prompt(m, tok, text, cfg, raw, system, quiet, kw)
         return ids, ids, cfg, {}
     from ..generation import request_ids
 
-    ids, cfg, _ = request_ids(m, tok, text, cfg, system=system, images=pictures)
-    return text, ids, cfg, {"images": pictures, "system": system}
+    ids, cfg, vision = request_ids(
+        m, tok, text, cfg, system=system, images=pictures, template_kwargs=kw
+    )
+    return ids, ids, cfg, {"images": vision}
 
 
 def _across_ranks(cfg: GenerationConfig):

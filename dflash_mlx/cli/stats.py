@@ -50,6 +50,7 @@ def stats_dict(r, name: str, block_size, selector: bool) -> dict:
         "copied_cycles": r.copied,
         "sibling_cycles": r.siblings,
         "peak_memory_gb": round(r.peak_memory, 4),
+        **({"notes": list(r.notes)} if getattr(r, "notes", None) else {}),
     }
 
 
@@ -94,6 +95,8 @@ def stats_lines(s: dict, timings: dict | None = None, verbose: dict | None = Non
             f"[dim]blocks    [/dim] {blocks_text(blocks)} (plain {100 * s['plain_share']:.0f}%)"
         )
     lines.append(f"[dim]peak mem  [/dim] {s['peak_memory_gb']:.2f} GB")
+    for note in s.get("notes", []):  # fallbacks: shown without -v, never silent
+        lines.append(f"[dim]note      [/dim] {note}")
     for note in (verbose or {}).get("schedule", []):
         lines.append(f"[dim]schedule  [/dim] {note}")
     if (verbose or {}).get("blas"):
@@ -113,8 +116,9 @@ def answer_stats(r) -> str:
         f"({cached} from cache), {r.prompt_tps:.1f} tok/s\n"
         f"             generated {r.generation_tokens} tokens"
     )
+    notes = "".join(f"\n             note: {n}" for n in getattr(r, "notes", None) or [])
     if not r.cycles:
-        return f"{head}; tau {NO_CYCLE[bool(r.generation_tokens)]}"
+        return f"{head}; tau {NO_CYCLE[bool(r.generation_tokens)]}{notes}"
     acc = " ".join(f"{round(100 * a)}" for a in r.acceptance)
     drafted = any(b > 1 for b in r.blocks)
     return (
@@ -126,6 +130,7 @@ def answer_stats(r) -> str:
             if drafted
             else "none: no draft verified"
         )
+        + notes
     )
 
 

@@ -275,17 +275,7 @@ def chat_ids(
             format has none and ignores them.
     """
     if has_chat_template(tokenizer):
-        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
-        try:
-            ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **kw)
-        except (TypeError, AttributeError, KeyError) as e:
-            if not template_kwargs:
-                raise
-            # a variable of the wrong type for what the template does with it: the input's fault
-            raise DFlashError(
-                f"the chat template cannot use the template variables {sorted(template_kwargs)} "
-                f"({type(e).__name__}: {e}); check their values"
-            ) from None
+        ids = _render(tokenizer, messages, tools, template_kwargs)
         return ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "input_ids") else ids
     notice_default_format(tokenizer)
     enc = lambda s: list(tokenizer.encode(s, add_special_tokens=False))
@@ -300,6 +290,36 @@ def chat_ids(
         f"{PLAIN_ROLES.get(m['role'], m['role'].title())}: {m['content']}\n\n" for m in messages
     )
     return list(tokenizer.encode(text + "Assistant:"))
+
+
+def chat_text(tokenizer, messages: Sequence[dict], tools=None, template_kwargs=None) -> str:
+    """The chat template's text of a conversation ready for the answer, with the same
+    ``tools`` and template variables ``chat_ids`` gives it (a prompt with images is
+    rendered to text, then the processor expands its images: ``vision/request.py``).
+
+    Args:
+        tokenizer: a tokenizer with a chat template. messages: chat messages.
+        tools, template_kwargs: as for ``chat_ids``.
+    """
+    return _render(tokenizer, messages, tools, template_kwargs, tokenize=False)
+
+
+def _render(tokenizer, messages, tools, template_kwargs, **kw):
+    """``apply_chat_template`` with ``tools`` and the template variables; a variable the
+    template cannot use is the input's fault (one line)."""
+    tvars = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, **tvars, **kw
+        )
+    except (TypeError, AttributeError, KeyError) as e:
+        if not template_kwargs:
+            raise
+        # a variable of the wrong type for what the template does with it: the input's fault
+        raise DFlashError(
+            f"the chat template cannot use the template variables {sorted(template_kwargs)} "
+            f"({type(e).__name__}: {e}); check their values"
+        ) from None
 
 
 def template_errors() -> tuple:

@@ -79,7 +79,8 @@ class CycleStats:
 
 class RequestStats:
     """One request's statistics: its prefill, its cycles, the tokens it has generated, the
-    seconds per stage (profiled cycles) and the ``auto`` scheduler's notes.
+    seconds per stage (profiled cycles), the ``auto`` scheduler's notes and the fallbacks the
+    request runs under (``vision/notes.py``).
 
     Args:
         prompt_tokens: the prompt's length. block_size: as for ``CycleStats``.
@@ -90,6 +91,7 @@ class RequestStats:
         self.cycles = CycleStats(block_size)
         self.generated = self.processed = 0  # tokens emitted; prompt tokens prefilled
         self.notes: list[str] = []
+        self.fallbacks: list[str] = []  # what the request runs without, and why
         self.timings: dict[str, float] = {}
         # the prefill is timed from here (a batch restarts it when the request joins)
         self.tic, self.prompt_time = time.perf_counter(), 0.0

@@ -251,7 +251,8 @@ def _notices(quiet: bool, log: Callable[[str], None] | None):
 
 def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None, lazy=False):
     """(mlx-lm model, tokenizer) from an mlx-lm directory or a llama-family .gguf file;
-    lazy: no weight read yet (sharding reads only the rank's own, ``distributed.shard``)."""
+    lazy: under a group, no weight read yet (sharding reads only the rank's own,
+    ``distributed.shard``; a vision-language model is refused there)."""
     backend.install()  # the backend's ops before any layer is wrapped (a no-op but on Linux)
     if _is_gguf(path):
         from .gguf import load_gguf
@@ -273,7 +274,7 @@ def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None,
     from ..vision import loader as vision
 
     if vision.is_vlm(params):  # mlx-vlm's model, imported only now
-        return vision.load_vlm(path, params, tokenizer_config)
+        return vision.load_vlm(path, params, tokenizer_config, grouped=lazy)
     try:
         return mlx_load(str(path), tokenizer_config=tokenizer_config or {}, lazy=lazy)
     except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:

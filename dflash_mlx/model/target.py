@@ -194,6 +194,8 @@ class TargetAdapter:
                 mixer = base.linear_attn = _Recorder(mixer, self._armed)
             self.recorders.append(mixer)
         self.is_hybrid = any(r is not None for r in self.recorders)
+        # a rollback re-runs a mixer whose class the tape does not reproduce (said in stats)
+        self.replays = any(r is not None and not r._taped for r in self.recorders)
         ops.prepare_target(layers)  # the CPU backend compiles the block-only modules
         if qmm.on_metal():  # a verify's LM head takes the few-row kernel too
             qmm.wrap_head(_text_model(model))

@@ -104,14 +104,16 @@ class DFlashHTTPServer(ThreadingHTTPServer):
 
     def _image_ids(self, req) -> list[int]:
         """The ids of a prompt with images (each expanded to its rows by the engine's entry,
-        which refuses a text-only model); the prompt pool matches the job on ``req.keys``
-        (an image's rows by its hash)."""
+        which refuses a text-only model), rendered with the request's tools and template
+        variables as a text prompt is; ``req.vision`` keeps the prepared prompt, which the
+        engine decodes as it is (the processor runs once) and whose keys (an image's rows
+        by its hash) the prompt pool matches."""
         model = self.engine.model
+        kw = {"tools": req.template_tools, "template_kwargs": req.template_kwargs}
         with model.lock:  # the tokenizer and processor are shared with the worker
-            ids, _, vision = generation.request_ids(
-                model, self.engine.tokenizer, req.prompt, req.gen, images=req.images
+            ids, _, req.vision = generation.request_ids(
+                model, self.engine.tokenizer, req.prompt, req.gen, images=req.images, **kw
             )
-        req.keys = vision.keys
         return ids
 
     def knows(self, name: str) -> bool:

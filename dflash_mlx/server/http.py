@@ -214,8 +214,7 @@ class Handler(Connection):
             req.marks = reasoning.markers(tok)  # a thinking model's answer opens as reasoning
             req.started_open = reasoning.starts_open(tok, ids, req.marks)
         job = Job(ids, req.gen, structured.processors(req, tok, vocab))
-        if req.images:  # the engine takes the messages and their images, not ids
-            job.prompt, job.images, job.keys = req.prompt, req.images, req.keys
+        job.vision = req.vision  # with images: the prompt prepared once (ids and images)
         if not srv.engine.submit(job):
             if srv.engine.closing or srv.engine.stopping.is_set():
                 raise shutting_down()

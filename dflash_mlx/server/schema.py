@@ -114,8 +114,9 @@ class CompletionRequest:
             the reasoning (``reasoning.py``; set when the job is queued). names: how the
             client's API writes a field in an error (``limits.OPENAI`` / ``limits.ANTHROPIC``).
         images: the pictures (``vision.images.Picture``) of the messages' ``{"type":
-            "image"}`` parts, in reading order (``server/images.py``). keys: with images,
-            the ids the prompt pool matches (an image's rows by its hash; ``app.tokenize``).
+            "image"}`` parts, in reading order (``server/images.py``). vision: with images,
+            the prompt the engine prepared (``vision.prompt.VisionPrompt``: its ids, and the
+            keys the prompt pool matches, an image's rows by its hash; ``app.tokenize``).
     """
 
     kind: str
@@ -134,7 +135,7 @@ class CompletionRequest:
     started_open: bool = False
     names: Names = OPENAI
     images: list = field(default_factory=list)
-    keys: list | None = None
+    vision: Any = None
 
 
 def _n(body: dict) -> None:

@@ -29,8 +29,9 @@ def dflash_stats(last, accepted: int, block_size) -> dict:
     """Speculative-decoding stats from the last GenerationResponse (an extra field):
     ``blocks`` counts the steps of each block size ("1" = a plain step), ``copied_cycles``
     the verify cycles whose drafts were copied from the context, ``sibling_cycles`` those
-    that committed a sibling of the first draft (a greedy tree)."""
-    return {
+    that committed a sibling of the first draft (a greedy tree); ``notes``, only when there
+    are any, what the request ran without and why (``vision/notes.py``)."""
+    out = {
         "tau": round(last.tau, 4),
         "accepted_tokens": accepted,
         "cycles": last.cycles,
@@ -44,6 +45,9 @@ def dflash_stats(last, accepted: int, block_size) -> dict:
         "generation_tps": round(last.generation_tps, 2),
         "peak_memory_gb": round(last.peak_memory, 3),
     }
+    if getattr(last, "notes", None):
+        out["notes"] = list(last.notes)
+    return out
 
 
 def _base(kind: str, rid: str, model: str, created: int, chunk: bool) -> dict:

@@ -23,6 +23,7 @@ from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from ..vision.images import ImageError
+from ..vision.notes import batch_note
 from .images import api_error
 from .prompt_cache import PromptPool, default_bytes
 from .schema import APIError, bad, shutting_down
@@ -34,27 +35,25 @@ logger = logging.getLogger("dflash_mlx.server")
 class Job:
     """One queued generation. ``out`` receives ("data", GenerationResponse), ("error",
     APIError) and finally ("end", None); ``cancel`` is set when the client goes away.
-    With images: ``prompt`` (the chat messages, whose ``{"type": "image"}`` parts the
-    ``images`` fill in reading order) goes to the engine instead of ``ids``, and ``keys``
-    (``ids`` with each image's rows keyed by its hash) is what the prompt pool matches."""
+    With images, ``vision`` is the prompt ``vision.request.prepare`` made of ``ids`` (the
+    engine decodes it as it is: the processor runs once per request), and its ``keys``
+    (``ids`` with each image's rows keyed by its hash) are what the prompt pool matches."""
 
     ids: list[int]
     gen: GenerationConfig
     processors: list = field(default_factory=list)  # e.g. a grammar (structured output)
     out: queue.Queue = field(default_factory=queue.Queue)
     cancel: threading.Event = field(default_factory=threading.Event)
-    images: list = field(default_factory=list)
-    prompt: list | None = None
-    keys: list | None = None
+    vision: object | None = None
 
     def request(self) -> tuple:
         """(the engine's prompt, its image keywords): the ids alone without images, today's
         text path."""
-        return (self.prompt, {"images": self.images}) if self.images else (self.ids, {})
+        return self.ids, ({} if self.vision is None else {"images": self.vision})
 
     def cached(self) -> list[int]:
         """The ids the prompt pool matches (with images, their hash-keyed rows)."""
-        return self.keys if self.images and self.keys else self.ids
+        return self.ids if self.vision is None else self.vision.keys
 
 
 class Engine:
@@ -83,6 +82,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max(1, int(max_queue)))
         self.max_batch = 1 if model.adapter.is_hybrid else max(1, int(max_batch))
+        # one at a time where a batch was asked: said in each answer's notes (a VLM's)
+        self.solo_note = batch_note(model, int(max_batch)) if self.max_batch == 1 else None
         budget = default_bytes(model) if cache_bytes is None else cache_bytes
         self.pool = PromptPool(model, budget, disk)
         self.lockstep = lockstep
@@ -190,6 +191,8 @@ class Engine:
         )
         try:
             for r in gen:
+                if self.solo_note:
+                    r.notes.append(self.solo_note)
                 job.out.put(("data", r))
                 if job.cancel.is_set() and not r.finish_reason:
                     logger.info("generation cancelled (client gone or server stopping)")

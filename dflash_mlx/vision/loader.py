@@ -30,17 +30,25 @@ def require() -> None:
         raise DFlashError(INSTALL) from None
 
 
-def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None):
+ALONE = "a vision-language model does not run under mlx.launch yet; run it in one process"
+
+
+def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None, grouped=False):
     """(``VisionTarget``, mlx-lm tokenizer) of the checkpoint in ``path``.
 
     Args:
         path: the checkpoint directory. params: its config.json.
-        tokenizer_config: extra settings for the tokenizer.
+        tokenizer_config: extra settings for the tokenizer. grouped: loading under a
+            group of ranks (``mlx.launch``): refused, since the vision target is not
+            sharded and the followers of serve and chat replay token ids alone (an image's
+            rows would decode wrong there).
 
     Raises:
-        DFlashError: mlx-vlm missing, a family not supported yet, a checkpoint mlx-vlm
-            cannot load.
+        DFlashError: under a group, mlx-vlm missing, a family not supported yet, a
+            checkpoint mlx-vlm cannot load.
     """
+    if grouped:
+        raise DFlashError(ALONE)
     require()
     mtype = params.get("model_type")
     if mtype not in SUPPORTED:

@@ -50,6 +50,9 @@ class VisionPrompt:
         for (s, e), h in zip(self.spans, hashes):
             self.keys[s:e] = image_keys(h, e - s)
         self.features: dict[int, mx.array] = {}
+        # evaluated now: a server prepares in its HTTP thread and decodes in another, and a
+        # lazy graph holds the stream of the thread that built it (MLX streams are per thread)
+        mx.eval(self.pixels, self.positions)
 
     def check(self, prompt) -> list[int]:
         """``prompt`` when it is these ids (a request passing this prompt's images along).

@@ -84,7 +84,7 @@ def no_vision(model) -> ImageError:
     )
 
 
-def prepare(model, tokenizer, prompt, images, cfg, raw=False, system=None, limits=None):
+def prepare(model, tokenizer, prompt, images, cfg, raw=False, system=None, limits=None, **kw):
     """(ids, cfg, VisionPrompt) of a request with images, checked as ``fit_prompt`` checks
     a text one (context, vocabulary, stop strings, ``max_tokens`` clamped to the room).
 
@@ -92,13 +92,15 @@ def prepare(model, tokenizer, prompt, images, cfg, raw=False, system=None, limit
         model, tokenizer: the loaded pair. prompt: a str or chat messages. images: what
             ``images.read_all`` takes. cfg: validated settings. raw: refused with images.
         system: the system message of a str prompt. limits: ``ImageLimits`` (default ones).
+        kw: ``tools`` and ``template_kwargs`` (e.g. ``{"enable_thinking": False}``) for the
+            chat template, as the text path's ``encode_prompt`` takes them.
 
     Raises:
         ImageError: a text-only model (``no_vision``), a bad image, image parts that do not
             match the images. DFlashError: a raw prompt or token ids with images, a prompt
             longer than the context.
     """
-    from ..decoding.prompt import check_fits, context_length, room, with_default_stops
+    from ..decoding.prompt import chat_text, check_fits, context_length, room, with_default_stops
     from .target import VisionTarget
 
     target = model.target
@@ -108,7 +110,7 @@ def prepare(model, tokenizer, prompt, images, cfg, raw=False, system=None, limit
         raise DFlashError("a raw prompt takes no images; drop raw=True to use the chat template")
     pictures = read_all(images, limits or ImageLimits())
     msgs = _messages(prompt, len(pictures), system)
-    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    text = chat_text(tokenizer, msgs, kw.get("tools"), kw.get("template_kwargs"))
     vision = _vision(target, text, pictures)
     ctx = context_length(model)
     check_fits(vision.length, ctx)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from reference import greedy
+from tiny_vlm import VLM_TEMPLATE
 
 from dflash_mlx import load, stream_generate
 from dflash_mlx.batching import BatchGenerator
@@ -47,6 +48,10 @@ def test_one_image_greedy_equals_mlx_vlm(pair, tiny_vlm_dir, images):
     ours, last = run(pair, msgs, [images[0]])
     same(ours, greedy(tiny_vlm_dir[0], msgs, [images[0]], N))
     assert last.cycles < last.generation_tokens  # verify blocks ran (drafts accepted)
+    # what the request runs without is in its stats, never silent (vision/notes.py)
+    assert [n.split(":")[0] for n in last.notes] == ["tree off", "rollback replays"]
+    _, last = run(pair, msgs, [images[0]], max_tokens=2, tree=False)
+    assert [n.split(":")[0] for n in last.notes] == ["rollback replays"]
 
 
 def test_two_images_and_a_str_prompt(pair, tiny_vlm_dir, images):
@@ -90,6 +95,7 @@ def test_batched_requests_with_images_equal_mlx_vlm(pair, tiny_vlm_dir, images):
         for uid, r in gen.step():
             got[uid] += r.tokens
             done[uid] = r.finish_reason
+            assert r.notes[-1].startswith("batch off: a vision-language target decodes"), r.notes
     for uid, (msgs, imgs) in zip(uids, prompts):
         ours = got[uid] + ([3] if done[uid] == "stop" and len(got[uid]) < N else [])
         same(ours, greedy(tiny_vlm_dir[0], msgs, imgs, N))
@@ -121,5 +127,35 @@ def test_a_dense_family_qwen2_5_vl_equals_mlx_vlm(dense_vlm_dir, images):
     pair = load(str(dense_vlm_dir[0]), drafter=str(dense_vlm_dir[1]))
     for n in (1, 2):
         msgs = [user("Look.", n)]
-        ours, _ = run(pair, msgs, images[:n])
+        ours, last = run(pair, msgs, images[:n])
         same(ours, greedy(dense_vlm_dir[0], msgs, images[:n], N))
+        assert [x.split(":")[0] for x in last.notes] == ["tree off"]  # no recurrent layers
+
+
+# VLM_TEMPLATE with what Qwen's adds: the tools in a system turn, and an empty think block
+# when enable_thinking is False (the tiny template has neither)
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}"
+    + VLM_TEMPLATE
+    + "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}"
+)
+TOOL = {"type": "function", "function": {"name": "zoom", "parameters": {"type": "object"}}}
+
+
+def test_tools_and_template_variables_reach_a_prompt_with_images(pair, images, monkeypatch):
+    """An image request renders ``tools`` and ``enable_thinking`` exactly as the text path."""
+    from dflash_mlx.prompts import encode_prompt, request_ids
+    from dflash_mlx.settings import GenerationConfig
+
+    model, tok = pair
+    monkeypatch.setattr(tok._tokenizer, "chat_template", TOOLS_TEMPLATE)
+    kw = {"tools": [TOOL], "template_kwargs": {"enable_thinking": False}}
+    msgs = [user("Hi", 1)]
+    ids, _, vision = request_ids(model, tok, msgs, GenerationConfig(), images=images[:1], **kw)
+    text = encode_prompt(tok, [{"role": "user", "content": "Hi"}], **kw)
+    assert text != encode_prompt(tok, [{"role": "user", "content": "Hi"}])  # the kw did act
+    assert '"zoom"' in tok.decode(text) and tok.decode(text).endswith("</think>\n\n")
+    ((s, e),) = vision.spans  # the same prompt, <|vision_start|> image rows <|vision_end|> aside
+    assert ids[: s - 1] + ids[e + 1 :] == text

@@ -94,14 +94,25 @@ def test_each_api_answers_the_python_apis_text(vlm, port, images):
     assert resp.output_text == want
 
 
-def test_two_images_keep_their_reading_order(vlm, port, images):
+def test_two_images_keep_their_reading_order(vlm, port, images, monkeypatch):
     openai = pytest.importorskip("openai")
     oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
     for pair in (images[:2], images[1::-1]):
+        want = expected(vlm, [turn(n=2)], pair)
+        calls = []  # the server prepares a request once: mlx-vlm's processor runs once
+        processor = vlm[0].target.processor
+
+        def counted(*a, calls=calls, processor=processor, **k):
+            calls.append(1)
+            return processor(*a, **k)
+
+        monkeypatch.setattr(vlm[0].target, "processor", counted)
         parts = [{"type": "image_url", "image_url": {"url": data_url(p)}} for p in pair]
         msgs = [{"role": "user", "content": [*parts, {"type": "text", "text": ASK}]}]
         r = oa.chat.completions.create(model="tiny-vlm", messages=msgs, max_tokens=N, temperature=0)
-        assert r.choices[0].message.content == expected(vlm, [turn(n=2)], pair)
+        assert r.choices[0].message.content == want
+        assert len(calls) == 1
+        monkeypatch.undo()
 
 
 def test_the_same_image_in_the_next_turn_is_a_prompt_cache_hit(vlm, port, images):
@@ -131,6 +142,9 @@ def test_the_same_image_in_the_next_turn_is_a_prompt_cache_hit(vlm, port, images
     image_end = vision.spans[0][1]
     assert b.usage.prompt_tokens_details.cached_tokens >= image_end, b.usage
     assert b.dflash["prompt_tokens_processed"] < b.usage.prompt_tokens - image_end  # type: ignore[attr-defined]
+    # the fallbacks are in the answer's stats (a hybrid VLM: one request at a time)
+    notes = [n.split(":")[0] for n in b.dflash["notes"]]  # type: ignore[attr-defined]
+    assert notes == ["tree off", "rollback replays", "batch off"], b.dflash  # type: ignore[attr-defined]
 
 
 def test_run_image_answers_the_python_apis_text(vlm, tiny_vlm_dir, images, tmp_path):
@@ -142,6 +156,11 @@ def test_run_image_answers_the_python_apis_text(vlm, tiny_vlm_dir, images, tmp_p
     r = CliRunner().invoke(app, [*args, "--image", str(f), "-m", str(N), "--temp", "0", "-q", ASK])
     assert r.exit_code == 0, (r.stdout, r.stderr, r.exception)
     assert r.stdout == expected(vlm, ASK, images[:1]) + "\n"
+    assert "tree off" not in r.stderr  # --quiet: only the text
+    r = CliRunner().invoke(app, [*args, "--image", str(f), "-m", "2", ASK])
+    assert r.exit_code == 0, (r.stdout, r.stderr, r.exception)
+    assert "note       tree off: a vision-language target (qwen3_5)" in r.stderr, r.stderr
+    assert "note       rollback replays" in r.stderr
 
 
 def test_chat_image_goes_with_the_next_message(vlm, images, tmp_path):

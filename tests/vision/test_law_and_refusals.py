@@ -105,3 +105,28 @@ def test_kv_bits_on_a_vlm_is_refused_not_ignored(tiny_vlm_dir, images):
     model, tok = load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]))
     with pytest.raises(DFlashError, match="kv_bits is not supported on a vision-language"):
         generate(model, tok, "hi", images=[images[0]], kv_bits=8, max_tokens=2)
+
+
+class _Group:
+    """A fake group of two ranks (as tests/distributed/test_sharded.py's)."""
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+
+def test_a_vlm_under_a_group_is_refused_in_one_line(tiny_vlm_dir, monkeypatch):
+    """Under mlx.launch a vision target is not sharded and serve / chat followers replay
+    token ids alone: refused at load, before mlx-vlm loads anything."""
+    from dflash_mlx import distributed
+    from dflash_mlx.errors import DFlashError
+
+    line = "a vision-language model does not run under mlx.launch yet; run it in one process"
+    with pytest.raises(DFlashError) as e:
+        load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]), group=_Group())
+    assert str(e.value) == line
+    monkeypatch.setattr(distributed, "group", lambda given=None: _Group())  # mlx.launch's
+    with pytest.raises(DFlashError, match="^a vision-language model does not run under"):
+        load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]))
