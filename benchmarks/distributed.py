@@ -3,6 +3,7 @@ the demo pair sharded over ``mlx.launch -n N --backend ring`` on this machine (l
 plain sharded decoding against DFlash on the same sharded target, and the unsharded pair.
 
     python benchmarks/distributed.py                       # tensor, 3 ranks, delays 0 0.1 1
+    python benchmarks/distributed.py --modes pipeline      # pipeline, 2 ranks
     python benchmarks/distributed.py --modes tensor pipeline --json out.json
 
 Per mode and per injected delay (``DFLASH_TEST_LINK_DELAY_MS``, ``distributed/link.py``:
@@ -11,8 +12,9 @@ rank loads the demo pair sharded, decodes the same prompts plainly (mlx-lm's
 ``generate_step`` on the sharded target) and with DFlash (the checkpoint's block), and
 rank 0 reports tokens/s, tau and the collectives issued per generated token (counted by
 the hook). The unsharded row runs in one process with the hook counting nothing. The demo
-needs 3 ranks for tensor parallelism (9 query / 3 key-value heads). A mode that ``load``
-refuses (pipeline, until it is built) is a row saying so.
+needs 3 ranks for tensor parallelism (9 query / 3 key-value heads); pipeline runs on 2. A
+mode that ``load`` refuses is a row saying so. Plain decoding stops at an end-of-sequence
+token as DFlash does, so both count the same tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ PROMPTS = [
     "Write a short Python function that reverses a string.",
 ]
 TIMEOUT = 900  # seconds for one launch, loading included
+# the demo's 9 query / 3 key-value heads split over 3 ranks; its 30 layers over 2 stages
+RANKS = {"tensor": 3, "pipeline": 2}
 
 
 def _decode(model, tok, prompt: str, max_tokens: int, dflash: bool) -> dict:
@@ -43,6 +47,7 @@ def _decode(model, tok, prompt: str, max_tokens: int, dflash: bool) -> dict:
     from mlx_lm.generate import generate_step, generation_stream
 
     from dflash_mlx import stream_generate
+    from dflash_mlx.generation import eos_ids
 
     ids = tok.encode(prompt)
     t = time.perf_counter()
@@ -52,9 +57,11 @@ def _decode(model, tok, prompt: str, max_tokens: int, dflash: bool) -> dict:
         for r in stream_generate(model, tok, ids, **kw):
             n, tau = r.generation_tokens, r.tau
     else:
-        n, tau = 0, 1.0
-        for _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens):
+        n, tau, eos = 0, 1.0, eos_ids(tok)
+        for t, _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens):
             n += 1
+            if int(t) in eos:  # where DFlash stops too: both count the same tokens
+                break
         mx.synchronize(generation_stream)  # its step in flight: done before the next run
     return {"seconds": time.perf_counter() - t, "tokens": n, "tau": tau}
 
@@ -137,7 +144,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", default=["tensor"], choices=["tensor", "pipeline"])
-    ap.add_argument("--ranks", type=int, default=3, help="processes (the demo: 3 for tensor)")
+    ap.add_argument("--ranks", type=int, help="processes (default: tensor 3, pipeline 2)")
     ap.add_argument("--delays", nargs="+", type=float, default=[0.0, 0.1, 1.0], help="ms")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", help="also write the rows here")
@@ -151,8 +158,9 @@ def main() -> None:
     ]
     for mode in a.modes:
         for delay in a.delays:
-            got = _launch(mode, a.ranks, delay, a.max_tokens)
-            rows.append({"mode": mode, "ranks": a.ranks, "delay_ms": delay, **got})
+            ranks = a.ranks or RANKS[mode]
+            got = _launch(mode, ranks, delay, a.max_tokens)
+            rows.append({"mode": mode, "ranks": ranks, "delay_ms": delay, **got})
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(f"load: {os.getloadavg()[0]:.1f} (1-min average, {os.cpu_count()} cores)")
     print(table(rows))

@@ -38,6 +38,12 @@ cpu.install()
 # GGUF cache) start first, so that parallel workers (``pytest -n``) share them out early and
 # none is left running one of them alone at the end of the run.
 SLOW_FIRST = (
+    # launches of two ranks: mostly waiting on their processes, best started first
+    "distributed/test_pipeline.py",
+    "distributed/test_sharded.py",
+    "distributed/test_serve.py",
+    "vision/test_images_api.py",
+    "vision/test_engine.py",
     "decoding/test_batch_sampling.py",
     "train/test_entry_points.py",
     "test_batching.py",
