@@ -83,7 +83,7 @@ def _fake_serve(monkeypatch, args: list[str]) -> tuple[list, list]:
 
     calls, warmed = [], []
     model = SimpleNamespace(name="m", block_size=8)
-    monkeypatch.setattr(common, "load_pair", lambda src, q, v, cfg: (model, None))
+    monkeypatch.setattr(common, "load_pair", lambda src, q, v, cfg, **kw: (model, None))
     monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append((k, list(warmed))))
     monkeypatch.setattr(server, "listen", lambda host, port: None)
     monkeypatch.setattr(warmup, "ensure", lambda m, log=None: warmed.append(m))
