@@ -22,7 +22,9 @@ def inproc(pairs):
         httpd = make_server(model, tok, "tiny", port=0, **kw)
         threads = []
         if serve:
-            threads = [threading.Thread(target=httpd.serve_forever, daemon=True)]
+            # a short poll: shutdown() waits for it, at the end of every test
+            serve = threading.Thread(target=httpd.serve_forever, args=(0.02,), daemon=True)
+            threads = [serve]
             if worker:
                 threads.append(threading.Thread(target=httpd.engine.run, daemon=True))
             for t in threads:
