@@ -47,9 +47,9 @@ def _decode(model, tok, prompt: str, max_tokens: int, dflash: bool) -> dict:
     from mlx_lm.generate import generate_step, generation_stream
 
     from dflash_mlx import stream_generate
-    from dflash_mlx.generation import eos_ids
+    from dflash_mlx.generation import encode_prompt, eos_ids
 
-    ids = tok.encode(prompt)
+    ids = encode_prompt(tok, prompt)  # the chat template, as `dflash run` would
     t = time.perf_counter()
     if dflash:
         n, tau = 0, 0.0
@@ -58,10 +58,10 @@ def _decode(model, tok, prompt: str, max_tokens: int, dflash: bool) -> dict:
             n, tau = r.generation_tokens, r.tau
     else:
         n, tau, eos = 0, 1.0, eos_ids(tok)
-        for t, _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens):
-            n += 1
-            if int(t) in eos:  # where DFlash stops too: both count the same tokens
+        for tok_id, _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens):
+            if int(tok_id) in eos:  # where DFlash stops too: both count the same tokens
                 break
+            n += 1
         mx.synchronize(generation_stream)  # its step in flight: done before the next run
     return {"seconds": time.perf_counter() - t, "tokens": n, "tau": tau}
 
