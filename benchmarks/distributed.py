@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import dflash_mlx  # noqa: F401 - before MLX: it preloads the system OpenBLAS (Linux)
+
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
 PROMPTS = [
@@ -68,7 +70,7 @@ def _decode(model, tok, prompt: str, max_tokens: int, dflash: bool) -> dict:
 
 def worker(out: Path, mode: str, max_tokens: int) -> None:
     """One rank (or the one process): load, warm up, time plain and DFlash, write JSON."""
-    import mlx.core as mx
+    import mlx.core as mx  # after dflash_mlx (imported above): a BLAS loaded after MLX is unused
 
     from dflash_mlx import DFlashError, load
     from dflash_mlx.distributed import link
