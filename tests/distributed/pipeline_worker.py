@@ -11,6 +11,9 @@ import sys
 import time
 from pathlib import Path
 
+import dflash_mlx  # noqa: F401 - before MLX: it preloads the system OpenBLAS (Linux)
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step, generation_stream

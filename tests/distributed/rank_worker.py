@@ -8,6 +8,9 @@ import json
 import sys
 from pathlib import Path
 
+import dflash_mlx  # noqa: F401 - before MLX: it preloads the system OpenBLAS (Linux)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream
 
