@@ -132,7 +132,7 @@ def table(rows: list[dict]) -> str:
         lead = f"{r['mode']:<10}{r['ranks']:>6}{r['delay_ms']:>9g}"
         if "plain" not in r:
             lines.append(
-                lead + "  " + (r.get("refused") and "not built: " + r["refused"] or str(r))
+                lead + "  " + (r.get("refused") and "refused: " + r["refused"] or str(r))
             )
             continue
         p, d = r["plain"], r["dflash"]
