@@ -131,9 +131,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         lead = f"{r['mode']:<10}{r['ranks']:>6}{r['delay_ms']:>9g}"
         if "plain" not in r:
-            lines.append(
-                lead + "  " + (r.get("refused") and "refused: " + r["refused"] or str(r))
-            )
+            lines.append(lead + "  " + (r.get("refused") and "refused: " + r["refused"] or str(r)))
             continue
         p, d = r["plain"], r["dflash"]
         lines.append(
