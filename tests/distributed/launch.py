@@ -29,3 +29,16 @@ def launch(args: list[str], cwd: Path, timeout: int = TIMEOUT) -> subprocess.Com
         out, _ = proc.communicate()
         pytest.fail(f"the ranks did not finish in {timeout} s:\n{out.decode()[-2000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out.decode(errors="replace"))
+
+
+class FakeGroup:
+    """A stand-in ``mx.distributed.Group`` for tests that need only its size and rank."""
+
+    def __init__(self, size=2, rank=0):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def rank(self):
+        return self._rank

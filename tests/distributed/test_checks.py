@@ -5,21 +5,11 @@ refuses ranks started with other versions, flags or model files."""
 import json
 
 import pytest
+from launch import FakeGroup as _Group
 
 from dflash_mlx import DFlashError
 from dflash_mlx.decoding.policy import Choice
 from dflash_mlx.distributed import handshake, policy
-
-
-class _Group:
-    def __init__(self, size=2, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 class _Wire:

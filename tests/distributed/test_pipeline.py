@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import sharded_law
+from launch import FakeGroup as _Group
 from launch import launch, needs_launch
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
@@ -72,17 +73,6 @@ def test_dflash_on_a_pipelined_target_equals_its_plain_greedy_and_keeps_the_samp
         f"pipeline loopback: qwen2 {timing}, read {reads} of {pair} B; "
         f"{sharded_law.TRIALS} law draws {ranks[0]['law']['draw_s']:.1f} s"
     )
-
-
-class _Group:
-    def __init__(self, size=2, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def _fake(tensor: bool, pipeline: bool):

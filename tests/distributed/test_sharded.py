@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import sharded_law
+from launch import FakeGroup as _Group
 from launch import launch, needs_launch
 
 WORKER = Path(__file__).with_name("rank_worker.py")
@@ -32,17 +33,6 @@ def test_dflash_fixed_and_auto_on_a_tensor_sharded_target_equal_its_plain_greedy
     sharded_law.check([r["law"] for r in ranks])
     # auto drafted (rank 1's own scheduler never would): rank 1 took rank 0's blocks
     assert any(int(b) > 1 for b in ranks[0]["blocks"]), ranks[0]["blocks"]
-
-
-class _Group:
-    def __init__(self, size=2, rank=0):
-        self._size, self._rank = size, rank
-
-    def size(self):
-        return self._size
-
-    def rank(self):
-        return self._rank
 
 
 def test_a_family_without_tensor_parallelism_or_even_heads_is_refused_in_one_line(pairs):
