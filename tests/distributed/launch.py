@@ -2,8 +2,10 @@
 loopback), bounded in time; kills only what it started."""
 
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +17,26 @@ TIMEOUT = 420  # seconds for both ranks, loading included (generous: a CI box ma
 needs_launch = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
 
 
+def ring(n: int = 2) -> list[str]:
+    """``mlx.launch``'s command for ``n`` ranks on loopback, on ports of their own: its
+    default starting port is fixed, so two launches at once (two test workers) would join
+    one ring (the start-up handshake then refuses them)."""
+    for _ in range(50):
+        port = random.randrange(20000, 60000)
+        try:
+            for p in range(port, port + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return [LAUNCH, "-n", str(n), "--backend", "ring", "--starting-port", str(port)]
+    raise RuntimeError("no free ports for mlx.launch")
+
+
 def launch(args: list[str], cwd: Path, timeout: int = TIMEOUT) -> subprocess.CompletedProcess:
     """Run ``python args...`` on two ranks; the launcher's output (it exits 0 even when a
     rank fails: check each rank's own files)."""
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, *args]
+    cmd = [*ring(2), "--", sys.executable, *args]
     proc = subprocess.Popen(
         cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )

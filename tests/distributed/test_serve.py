@@ -5,7 +5,6 @@ error event in the API's shape and exits within 30 s with one line naming rank 1
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from launch import LAUNCH, ring
 
-LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
 START = 180  # seconds for both ranks to load and listen
 BOUND = 30  # seconds the survivors may take to exit once a rank is killed
 
@@ -74,7 +73,7 @@ class _Reader(threading.Thread):
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks in /proc")
 def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(tiny_dir, tmp_path):
     model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
-    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--", sys.executable, "-m", "dflash_mlx.cli"]
+    cmd = [*ring(2), "--", sys.executable, "-m", "dflash_mlx.cli"]
     proc = subprocess.Popen(
         [*cmd, "serve", *model, "--port", "0", "--max-batch", "4"],
         cwd=tmp_path,
