@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from .. import distributed
 from ..distributed import handshake, link, policy
-from ..errors import DFlashError, IncompatibleDrafterError
+from ..errors import LOAD_ERRORS, DFlashError, IncompatibleDrafterError, load_failed
 from ..model.config import check_target_config, parse_draft_quant
 from . import backend, hub, memory, registry
 from .vocab import set_draft_vocab
@@ -277,13 +277,8 @@ def _load_target(path: Path, name: str, tokenizer_config: dict | None, log=None,
         return vision.load_vlm(path, params, tokenizer_config, grouped=lazy)
     try:
         return mlx_load(str(path), tokenizer_config=tokenizer_config or {}, lazy=lazy)
-    except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:
-        # what mlx / mlx-lm raise on a corrupt, incomplete or unsupported checkpoint
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise DFlashError(
-            f"cannot load model {name} from {path} ({type(e).__name__}: {reason}); "
-            "re-download it or check that mlx-lm supports this model"
-        ) from None
+    except LOAD_ERRORS as e:
+        raise load_failed(e, f"model {name} from {path}", "mlx-lm") from None
 
 
 def load_target(model: str, offline: bool | None = None, quiet: bool = False):

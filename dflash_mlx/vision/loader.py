@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import DFlashError
+from ..errors import LOAD_ERRORS, DFlashError, load_failed
 
 # mlx-vlm model types whose language model the adapter has been checked against (taps,
 # rollback, mRoPE positions given per forward): qwen3_5 (hybrid: Gated DeltaNet layers) and
@@ -66,12 +66,8 @@ def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None, gro
     try:
         vlm = load_model(path)
         processor = load_processor(path, add_detokenizer=False)
-    except (ValueError, RuntimeError, OSError, KeyError, TypeError, AttributeError) as e:
-        reason = (str(e).splitlines() or [type(e).__name__])[0][:160]
-        raise DFlashError(
-            f"cannot load vision-language model {path} ({type(e).__name__}: {reason}); "
-            "re-download it or check that mlx-vlm supports this model"
-        ) from None
+    except LOAD_ERRORS as e:
+        raise load_failed(e, f"vision-language model {path}", "mlx-vlm") from None
     add_recurrent(ArraysCache)  # mlx-vlm's recurrent layers' caches
     eos = params.get("eos_token_id")
     tokenizer = load_tokenizer(path, tokenizer_config or {}, eos_token_ids=eos)
