@@ -33,7 +33,7 @@ from .generation import (
     stream_generate,
 )
 from .settings import AUTO, GenerationConfig
-from .vision.notes import batch_note
+from .vision.notes import batch_note, vision_language
 
 
 class BlockChooser:
@@ -103,7 +103,7 @@ class BatchGenerator:
         self.max_batch = inputs.check_count(max_batch, "max_batch")
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
         # a vision-language target's caches carry its request's images: one at a time too
-        self.hybrid = model.adapter.is_hybrid or getattr(model.target, "vision_language", False)
+        self.hybrid = model.adapter.is_hybrid or vision_language(model)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
         self.chooser = BlockChooser(model.block_size)
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []

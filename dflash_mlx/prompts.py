@@ -22,6 +22,7 @@ from .decoding.prompt import (
 from .decoding.state import DFlashModel
 from .errors import DFlashError
 from .settings import GenerationConfig
+from .vision.notes import vision_language
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -120,7 +121,7 @@ def request_ids(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCo
             (kind ``no_vision``), a bad image, image parts that do not match the images.
     """
     images = kw.pop("images", None)
-    if cfg.kv_bits is not None and getattr(model.target, "vision_language", False):
+    if cfg.kv_bits is not None and vision_language(model):
         # mlx-vlm's caches are not mlx-lm's: mlx-lm's conversion would not quantize them
         raise DFlashError(
             "kv_bits is not supported on a vision-language model yet; leave kv_bits unset"

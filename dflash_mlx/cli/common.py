@@ -232,7 +232,9 @@ def read_images(paths) -> list:
 def require_vision(m) -> None:
     """Refuse images for a text-only model at once (``chat``'s ``/image``), with the
     engine's own refusal (``vision.request.no_vision``)."""
-    if not getattr(m.target, "vision_language", False):
+    from ..vision.notes import vision_language
+
+    if not vision_language(m):
         from ..vision.request import no_vision
 
         raise no_vision(m)
