@@ -1,11 +1,15 @@
 """Small images for the tests of images in (Pillow): encoded files, data URLs, and a PNG
-whose header declares a huge canvas (a decompression bomb of a few dozen bytes)."""
+whose header declares a huge canvas (a decompression bomb of a few dozen bytes); ``post``
+for the server tests that send them."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
 import struct
+import urllib.error
+import urllib.request
 import zlib
 
 
@@ -33,3 +37,16 @@ def png_declaring(width: int, height: int) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(b"\0" * 64)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def post(port: int, path: str, body: dict):
+    """POST ``body`` as JSON to the local server: (status, the JSON answer), errors too."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST"
+    )
+    req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

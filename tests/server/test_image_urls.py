@@ -5,17 +5,14 @@ the server keeps answering. The URLs are served by a stdlib server in this proce
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-import urllib.error
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 pytest.importorskip("PIL", reason="images need Pillow (pip install -e '.[vision]')")
-from image_helpers import encoded
+from image_helpers import encoded, post
 
 from dflash_mlx.server import images as server_images
 from dflash_mlx.settings import ServerConfig
@@ -126,15 +123,7 @@ def test_an_unreachable_host_is_refused():
 def _post(port: int, url: str):
     part = {"type": "image_url", "image_url": {"url": url}}
     body = {"messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode()
-    )
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post(port, "/v1/chat/completions", body)
 
 
 def test_the_server_fetches_urls_only_when_allowed(inproc, site):

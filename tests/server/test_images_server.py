@@ -7,14 +7,11 @@ the tiny text pair, so an image that passes every check ends at the model's own 
 from __future__ import annotations
 
 import base64
-import json
-import urllib.error
-import urllib.request
 
 import pytest
 
 pytest.importorskip("PIL", reason="images need Pillow (pip install -e '.[vision]')")
-from image_helpers import data_url, encoded, png_declaring
+from image_helpers import data_url, encoded, png_declaring, post
 
 from dflash_mlx.settings import ServerConfig
 from dflash_mlx.vision.images import ImageLimits
@@ -27,18 +24,6 @@ def png(size=(8, 6), fmt="PNG") -> bytes:
 
 
 BOMB = data_url(png_declaring(30000, 30000))
-
-
-def post(port: int, path: str, body: dict):
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST"
-    )
-    req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def chat(*parts) -> dict:
