@@ -382,6 +382,7 @@ def load(
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     pair, tokenizer = _pair(res, (tpath, dname, dpath), bits, notes, tokenizer_config, group, shard)
     fit.cap(pair)
+    pair.tokenizer = tokenizer
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:  # the auto step costs now, on the same path on every rank
         policy.ensure(pair, group)
