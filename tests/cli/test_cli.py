@@ -405,7 +405,9 @@ def test_models_lists_registry_and_cache(pair, tmp_path, monkeypatch):
     assert q["target"] == "mlx-community/Qwen3.8-27B-4bit" and q["block_size"] == 8
     assert q["drafters"] == ["incoai/Qwen3.8-27B-DFlash2", "z-lab/Qwen3.8-27B-DFlash2"]
     assert set(q["quants"]) == {"4bit", "8bit", "bf16", "mxfp8"}
-    assert q["cached_targets"] == {}
+    assert q["cached_targets"] == {} and not q["moe"]
+    moe = rows["Qwen3.6-35B-A3B"]
+    assert moe["moe"] and moe["drafters"] == ["z-lab/Qwen3.6-35B-A3B-DFlash"]
     small = rows["Qwen3-4B"]
     assert set(small["cached_targets"]) == {"8bit"} and small["cached_targets"]["8bit"] > 0
     assert small["cached_drafters"]["z-lab/Qwen3-4B-DFlash-b16"] > 0
@@ -414,7 +416,7 @@ def test_models_lists_registry_and_cache(pair, tmp_path, monkeypatch):
     assert t.exit_code == 0
     assert "Qwen3.8-27B" in t.stdout and "incoai/Qwen3.8-27B-DFlash2" in t.stdout
     assert "8bit 7" in t.stdout and "kB" in t.stdout  # the cached one, with its size
-    assert "DFlash 2 · block 8" in t.stdout
+    assert "DFlash 2 · block 8" in t.stdout and "DFlash 1 · block 16 · MoE" in t.stdout
     assert str(tmp_path / "hf" / "hub") in t.stdout.replace("\n", "")
 
 
