@@ -290,7 +290,7 @@ def follow_batches(channel: Channel, pool, make_batch) -> None:
         Parted: this rank's pool reused another prefix than rank 0's.
     """
     gen, caches = make_batch(), {}
-    if pool.disk is not None:
+    if getattr(pool, "disk", None) is not None:
         pool.agree = agreement(channel)
     while True:
         for op, *args in channel.recv()["ops"]:

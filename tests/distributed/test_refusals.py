@@ -7,6 +7,7 @@ after a restart) never parts the group."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from launch import FakeGroup
+from launch import FakeGroup, launch, needs_launch
 from tiny_models import build_target
 
 from dflash_mlx import DFlashError, load
@@ -228,3 +229,25 @@ def test_ranks_restore_from_their_disks_only_what_every_rank_restores(pairs, tmp
     assert n0 == n1 == alone and row1 == [0, alone]
     with pytest.raises(follow.Parted, match="rank 1's prompt cache reused 0 tokens where"):
         follow.agreement(_Channel(1, [3, 0]))(0, 0)
+
+
+@needs_launch
+def test_two_ranks_with_other_weights_of_the_same_files_are_refused_in_one_line(twins, tiny_dir):
+    """``dflash run`` on two ranks, rank 1's target another seed's (same names, sizes and
+    flags): one line from rank 0, and no rank ends well (mlx.launch itself exits 0, so its
+    per-rank lines are how to tell: docs/distributed.md)."""
+    worker = Path(__file__).with_name("cli_rank.py")
+    args = ["run", "--drafter", str(tiny_dir / "d2_qwen3"), "--block-size", "4", "-m", "4", "hi"]
+    r = launch([str(worker), str(twins[0]), str(twins[1]), "--", *args], twins[0].parent)
+    lines = [ln for ln in r.stdout.splitlines() if "error" in ln.lower()]
+    assert lines == [
+        "error: the ranks were started differently than rank 0: rank 1 "
+        f"({handshake._host()}) has other weights (same file names and sizes, other "
+        "contents); start every rank with the same model files, flags and dflash / mlx / "
+        "mlx-lm versions"
+    ], r.stdout[-3000:]
+    ends = dict(re.findall(r"Node with rank (\d) (exited with code -?\d+|was killed)", r.stdout))
+    assert ends.get("0") == "exited with code 2", r.stdout[-2000:]
+    # rank 1 ends 2 too, unless mlx.launch ended it first (rank 0 exited): never 0
+    assert ends.get("1") in ("exited with code 2", "exited with code -15", "was killed"), ends
+    assert "Traceback" not in r.stdout
