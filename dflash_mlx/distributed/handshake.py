@@ -19,6 +19,7 @@ import json
 import socket
 import sys
 import time
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -167,13 +168,13 @@ def check(group, paths, argv: list[str] | None = None, failure=None) -> list[dic
             f"another rank exited during the start-up check ({e}); run `mlx.launch ... "
             "dflash doctor` to see which, and start every rank alike"
         ) from None
-    n = len(rows)
-    broken = [f"rank {r} of {n} ({x.get('host')}): {x['error']}" for r, x in enumerate(rows)
-              if "error" in x]  # fmt: skip
+    n, broken = len(rows), []
+    for r, x in enumerate(rows):
+        if "error" in x:
+            broken.append(f"rank {r} of {n} ({x.get('host')}): {x['error']}")
     diff = differences(rows)
-    if broken or diff:
-        if group.rank() != 0:
-            time.sleep(LINGER_S)
+    if (broken or diff) and group.rank() != 0:
+        time.sleep(LINGER_S)
     if broken:
         raise DFlashError(f"a rank cannot start: {'; '.join(broken)}")
     if diff:
@@ -182,6 +183,22 @@ def check(group, paths, argv: list[str] | None = None, failure=None) -> list[dic
             "rank with the same model files, flags and dflash / mlx / mlx-lm versions"
         )
     return rows
+
+
+@contextmanager
+def told(group):
+    """Inside: a ``DFlashError`` of this rank (its model is missing) goes through the
+    handshake (``check``'s ``failure``), so that every rank raises naming it; in one
+    process it is raised as is.
+
+    Args:
+        group: the ``mx.distributed.Group``, or None.
+    """
+    try:
+        yield
+    except DFlashError as e:
+        check(group, (), failure=e)
+        raise
 
 
 def table(rows: list[dict]) -> str:

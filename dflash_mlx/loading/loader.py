@@ -370,7 +370,7 @@ def load(
         ``DFlashError``: one line naming the problem and the fix.
     """
     group = distributed.group(group)
-    try:  # a rank that fails here says so in the handshake: every rank then names it
+    with handshake.told(group):  # a rank that fails here is named by every rank
         bits = parse_draft_quant(draft_quant)  # before any I/O
         distributed.check_shard(shard)
         res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
@@ -379,9 +379,6 @@ def load(
         notes = _notices(quiet, log)
         tpath = locate(res.target, "model", offline, quiet, log)
         dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
-    except DFlashError as e:
-        handshake.check(group, (), failure=e)
-        raise
     handshake.check(group, (tpath, dpath))  # ranks started alike, or one error on each
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     pair, tokenizer = _pair(res, (tpath, dname, dpath), bits, notes, tokenizer_config, group, shard)

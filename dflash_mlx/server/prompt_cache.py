@@ -181,9 +181,9 @@ class PromptPool:
         restored = None
         if self.disk is not None and len(prompt) - 1 > n:
             restored = self.disk.take(self.model, prompt, n)
-        if self.disk is not None and self.agree is not None:
-            if not self.agree(n, 0 if restored is None else restored.usable(prompt)):
-                restored = None  # another rank's tier lacks it: every rank goes without
+        k = 0 if restored is None else restored.usable(prompt)
+        if self.disk is not None and self.agree is not None and not self.agree(n, k):
+            restored = None  # another rank's tier lacks it: every rank goes without
         if restored is not None:
             if best is not None and not copied:
                 self._put(best)  # untouched: back as it was (a copy just goes)
