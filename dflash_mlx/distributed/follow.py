@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -274,8 +275,19 @@ def agreement(channel: Channel):
                 f"rank {channel.rank}'s prompt cache reused {n} tokens where rank 0's reused "
                 f"{got[0, 0]}; restart every rank"
             )
-        return bool((got[:, 1] == got[0, 1]).all())
+        agreed = bool((got[:, 1] == got[0, 1]).all())
+        if not agreed and channel.rank == 0 and not said:
+            said.append(True)  # once: the other ranks' own warnings are muted
+            ranks = ", ".join(f"rank {r} {int(v)}" for r, v in enumerate(got[:, 1]))
+            logging.getLogger("dflash_mlx.server").warning(
+                "the ranks' prompt-cache folders restored different prefixes (%s tokens), so "
+                "none is used; a rank whose folder cannot be written or lost its entries "
+                "keeps the others from restoring (said once)",
+                ranks,
+            )
+        return agreed
 
+    said: list = []
     return agree
 
 

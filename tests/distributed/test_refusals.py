@@ -43,7 +43,7 @@ def test_other_weights_of_the_same_names_and_sizes_get_another_digest(twins, tmp
 
 
 def test_the_digest_sees_a_header_change_and_one_tensor_changed_and_reads_little(
-    twins, monkeypatch
+    twins, monkeypatch, tmp_path
 ):
     path = twins[0] / "model.safetensors"
     raw = path.read_bytes()
@@ -52,7 +52,7 @@ def test_the_digest_sees_a_header_change_and_one_tensor_changed_and_reads_little
     base = weights.digest(path)
 
     def changed(new: bytes, name: str) -> str:
-        p = path.with_name(name)
+        p = tmp_path / name  # not beside the twins: the launch below compares their files
         p.write_bytes(new)
         assert p.stat().st_size == path.stat().st_size
         return weights.digest(p)
@@ -194,7 +194,7 @@ class _Channel:
         return mx.array(rows)
 
 
-def test_ranks_restore_from_their_disks_only_what_every_rank_restores(pairs, tmp_path):
+def test_ranks_restore_from_their_disks_only_what_every_rank_restores(pairs, tmp_path, caplog):
     """rank 0's folder holds an entry (saved by an earlier run), rank 1's cannot be written
     (a file where its folder should be): after a restart the ranks agree to restore
     nothing, where rank 0 alone would have restored the prompt; when both hold it, both
@@ -228,6 +228,8 @@ def test_ranks_restore_from_their_disks_only_what_every_rank_restores(pairs, tmp
     n1, row1 = restart(root / "blocked" / "x", 1, [0, alone])
     assert row0 == [0, alone] and row1 == [0, 0]  # what each rank really reported
     assert n0 == n1 == 0  # neither restores: the same prefix on both ranks
+    said = [r.getMessage() for r in caplog.records if "prompt-cache folders" in r.getMessage()]
+    assert len(said) == 1 and f"(rank 0 {alone}, rank 1 0 tokens)" in said[0]  # rank 0's
     shutil.copytree(root / "rank0", root / "rank1")
     n0, _ = restart(root / "rank0", 0, [0, alone])
     n1, row1 = restart(root / "rank1", 1, [0, alone])
