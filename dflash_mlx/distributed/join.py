@@ -86,11 +86,15 @@ def init():
     wait = timeout()
     read, write = os.pipe()
     line = message(int(rank), size, wait)
-    dog = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(wait), line],
-        stdin=read,
-        stdout=subprocess.DEVNULL,
-    )
+    try:
+        dog = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(wait), line],
+            stdin=read,
+            stdout=subprocess.DEVNULL,
+        )
+    except OSError:  # no watchdog (no process left to start): MLX's own wait
+        os.close(write)
+        dog = None
     os.close(read)
     try:
         return mx.distributed.init()
@@ -100,5 +104,6 @@ def init():
             "every rank with mlx.launch"
         ) from None
     finally:
-        os.close(write)  # the watchdog sees EOF and ends
-        dog.wait()
+        if dog is not None:
+            os.close(write)  # the watchdog sees EOF and ends
+            dog.wait()
