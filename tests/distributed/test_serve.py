@@ -1,6 +1,8 @@
 """``dflash serve`` on two ranks (``mlx.launch -n 2 --backend ring``, loopback), in one
 launch: a streamed and a whole request sent together get the same greedy text, with both
-ranks alive; then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
+ranks alive; the same prompt again gets it too, although rank 0 restores it from its
+prompt-cache folder and rank 1 cannot write its own (the ranks agree to restore nothing,
+never part); then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
 error event in the API's shape and exits within 30 s with one line naming rank 1."""
 
 import json
@@ -74,8 +76,11 @@ class _Reader(threading.Thread):
 def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(tiny_dir, tmp_path):
     model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
     cmd = [*ring(2), "--", sys.executable, "-m", "dflash_mlx.cli"]
+    (tmp_path / "pc").mkdir()
+    (tmp_path / "pc" / "rank1").write_text("a file: rank 1 cannot write its folder")
+    disk = ["--prompt-cache-dir", str(tmp_path / "pc"), "--prompt-cache-gb", "0"]  # all to disk
     proc = subprocess.Popen(
-        [*cmd, "serve", *model, "--port", "0", "--max-batch", "4"],
+        [*cmd, "serve", *model, "--port", "0", "--max-batch", "4", *disk],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -99,6 +104,8 @@ def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(ti
         for t in both:
             t.join(120)
         assert got[True] == got[False] and got[True], got  # batched together, same text
+        assert _text(port, False, 24) == got[True]  # rank 0's disk holds it, rank 1's cannot
+        assert list((tmp_path / "pc" / "rank0").glob("*/e-*")), "rank 0 saved no entry"
         ranks = _ranks(proc.pid)
         assert sorted(ranks) == [0, 1], "".join(reader.lines)[-2000:]
 
