@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import sys
 
 import typer
@@ -11,6 +13,7 @@ from ..settings import SHUTDOWN_GRACE, GenerationConfig, ServerConfig
 from ..vision.images import MAX_BYTES as MAX_IMAGE_BYTES
 from ..vision.images import MAX_IMAGES as MAX_IMAGE_COUNT
 from ..vision.images import MAX_PIXELS as MAX_IMAGE_PIXELS
+from ..vision.budget import share_of
 from ..vision.images import ImageLimits
 from . import common as c
 from .options import MODEL, ModelOptions, decoding, expand
@@ -85,6 +88,7 @@ def serve(
     requests that do not set them."""
     check_server_options(port, api_key, max_queue, max_batch, prompt_cache_gb, prompt_cache_dir)
     images = ImageLimits(max_image_pixels, max_image_bytes, max_images).validate(flags=True)
+    images = replace(images, max_decoded=share_of(src.max_memory, images))  # inside it
     config = ServerConfig(tuple(allow_origin or ()), shutdown_grace, allow_image_urls, images)
     config = config.validate(flags=True)
     from .. import distributed, server
