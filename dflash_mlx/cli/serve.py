@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import sys
+from dataclasses import replace
 
 import typer
 
 from ..errors import DFlashError
 from ..settings import SHUTDOWN_GRACE, GenerationConfig, ServerConfig
+from ..vision.budget import share_of
 from ..vision.images import MAX_BYTES as MAX_IMAGE_BYTES
 from ..vision.images import MAX_IMAGES as MAX_IMAGE_COUNT
 from ..vision.images import MAX_PIXELS as MAX_IMAGE_PIXELS
-from ..vision.budget import share_of
 from ..vision.images import ImageLimits
 from . import common as c
 from .options import MODEL, ModelOptions, decoding, expand

@@ -187,14 +187,14 @@ def fetch(url: str, limits: ImageLimits) -> bytes:
     def run():
         try:
             box["data"] = _follow(url, limits.max_bytes, deadline, conns)
-        except Exception as e:  # handed to the caller's thread
+        except Exception as e:  # noqa: BLE001 (handed to the caller's thread, raised there)
             box["error"] = e
 
     t = threading.Thread(target=run, name="dflash-image-url", daemon=True)
     t.start()
     t.join(seconds)
     if t.is_alive():
-        for c in list(conns):
+        for c in conns:
             _abort(c)
         raise ImageError(f"{shown} took over {seconds:g} s to fetch; send a data: URL")
     err = box.get("error")
