@@ -107,22 +107,23 @@ def test_at_most_three_redirects_are_followed_exactly(site):
         server_images.fetch(site + "/r4", LIMITS)
 
 
+ANSWERS = {  # what the hostile server sends for each path
+    "/garbage": b"GARBAGE\r\n\r\n",
+    "/long-header": b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n",
+    "/bad-chunks": b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\n10\r\nshort\r\nZZ\r\n",
+    "/drip-status": b"HTTP/1.1 200 OK\r\n" * 100,  # one byte at a time, never ending
+    "/drip-headers": None,
+}
+
+
 class Hostile(socketserver.BaseRequestHandler):
     """A server that answers each path with raw bytes, however malformed, or drips them."""
-
-    ANSWERS = {
-        "/garbage": b"GARBAGE\r\n\r\n",
-        "/long-header": b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 70_000 + b"\r\n\r\n",
-        "/bad-chunks": b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n"
-        b"Transfer-Encoding: chunked\r\n\r\n10\r\nshort\r\nZZ\r\n",
-        "/drip-status": b"HTTP/1.1 200 OK\r\n" * 100,  # one byte at a time, never ending
-        "/drip-headers": None,
-    }
 
     def handle(self):
         line = self.request.makefile("rb").readline().split()
         path = line[1].decode() if len(line) > 1 else "/"
-        answer = self.ANSWERS.get(path)
+        answer = ANSWERS.get(path)
         try:
             if path.startswith("/drip"):
                 if answer is None:
