@@ -210,7 +210,9 @@ def test_a_responses_chain_keeps_its_image_and_streams(vlm, port, images):
     assert done.usage.input_tokens_details.cached_tokens >= 10  # the first turn's image rows
 
 
-@pytest.mark.parametrize("bad", [123, True, 1.5, ["/proc/self/mem"], ["~dflash-no-such-user/x.png"]])
+@pytest.mark.parametrize(
+    "bad", [123, True, 1.5, ["/proc/self/mem"], ["~dflash-no-such-user/x.png"]]
+)
 def test_bad_images_are_one_dflash_error_naming_them_in_every_entry(vlm, bad):
     from dflash_mlx import BatchGenerator, DFlashError, stream_generate
 
