@@ -252,6 +252,8 @@ def test_the_decode_budget_sits_inside_max_memory():
     assert (
         limits.decoded == limits.max_images * limits.max_pixels and share_of(None, limits) is None
     )
+    assert ImageLimits(max_images=64).decoded == limits.decoded  # more images: not more memory
+    assert ImageLimits(max_pixels=2**27).decoded == 2**27  # one image always fits
     assert share_of(4.0, limits) == int(4e9 / 10 / BYTES_PER_PIXEL)  # a tenth of it
     assert share_of(0.01, limits) == limits.max_pixels  # one image always fits
     assert share_of(1e6, limits) == limits.decoded  # never more than one full request

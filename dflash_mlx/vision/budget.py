@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from .images import MAX_IMAGES, MAX_PIXELS, ImageError
+from .images import MAX_DECODED, ImageError
 
 BYTES_PER_PIXEL = 8  # RGB, and the converting copy beside it
 
@@ -24,7 +24,7 @@ class PixelBudget:
             request waits for room before it is refused as busy.
     """
 
-    def __init__(self, pixels: int = MAX_IMAGES * MAX_PIXELS, wait: float = 60.0):
+    def __init__(self, pixels: int = MAX_DECODED, wait: float = 60.0):
         self.pixels, self.wait, self.used = pixels, wait, 0
         self._cond = threading.Condition()
 
@@ -58,9 +58,9 @@ DECODING = PixelBudget()  # the Python API's; a server makes its own from its li
 
 def share_of(max_memory_gb: float | None, limits) -> int | None:
     """``ImageLimits.max_decoded`` inside ``--max-memory``: a tenth of it at
-    ``BYTES_PER_PIXEL``, never under one image at ``max_pixels`` nor over one request at
-    its limits (None without ``--max-memory``: one request at its limits)."""
+    ``BYTES_PER_PIXEL``, never under one image at ``max_pixels`` nor over the default
+    (``limits.decoded``); None without ``--max-memory`` (the default)."""
     if max_memory_gb is None:
         return None
     share = int(max_memory_gb * 1e9 / 10 / BYTES_PER_PIXEL)
-    return max(limits.max_pixels, min(share, limits.max_images * limits.max_pixels))
+    return max(limits.max_pixels, min(share, limits.decoded))

@@ -34,6 +34,7 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "im
 MAX_PIXELS = 4096 * 4096  # per image; a model's processor resizes further
 MAX_BYTES = 20 * 1024 * 1024
 MAX_IMAGES = 8  # per request
+MAX_DECODED = MAX_IMAGES * MAX_PIXELS  # pixels decoded at once, all requests (~1 GB)
 # what a limit may be set to: beyond these a flag would make the body limit or a decode
 # unbounded (Pillow itself refuses over 2 x 89.5 M pixels as a bomb)
 _LIMIT_NAMES = (
@@ -63,19 +64,21 @@ class ImageLimits:
         max_bytes: one image's encoded size.
         max_images: images in one request.
         max_decoded: pixels decoded at once across every request (``vision.budget``;
-            None: ``max_images`` x ``max_pixels``).
+            None: ``decoded``'s default).
     """
 
     max_pixels: int = MAX_PIXELS
     max_bytes: int = MAX_BYTES
     max_images: int = MAX_IMAGES
-    max_decoded: int | None = None  # pixels decoded at once, all requests (None: one full one)
+    max_decoded: int | None = None  # pixels decoded at once, all requests (None: ``decoded``)
 
     @property
     def decoded(self) -> int:
         """The pixels decoded at once across requests: ``max_decoded``, or one request at
-        its limits (``max_images`` x ``max_pixels``)."""
-        return self.max_decoded or self.max_images * self.max_pixels
+        its limits (``max_images`` x ``max_pixels``) up to ``MAX_DECODED``, never under
+        one image at ``max_pixels``."""
+        full = min(self.max_images * self.max_pixels, MAX_DECODED)
+        return self.max_decoded or max(self.max_pixels, full)
 
     def validate(self, flags: bool = False) -> ImageLimits:
         """Check that each limit is a whole number in its range; return self.
