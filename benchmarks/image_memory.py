@@ -1,6 +1,7 @@
 """The server's memory under image load, as issue 54's hostile pass measured it:
 
-    python benchmarks/image_memory.py [--model demo] [--concurrency 16] [--images 8] [--side 4096]
+    python benchmarks/image_memory.py [--model demo [--drafter D]] [--concurrency 16] [--images 8]
+        [--side 4096]
 
 starts ``dflash serve`` (a text-only ``demo`` by default: every request is refused
 ``model_not_vision``, which must come before any pixel is decoded), sends ``--concurrency``
@@ -59,13 +60,14 @@ def post(port: int, data: bytes, codes: list) -> None:
         codes.append(f"{e.code} {json.loads(e.read())['error'].get('code')}")
 
 
-def serve(model: str, images: int) -> tuple[subprocess.Popen, int]:
+def serve(model: str, drafter: str | None, images: int) -> tuple[subprocess.Popen, int]:
     """A ``dflash serve`` process on a free port, once it answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", model]
     cmd += ["--port", str(port), "--max-images", str(images)]
+    cmd += ["--drafter", drafter] if drafter else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(1200):
         try:
@@ -80,12 +82,13 @@ def serve(model: str, images: int) -> tuple[subprocess.Popen, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo")
+    ap.add_argument("--drafter", default=None, help="a vision-language target's drafter")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--images", type=int, default=8)
     ap.add_argument("--side", type=int, default=4096)
     a = ap.parse_args()
     data = body(a.images, a.side)
-    proc, port = serve(a.model, a.images)
+    proc, port = serve(a.model, a.drafter, a.images)
     try:
         before, codes = memory(proc.pid)[0], []
         tic = time.perf_counter()
