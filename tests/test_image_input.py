@@ -82,7 +82,7 @@ def test_exif_orientation_is_applied_as_mlx_vlm_does():
     data = exif_rotated_jpeg((64, 32))
     pic = from_bytes(data)
     theirs = load_image(__import__("io").BytesIO(data))
-    assert pic.pil().size == theirs.size == (32, 64)
+    assert pic.pil().size == theirs.size == (pic.width, pic.height) == (32, 64)
     assert pic.pil().tobytes() == theirs.tobytes()
 
 

@@ -14,6 +14,7 @@ import base64
 import binascii
 import hashlib
 import io
+import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -189,11 +190,16 @@ def from_bytes(data: bytes, limits: ImageLimits = ImageLimits(), name: str = "im
     try:
         with Image.open(io.BytesIO(data), formats=[fmt]) as im:  # reads the header only
             w, h = im.size
+            _too_many_pixels(name, w, h, limits)
+            # a JPEG's or WebP's EXIF is in its header (a PNG's may follow its pixels)
+            if fmt != "PNG" and _orientation(im) in (5, 6, 7, 8):
+                w, h = h, w  # shown turned a quarter: the size the model sees
+    except ImageError:
+        raise
     except Image.DecompressionBombError:  # Pillow's own bound, past ours
         raise ImageError(f"{name} declares too many pixels (a decompression bomb)", "too_large")
     except (OSError, ValueError, SyntaxError) as exc:
         raise ImageError(f"{name} is not a readable {fmt} image ({_why(exc)})") from None
-    _too_many_pixels(name, w, h, limits)
     return Picture(data, hashlib.sha256(data).hexdigest(), fmt, w, h)
 
 
@@ -222,7 +228,22 @@ def _decode(im):
 
     im.seek(0)
     im.load()
-    return ImageOps.exif_transpose(im).convert("RGB")
+    if _turned(im):  # else exif_transpose would only copy every pixel
+        im = ImageOps.exif_transpose(im)
+    return im.convert("RGB")
+
+
+def _turned(im) -> bool:
+    """Whether the image's EXIF Orientation asks for a turn or a flip."""
+    return _orientation(im) not in (1, None)
+
+
+def _orientation(im):
+    """The EXIF Orientation tag (0x0112), 1 when there is none or the EXIF is unreadable."""
+    try:
+        return im.getexif().get(0x0112, 1)
+    except (OSError, ValueError, SyntaxError, KeyError, IndexError, TypeError, struct.error):
+        return 1
 
 
 def _why(exc: BaseException) -> str:
