@@ -15,6 +15,7 @@ import binascii
 import hashlib
 import io
 import struct
+import sys
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,14 +229,9 @@ def _decode(im):
 
     im.seek(0)
     im.load()
-    if _turned(im):  # else exif_transpose would only copy every pixel
+    if _orientation(im) not in (1, None):  # else exif_transpose would only copy every pixel
         im = ImageOps.exif_transpose(im)
     return im.convert("RGB")
-
-
-def _turned(im) -> bool:
-    """Whether the image's EXIF Orientation asks for a turn or a flip."""
-    return _orientation(im) not in (1, None)
 
 
 def _orientation(im):
@@ -372,8 +368,6 @@ def read(source, limits: ImageLimits = ImageLimits()) -> Picture:
 
 
 def _is_pil(x) -> bool:
-    import sys
-
     pil = sys.modules.get("PIL.Image")  # imported already when x is one
     return pil is not None and isinstance(x, pil.Image)
 
