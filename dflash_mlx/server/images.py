@@ -9,9 +9,11 @@ A ``data:`` URL (or Anthropic's base64 source) is always taken; an http(s) URL o
 ``dflash serve --allow-image-urls``, fetched with a deadline, a byte cap enforced while
 reading, an ``image/*`` content type and at most ``MAX_REDIRECTS`` redirects, never another
 scheme. A declared media type (a ``data:`` URL's, Anthropic's ``media_type``) must name the
-bytes' format; a fetched URL's bytes decide it (its server, not the client, labelled it). A text-only model's refusal (``no_vision``) is the engine's
-(``vision/request.py``). Every refusal is an ``APIError`` (each API puts it in its own shape): 413 for an image
-too large, 400 for the rest. No MLX; Pillow only when an image is sent.
+bytes' format; a fetched URL's bytes decide it (its server, not the client, labelled it).
+Nothing here decodes pixels: a text-only model's refusal (``no_vision``) and the decode
+are the engine's (``vision/request.py``). Every refusal is an ``APIError`` (each API puts
+it in its own shape): 413 for an image too large, 503 when the decode budget stays full,
+400 for the rest. No MLX; Pillow only when an image is sent.
 """
 
 from __future__ import annotations

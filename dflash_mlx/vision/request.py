@@ -100,8 +100,8 @@ def prepare(model, tokenizer, prompt, images, cfg, raw=False, system=None, limit
     Raises:
         ImageError: a text-only model (``no_vision``, before an image is looked at), a bad
             image, image parts that do not match the images, text that spells the model's
-            image placeholder, images over the decode budget. DFlashError: a raw prompt or token ids with images, a prompt
-            longer than the context.
+            image placeholder, images over the decode budget. DFlashError: a raw prompt or
+            token ids with images, a prompt longer than the context.
     """
     from ..decoding.prompt import chat_text, check_fits, context_length, room, with_default_stops
     from .target import VisionTarget
