@@ -494,8 +494,16 @@ def test_serve_passes_allowed_origins_the_shutdown_grace_and_image_options(pair,
     assert fake_server[-1][1]["config"] == want
     assert invoke("serve", *model_args(pair)).exit_code == 0
     assert fake_server[-1][1]["config"] == ServerConfig(image_limits=ImageLimits())
-    r = invoke("serve", *model_args(pair), "--max-image-bytes", "0")
-    assert r.exit_code == 2 and "--max-image-bytes must be a whole number >= 1" in r.stderr
+    for bad in ("0", "99999999999999999999"):  # the body limit must stay bounded
+        r = invoke("serve", *model_args(pair), "--max-image-bytes", bad)
+        assert (
+            r.exit_code == 2
+            and "--max-image-bytes must be a whole number in 1..1,073,741,824" in r.stderr
+        )
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert invoke("serve", *model_args(pair), "--max-memory", "4").exit_code == 0
+    decoded = fake_server[-1][1]["config"].image_limits.decoded  # the budget inside it
+    assert decoded == 4e9 / 10 / 8
 
 
 def test_sparkline():
