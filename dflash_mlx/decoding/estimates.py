@@ -64,10 +64,12 @@ class Acceptance:
         Args:
             optimistic: add one standard error (the benefit of the doubt, for probing).
         """
-        out = []
-        for p, h, s, w in zip(self.prior, self.hits, self.seen, self.weights()):
+        out, last = [], None
+        for p, h, s, w, e in zip(self.prior, self.hits, self.seen, self.weights(), self.evidence):
+            if last is not None and e <= 0:
+                p = last  # a guess: a position is expected like the one before it
             n = s + w
-            r = (h + w * p) / n
+            r = last = (h + w * p) / n
             if optimistic:
                 r = min(1.0, r + math.sqrt(max(r * (1 - r), 0.05) / n))
             out.append(r)
