@@ -43,7 +43,9 @@ def main() -> None:
     for name, t in curves().items():
         print(f"| {name} | " + " / ".join(f"{t(b) / t(1):.2f}" for b in (2, 4, 8, 16)) + " |")
     print()
-    print("| curve | acceptance | best fixed block | auto, first request of 256 tokens | auto, 8 requests of 128 |")
+    print(
+        "| curve | acceptance | best fixed block | auto, first request of 256 tokens | auto, 8 requests of 128 |"
+    )
     print("|---|---|---|---|---|")
     for name, t in curves().items():
         for rate in RATES:

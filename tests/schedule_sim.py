@@ -41,7 +41,9 @@ def flat(block: float = 1.1, max_block: int = 16) -> CostTable:
 def best_fixed(table: CostTable, rate: float) -> tuple[int, float]:
     """The fixed block (1: plain) with the highest expected speed, and that speed."""
     rates = [rate] * (table.max_block - 1)
-    speeds = {b: expected_tokens(rates, b) / table(b) * table(1) for b in range(1, table.max_block + 1)}
+    speeds = {
+        b: expected_tokens(rates, b) / table(b) * table(1) for b in range(1, table.max_block + 1)
+    }
     b = max(speeds, key=speeds.get)
     return b, speeds[b]
 

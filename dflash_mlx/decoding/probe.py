@@ -72,7 +72,9 @@ class Probes:
         if not could:
             self.due_in = 0
             why = f"plain: no block beats plain decoding (best, block {best[0]}: "
-            return Choice(1, reason=why + f"{best[1]:.2f}x; plausibly {max(hopeful.values()):.2f}x)")
+            return Choice(
+                1, reason=why + f"{best[1]:.2f}x; plausibly {max(hopeful.values()):.2f}x)"
+            )
         short = min(cost(k[0]) - 1.0 for k in could) - self.balance
         self.due_in = max(due, math.ceil(short / LOSS) if short > 0 else 0, 1)
         return Choice(1, reason=why + f"; a probe within {self.due_in} steps")
