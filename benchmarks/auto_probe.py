@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from schedule_sim import DENSE, MOE, best_fixed, flat, predicted, simulate  # noqa: E402
+from schedule_sim import DENSE, MOE, best_fixed, flat, predicted, simulate
 
 RATES = (0.0, 0.3, 0.6, 0.8, 0.9)
 

@@ -27,7 +27,7 @@ from . import lookup
 from .costs import Bands, CostTable, band
 from .estimates import BORROWED_WEIGHT, Acceptance, Catches, caught, expected_tokens
 from .policy import Choice
-from .probe import PROBE_START, Probes
+from .probe import Probes
 from .tree import MAX_SIBLINGS, SIBLING_PRIOR
 
 PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
@@ -180,7 +180,7 @@ class Scheduler:
             choice = Choice(b, s, reason=f"{why}: expected {s:.2f}x plain decoding", siblings=n_sib)
         else:  # plain, or a probe (``probe.py``) of what the drafter plausibly accepts
             hopeful = self._scores(self.acc.upper(), top)
-            cost = lambda w: self.costs(w) / self.costs(1)  # noqa: E731
+            cost = lambda w: self.costs(w) / self.costs(1)
             choice = self.probes.choose(hopeful, cost, (b, s), GAIN_MARGIN)
             self.last_reason = self.last_reason if choice.probe else choice.reason
         self._note(choice)

@@ -5,9 +5,9 @@ from itertools import pairwise
 
 import pytest
 
+from dflash_mlx.decoding.probe import PROBE_START
 from dflash_mlx.decoding.schedule import (
     PLAIN_RUN_MAX,
-    PROBE_START,
     Acceptance,
     CostTable,
     Scheduler,

@@ -63,7 +63,7 @@ def test_probes_never_spend_more_than_the_account_holds():
     for _ in range(3000):
         width = {(b, 0): 2.0 for b in range(2, 17) if rng.random() < 0.5}
         dear = rng.choice([1.1, 1.6, 3.0, 7.0])
-        cost = lambda b, dear=dear: 1.0 + (dear - 1.0) * b / 16  # noqa: E731
+        cost = lambda b, dear=dear: 1.0 + (dear - 1.0) * b / 16
         c = probes.choose(width or {(2, 0): 2.0}, cost, (2, 0.5), 1.05)
         if c.probe:
             lost += cost(c.block) - 1.0
