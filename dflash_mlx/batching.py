@@ -18,7 +18,7 @@ import mlx.core as mx
 from . import inputs
 from .decoding.batch import BatchDecoder, Row, check_kv
 from .decoding.costs import EMA
-from .decoding.schedule import PROBE_MAX, PROBE_START
+from .decoding.probe import PROBE_MAX, PROBE_START
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import generation_stream
@@ -44,7 +44,7 @@ class BlockChooser:
     of the slow block is expensive: a batch's block verify costs rows x block tokens), back
     to 8 when it wins. Only past cycles are used: every choice is lossless. The rates are
     smoothed, and the probes spaced, with the per-request scheduler's constants
-    (``costs.EMA``, ``schedule.PROBE_START``, ``PROBE_MAX``): one set of ``auto`` constants.
+    (``costs.EMA``, ``probe.PROBE_START``, ``PROBE_MAX``): one set of ``auto`` constants.
 
     Args:
         block: the checkpoint's block size.

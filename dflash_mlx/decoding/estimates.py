@@ -11,6 +11,8 @@ PRIOR_WEIGHT = 8.0  # pseudo-observations behind the prior acceptance of each po
 # behind a prior carried from a shorter context band: the drafter may never have seen such
 # positions, and a drop in acceptance must show within a few cycles
 BORROWED_WEIGHT = 3.0
+# behind the default prior, a guess: it decides nothing once a few cycles have been seen
+GUESS_WEIGHT = 2.0
 FORGET = 0.98  # per-cycle decay of the request's own counts (acceptance drifts)
 
 
@@ -22,17 +24,21 @@ class Acceptance:
         prior: acceptance per position carried from earlier requests.
         hits, seen: decayed counts of accepted / reached drafts per position.
         weight: pseudo-observations behind the prior.
+        evidence: real observations behind the prior per position (empty: taken as known,
+            ``weight``; a guessed default prior has none).
     """
 
     prior: list[float]
     hits: list[float] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)
     weight: float = PRIOR_WEIGHT
+    evidence: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         n = len(self.prior)
         self.hits = self.hits or [0.0] * n
         self.seen = self.seen or [0.0] * n
+        self.evidence = self.evidence or [PRIOR_WEIGHT] * n
 
     def update(self, drafted: int, accepted: int) -> None:
         """Record a cycle that drafted ``drafted`` tokens and accepted ``accepted``."""
@@ -47,20 +53,49 @@ class Acceptance:
             self.hits[k] *= FORGET
             self.seen[k] *= FORGET
 
+    def weights(self) -> list[float]:
+        """Pseudo-observations behind the prior per position: its real evidence, between
+        ``GUESS_WEIGHT`` (a guess) and ``weight``."""
+        return [max(min(e, self.weight), GUESS_WEIGHT) for e in self.evidence]
+
     def rates(self, optimistic: bool = False) -> list[float]:
         """Estimated conditional acceptance per position.
 
         Args:
             optimistic: add one standard error (the benefit of the doubt, for probing).
         """
-        out = []
-        for p, h, s in zip(self.prior, self.hits, self.seen):
-            n = s + self.weight
-            r = (h + self.weight * p) / n
+        out, last = [], None
+        for p, h, s, w, e in zip(self.prior, self.hits, self.seen, self.weights(), self.evidence):
+            if last is not None and e <= 0:
+                p = last  # a guess: a position is expected like the one before it
+            n = s + w
+            r = last = (h + w * p) / n
             if optimistic:
                 r = min(1.0, r + math.sqrt(max(r * (1 - r), 0.05) / n))
             out.append(r)
         return out
+
+    def upper(self) -> list[float]:
+        """Per position, the most the drafter plausibly accepts (for probing): the upper end
+        of the Wilson interval at one standard error on the real observations (the guessed
+        part of the prior left out: 1.0 where nothing was ever seen), or the optimistic
+        rate if higher."""
+        out = []
+        rows = zip(self.rates(optimistic=True), self.prior, self.hits, self.seen, self.evidence)
+        for r, p, h, s, e in rows:
+            n = s + min(e, self.weight)
+            if n <= 0:
+                out.append(1.0)
+                continue
+            f = (h + (n - s) * p) / n
+            wilson = (f + 0.5 / n + math.sqrt(f * (1 - f) / n + 0.25 / n**2)) / (1 + 1 / n)
+            out.append(min(1.0, max(r, wilson)))
+        return out
+
+    def carried(self) -> list[float]:
+        """The real observations behind ``rates()``, the next request's prior's evidence."""
+        got = zip(self.evidence, self.seen)
+        return [min(PRIOR_WEIGHT, min(e, self.weight) + s) for e, s in got]
 
 
 class Catches(Acceptance):

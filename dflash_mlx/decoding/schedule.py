@@ -10,9 +10,9 @@ at a small cost. Costs come from a warm-up at load and from the loop's own timin
 acceptance is estimated online per request, from a prior carried across requests on the
 model. Only the past is used, never the current draft, so every schedule is lossless.
 
-While decoding plainly nothing is learnt about acceptance, so the scheduler re-probes with a
-speculative cycle after 8, 16, 32, ... plain steps, and only when an optimistic estimate
-(acceptance given the benefit of the doubt) says speculation could win at all.
+While decoding plainly nothing is learnt about acceptance, so the scheduler probes with a
+speculative cycle when the most the drafter plausibly accepts says a block could win, at a
+bounded cost (``probe.py``: an account of a few percent of the tokens decoded).
 
 A context-lookup draft (``lookup.py``) is a third choice when the committed tokens have one:
 its cycle skips the drafter, so it has costs of its own, and its acceptance is learnt per
@@ -27,9 +27,9 @@ from . import lookup
 from .costs import Bands, CostTable, band
 from .estimates import BORROWED_WEIGHT, Acceptance, Catches, caught, expected_tokens
 from .policy import Choice
+from .probe import Probes
 from .tree import MAX_SIBLINGS, SIBLING_PRIOR
 
-PROBE_START, PROBE_MAX = 8, 256  # plain steps before a re-probe, doubling up to the max
 PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made again
 # Speculate only when the expected speedup clears this: estimates near 1.0x are coin flips
 # that cost more in the losers than they win in the winners.
@@ -57,7 +57,9 @@ class Scheduler:
             copied) cost tables of a context band (``costs.Bands``); None: ``costs`` and
             ``lookup_costs`` at every length. context: tokens in the cache at the start.
         prior_weight: pseudo-observations behind ``prior`` (default ``PRIOR_WEIGHT``).
-        lookup_weight: the same behind ``lookup_priors``.
+        lookup_weight: the same behind ``lookup_priors``. evidence: real observations
+            behind ``prior`` per position (None: as many as its weight; the default prior
+            has none). probes: the probes' account and backoff (``probe.Probes``).
     """
 
     def __init__(
@@ -73,6 +75,8 @@ class Scheduler:
         context: int = 0,
         prior_weight: float | None = None,
         lookup_weight: float | None = None,
+        evidence: list[float] | None = None,
+        probes: Probes | None = None,
     ):
         self.costs, self.frozen = costs, frozen
         self.lookup_costs = lookup_costs
@@ -88,13 +92,12 @@ class Scheduler:
         self.lookup_history: Counter = Counter()
         self.max_block = costs.max_block
         self.min_block = min_block
-        self.acc = Acceptance(list(prior))
+        self.acc = Acceptance(list(prior), evidence=list(evidence or []))
         if prior_weight is not None:  # a prior from another context band: held lightly
             self.acc.weight = prior_weight
         self.catches = Catches(list(catch_prior or [SIBLING_PRIOR] * MAX_SIBLINGS))
         self.tree = False  # set by the decode loop when it can verify siblings
-        self.since_spec = 0
-        self.probe_after = PROBE_START
+        self.probes = probes or Probes()
         self.history: Counter = Counter()
         self.key: tuple = ()  # (mode, selector): where Tuning keeps this request's prior
         self.notes: list[str] = []  # why and when decoding switched to / from plain
@@ -171,23 +174,15 @@ class Scheduler:
             self._note(choice)
             return choice
         if s > GAIN_MARGIN:
-            self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
+            self.probes.wait = 0  # if it stops paying, probes may go on at once
             b, n_sib = self._explore(top, s)
             why = f"block {b}" + (f" ({n_sib} siblings)" if n_sib else "")
             choice = Choice(b, s, reason=f"{why}: expected {s:.2f}x plain decoding", siblings=n_sib)
-        else:
-            ob, os_, o_sib = self._best(self.acc.rates(optimistic=True), top)
-            if os_ <= GAIN_MARGIN:
-                why = f"no block beats plain decoding (best, block {b}: {s:.2f}x; even "
-                why += f"optimistically {os_:.2f}x)"
-            else:
-                why = f"best block {b} expected {s:.2f}x plain; re-probing with backoff"
-            self.last_reason = "plain: " + why
-            if os_ > GAIN_MARGIN and self.since_spec >= self.probe_after:
-                self.probe_after = min(self.probe_after * 2, PROBE_MAX)
-                choice = Choice(ob, os_, probe=True, reason=f"probe block {ob}", siblings=o_sib)
-            else:
-                choice = Choice(1, 1.0, reason=self.last_reason)
+        else:  # plain, or a probe (``probe.py``) of what the drafter plausibly accepts
+            hopeful = self._scores(self.acc.upper(), top)
+            cost = lambda w: self.costs(w) / self.costs(1)
+            choice = self.probes.choose(hopeful, cost, (b, s), GAIN_MARGIN)
+            self.last_reason = self.last_reason if choice.probe else choice.reason
         self._note(choice)
         return choice
 
@@ -201,13 +196,13 @@ class Scheduler:
 
     def plain_run(self) -> int:
         """Plain steps to run back to back before choosing again: up to the next probe, or
-        ``PLAIN_RUN_MAX`` once it is due but was refused (no block can pay even
-        optimistically). Short runs would cost the pipelining: a run's first step is not
-        overlapped with the previous one (a ~5% loss when every run was one step)."""
+        ``PLAIN_RUN_MAX`` when none could run. Short runs would cost the pipelining: a run's
+        first step is not overlapped with the previous one (a ~5% loss when every run was
+        one step)."""
         if self._calibrating:
             self._calibrating = False
             return CALIBRATE_RUN
-        left = self.probe_after - self.since_spec
+        left = max(self.probes.wait - self.probes.since, self.probes.due_in)
         return min(PLAIN_RUN_MAX, left) if left > 0 else PLAIN_RUN_MAX
 
     def record(self, b: int, step, seconds: float | None) -> None:
@@ -224,17 +219,17 @@ class Scheduler:
             if seconds is not None and seconds > 0 and not self.frozen:
                 self.lookup_costs.observe(b, seconds)
             self.lookup_acc[lookup.match_class(step.lookup)].update(b - 1, step.accepted)
+            self.probes.earn(len(step.tokens))
             return
         self.history[b] += 1
         if seconds is not None:
             self.observe(b, seconds)
+        self.probes.committed(max(len(step.tokens), step.accepted + 1), b > 1)
         if b == 1:
-            self.since_spec += 1
             return
         self.acc.update(b - 1 - step.siblings, 0 if step.sibling else step.accepted)
         if step.siblings and (step.sibling or step.accepted == 0):
             self.catches.update(step.siblings, step.sibling)
-        self.since_spec = 0
 
     def observe(self, b: int, seconds: float) -> None:
         """Fold in the measured cost of a drafted block b (b = 1: a plain step's, which also
@@ -284,10 +279,11 @@ class Tuning:
         self.priors: dict[tuple, list[float]] = {}  # by (mode, selector, band)
         self.lookup_priors: dict[tuple, dict[int, list[float]]] = {}  # by (mode, band)
         self.catch_priors: dict[tuple, list[float]] = {}  # sibling catch rates, by key
-        # (probe_after, plain steps since the last speculative cycle) per (mode, selector):
-        # the probe backoff carries across requests, so short requests on a pair that
-        # cannot win do not each pay for fresh probes.
-        self.backoff: dict[tuple, tuple[int, int]] = {}
+        self.evidence: dict[tuple, list[float]] = {}  # observations behind each prior
+        # the probes' state (``Probes.state``) per (mode, selector): it carries across
+        # requests, so short requests on a pair that cannot win do not each pay for fresh
+        # probes, and a long one's winnings fund the next one's.
+        self.backoff: dict[tuple, tuple[int, int, float]] = {}
 
     @classmethod
     def from_seconds(cls, max_block: int, tables: dict[str, dict[int, float]]) -> Tuning:
@@ -315,13 +311,13 @@ class Tuning:
     def _copy(self, measured: CostTable | None = None) -> CostTable:
         return (self.measured if measured is None else measured).copy()
 
-    def _prior(self, mode: str, selector: bool, b: int) -> tuple[list[float], float | None]:
-        """The acceptance prior of context band b and its weight (``_banded``), else the
-        default."""
+    def _prior(self, mode: str, selector: bool, b: int) -> tuple:
+        """The acceptance prior of context band b, its weight and the observations behind
+        it (``_banded``; None: as many as its weight), else the default, a guess."""
         prior, weight = _banded(self.priors, (mode, selector), b)
-        return (
-            (prior, weight) if prior is not None else ([DEFAULT_PRIOR] * (self.max_block - 1), None)
-        )
+        if prior is None:
+            return [DEFAULT_PRIOR] * (self.max_block - 1), None, [0.0] * (self.max_block - 1)
+        return prior, weight, _banded(self.evidence, (mode, selector), b)[0]
 
     def scheduler(
         self,
@@ -346,7 +342,8 @@ class Tuning:
         lookup = lookup and self.measured_lookup is not None
         if seeded and not greedy:
             lk = self._copy(self.measured_lookup) if lookup else None
-            sched = Scheduler(self._copy(), default, frozen=True, lookup_costs=lk)
+            none = [0.0] * len(default)
+            sched = Scheduler(self._copy(), default, frozen=True, lookup_costs=lk, evidence=none)
         else:
             long = self.long or (None, None)
             drafted = self.costs.setdefault(mode, Bands(self.measured, long[0]))
@@ -357,7 +354,7 @@ class Tuning:
             def bands(b: int) -> tuple[CostTable, CostTable | None]:
                 return drafted.at(b), None if copied is None else copied.at(b)
 
-            prior, weight = self._prior(mode, selector, band(context))
+            prior, weight, evidence = self._prior(mode, selector, band(context))
             lookup_prior, lookup_weight = _banded(self.lookup_priors, (mode,), band(context))
             costs, lk = bands(0)
             sched = Scheduler(
@@ -370,9 +367,8 @@ class Tuning:
                 context=context,
                 prior_weight=weight,
                 lookup_weight=lookup_weight,
-            )
-            sched.probe_after, sched.since_spec = self.backoff.get(
-                (mode, selector), (PROBE_START, 0)
+                evidence=evidence,
+                probes=Probes(*self.backoff.get((mode, selector), ())),
             )
         sched.key = (mode, selector, seeded and not greedy)
         return sched
@@ -381,11 +377,12 @@ class Tuning:
         """Carry a finished request's acceptance into the prior of its mode."""
         if not sched.key[2]:
             self.priors[(*sched.key[:2], sched.band)] = sched.posterior()
+            self.evidence[(*sched.key[:2], sched.band)] = sched.acc.carried()
             self.catch_priors[sched.key[:2]] = sched.catches.rates()
             if sched.lookup_acc:
                 rates = {c: a.rates() for c, a in sched.lookup_acc.items()}
                 self.lookup_priors[sched.key[0], sched.band] = rates
-            self.backoff[sched.key[:2]] = (sched.probe_after, sched.since_spec)
+            self.backoff[sched.key[:2]] = sched.probes.state()
 
 
 def _banded(table: dict, head: tuple, b: int) -> tuple:

@@ -5,9 +5,9 @@ from itertools import pairwise
 
 import pytest
 
+from dflash_mlx.decoding.probe import PROBE_START
 from dflash_mlx.decoding.schedule import (
     PLAIN_RUN_MAX,
-    PROBE_START,
     Acceptance,
     CostTable,
     Scheduler,
@@ -59,7 +59,7 @@ def test_refused_probes_keep_plain_runs_long():
         c = sched.choose()
         assert c.block == 1 and not c.probe
         sched.record(1, Cycle([], accepted=0), None)
-        assert sched.plain_run() == PLAIN_RUN_MAX or sched.since_spec < PROBE_START
+        assert sched.plain_run() == PLAIN_RUN_MAX or sched.probes.since < PROBE_START
 
 
 def test_flat_costs_and_high_acceptance_choose_the_largest_block():
@@ -141,7 +141,7 @@ def test_probe_backoff_carries_across_requests_on_the_same_model():
     assert all(g >= 2 * PROBE_START for g in gaps)
     # a seeded request keeps the frozen, default schedule
     seeded = tuning.scheduler(greedy=False, selector=True, seeded=True)
-    assert seeded.probe_after == PROBE_START and seeded.since_spec == 0
+    assert seeded.probes.state() == (PROBE_START, 0, 0.0)  # and no credit
 
 
 def test_a_plain_steps_drift_moves_every_blocks_cost_alike():

@@ -5,36 +5,13 @@ wide blocks; the trial of unseen deep positions stays cheap on either."""
 
 import random
 from collections import Counter
-from dataclasses import replace
 
 import pytest
+from schedule_sim import DENSE, MOE, flat, predicted
 
-from dflash_mlx.bench import roofline as rl
-from dflash_mlx.bench import roofline_data as data
 from dflash_mlx.decoding.schedule import CostTable, Scheduler, expected_tokens
 from dflash_mlx.decoding.steps import Cycle
 from dflash_mlx.decoding.warmup import warm_up_blocks
-
-
-def predicted(alias: str, column: str, chip: str = "M4 Pro") -> CostTable:
-    """Seconds per cycle by width 1..16 as ``dflash roofline`` predicts them (1: plain)."""
-    arch, bandwidth = data.ARCHS[alias], data.chip(chip)[1]
-    inp = rl.Inputs(arch["target"], arch["drafter"], block=16)
-    table = CostTable(16)
-    table.seconds[1] = rl.estimate(inp).plain / (bandwidth * 1e9)
-    for b in range(2, 17):
-        at = replace(inp, block=b)
-        table.seconds[b] = rl.compute(rl.estimate(at), at, chip, bandwidth)[column]["cycle_seconds"]
-    return table
-
-
-def flat() -> CostTable:
-    table = CostTable(16)
-    table.seconds = {1: 1.0} | {b: 1.1 for b in range(2, 17)}
-    return table
-
-
-MOE, DENSE = "Qwen3.6-35B-A3B", "Qwen3.8-27B"
 
 
 def test_the_warm_up_times_every_width_where_a_steep_curve_has_its_best():
