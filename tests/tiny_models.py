@@ -140,6 +140,8 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
             **linear,
             **base,
         }
+    if kind in MOE_KINDS:
+        return moe_config(kind, vocab_size, hidden, layers)
     if kind == "muse_glimmer":  # soft-capped logits, sliding + full attention
         return {
             "model_type": "muse_glimmer",
@@ -147,6 +149,42 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
             "rope_theta": 10000.0,
             "qk_scale_factor": 1.0,
             **base,
+        }
+    raise ValueError(kind)
+
+
+# Mixture-of-experts families: few experts so a verify's rows share some (the grouped verify
+# then multiplies several rows by one expert), an expert width unlike the hidden one.
+MOE_KINDS = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")
+EXPERTS, TOP_K = 8, 2
+
+
+def moe_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
+    """Config of a tiny mixture-of-experts target: 'qwen3_moe' (every layer routed),
+    'qwen3_5_moe' (Gated DeltaNet + attention, routed and shared experts: Qwen3.6-35B-A3B's
+    shape) or 'gpt_oss' (sliding + full attention with sinks, biased experts)."""
+    moe = {"num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "moe_intermediate_size": 48}
+    if kind == "qwen3_moe":
+        base = target_config("qwen3", vocab_size, hidden, layers)
+        extra = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+        return {**base, **moe, **extra, "model_type": "qwen3_moe"}
+    if kind == "qwen3_5_moe":
+        base = target_config("qwen3_5", vocab_size, hidden, layers)
+        return {**base, **moe, "shared_expert_intermediate_size": 32, "model_type": kind}
+    if kind == "gpt_oss":
+        base = target_config("qwen3", vocab_size, hidden, layers)
+        types = ["sliding_attention", "full_attention"] * (layers // 2)
+        return {
+            **{k: base[k] for k in ("hidden_size", "num_hidden_layers", "head_dim")},
+            **{k: base[k] for k in ("num_attention_heads", "num_key_value_heads")},
+            **{k: base[k] for k in ("vocab_size", "rms_norm_eps", "tie_word_embeddings")},
+            "model_type": "gpt_oss",
+            "num_local_experts": EXPERTS,
+            "num_experts_per_tok": TOP_K,
+            "intermediate_size": 48,
+            "sliding_window": 8,
+            "rope_theta": 10000,
+            "layer_types": types,
         }
     raise ValueError(kind)
 

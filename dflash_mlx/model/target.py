@@ -27,7 +27,7 @@ from .wrapper import Wrapper as _Wrapper
 
 # Architectures whose attention takes positions from ``cache.offset`` and its mask from
 # ``make_mask`` of the first layer's cache: they can verify a tree (``tree.py``).
-TREE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+TREE_TYPES = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"}
 
 # Architectures whose layer loop, caches and heads the adapter has been checked against.
 SUPPORTED = {
@@ -39,6 +39,7 @@ SUPPORTED = {
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "gpt_oss",
     "muse_glimmer",
     "glm4",
     "glm",
