@@ -68,7 +68,7 @@ def _project(m: nn.Module, xg: mx.array, e: mx.array) -> mx.array:
 
 
 def _mode() -> str | None:
-    """"1" / "0" from ``DFLASH_MOE_GROUPED``, or None (timed)."""
+    """ "1" / "0" from ``DFLASH_MOE_GROUPED``, or None (timed)."""
     v = os.environ.get(ENV, "").strip().lower()
     return None if not v else ("0" if v in ("0", "off", "false", "no") else "1")
 
@@ -114,7 +114,9 @@ class ExpertCount:
         rows = indices.size // indices.shape[-1]
         kind = self.phase or ("plain" if rows == 1 else "prefill")
         self._pending.append((kind, rows, indices))
-        if len(self._pending) > 4 * self.layers:  # forwards two back are evaluated by now
+        # read on the host at the end (out of a timed decode); in a long one, forwards well
+        # back (evaluated by now) are read as it goes, so the routing kept stays bounded
+        if len(self._pending) > 256 * self.layers:
             self._drain(len(self._pending) - 2 * self.layers)
 
     def _drain(self, n: int) -> None:
@@ -125,13 +127,31 @@ class ExpertCount:
             s[2] += rows
         del self._pending[:n]
 
-    def summary(self) -> dict:
-        """Mean distinct experts per layer per verify and per plain step, the verify's mean
-        rows, and the model's experts and top-k (JSON-ready; None where none ran)."""
+    def take(self) -> dict:
+        """The sums counted since the last take, then forgotten: {kind: [distinct experts,
+        layer calls, rows]} (``merge`` adds two; ``summary`` reads them)."""
         self._drain(len(self._pending))
+        out, self._sums = self._sums, {}
+        return out
+
+    @staticmethod
+    def merge(a: dict, b: dict) -> dict:
+        """Two ``take`` results added."""
+        return {k: [x + y for x, y in zip(a.get(k, [0, 0, 0]), b.get(k, [0, 0, 0]))] for k in {*a, *b}}  # fmt: skip
+
+    def summary(self, sums: dict | None = None) -> dict:
+        """Mean distinct experts per layer per verify and per plain step, the verify's mean
+        rows, and the model's experts and top-k (JSON-ready; None where none ran).
+
+        Args:
+            sums: a (merged) ``take`` result; by default what was counted since the last.
+        """
+        if sums is None:
+            self._drain(len(self._pending))
+            sums = self._sums
 
         def mean(kind: str, i: int) -> float | None:
-            s = self._sums.get(kind)
+            s = sums.get(kind)
             return round(s[i] / s[1], 3) if s and s[1] else None
 
         return {
@@ -185,7 +205,7 @@ def wrap(layers: list) -> ExpertCount | None:
     found = []
     for layer in layers:
         mlp = getattr(layer, "mlp", None)
-        for name, child in (mlp.children().items() if isinstance(mlp, nn.Module) else []):
+        for name, child in mlp.children().items() if isinstance(mlp, nn.Module) else []:
             if isinstance(child, Experts):
                 found.append((mlp, name, child.inner))
             elif isinstance(child, (SwitchGLU, SwitchMLP)):
@@ -195,7 +215,12 @@ def wrap(layers: list) -> ExpertCount | None:
     first = found[0][2]
     proj = first.up_proj if isinstance(first, SwitchGLU) else first.fc1
     top_k = next(
-        (getattr(m, a) for m, _, _ in found for a in ("top_k", "num_experts_per_tok") if hasattr(m, a)),
+        (
+            getattr(m, a)
+            for m, _, _ in found
+            for a in ("top_k", "num_experts_per_tok")
+            if hasattr(m, a)
+        ),
         0,
     )
     count = ExpertCount(proj.weight.shape[0], int(top_k), len(found))
