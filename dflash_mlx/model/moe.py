@@ -1,6 +1,6 @@
 """Mixture-of-experts targets: each MoE layer's routed experts (mlx-lm's ``SwitchGLU`` /
 ``SwitchMLP`` instance) wrapped, to count the distinct experts a forward reads and to verify
-several rows reading each chosen expert once (docs/algorithm.md §4.5).
+several rows reading each chosen expert once (docs/algorithm.md §4.6).
 
 mlx-lm multiplies every (row, slot) pair by its expert alone, and sorts the pairs by expert
 only from 64 pairs on: a verify of B rows x top-k reads an expert once per pair that chose
