@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-import dflash_mlx  # noqa: F401  (loads the system BLAS before mlx)
+import dflash_mlx  # loads the system BLAS before mlx
 
 # isort: split
 import mlx.core as mx
