@@ -15,6 +15,7 @@ first use per shape and kept only where faster. On Metal mlx-lm's path always ru
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -80,13 +81,19 @@ def _shape_key(m: nn.Module, rows: int, k: int) -> str:
     return f"{rows},{k},{w.shape[0]},{w.shape[1]},{first.input_dims},{bits},{w.dtype}"
 
 
-def _stand_in(m: nn.Module, rows: int, k: int, dtype) -> tuple[mx.array, mx.array]:
-    """Random rows [1, rows, D] and k distinct experts per row (uniform routing)."""
+def _stand_in(m: nn.Module, rows: int, k: int, dtype) -> tuple[mx.array, Callable]:
+    """Random rows [1, rows, D] and a random router: the routing is computed in each timed
+    call (uniform over the experts), so the grouped path pays for taking it to the host."""
     first = m.up_proj if isinstance(m, SwitchGLU) else m.fc1
     n = first.weight.shape[0]
     x = mx.random.normal((1, rows, first.input_dims), key=mx.random.key(5)).astype(dtype)
-    score = mx.random.uniform(shape=(1, rows, n), key=mx.random.key(6))
-    return x, mx.argpartition(score, kth=-k, axis=-1)[..., -k:].astype(mx.uint32)
+    gate = mx.random.normal((n, first.input_dims), key=mx.random.key(6)).astype(dtype)
+    mx.eval(x, gate)
+
+    def route(x: mx.array) -> mx.array:
+        return mx.argpartition(x @ gate.T, kth=-k, axis=-1)[..., -k:].astype(mx.uint32)
+
+    return x, route
 
 
 class ExpertCount:
@@ -187,10 +194,10 @@ class Experts(Wrapper):
             return mode == "1"
         if mx.default_device().type != mx.cpu:
             return False
-        x, idx = _stand_in(self.inner, rows, k, dtype)
+        x, route = _stand_in(self.inner, rows, k, dtype)
         return CHOOSER.use_kernel(
-            lambda: grouped(self.inner, x, idx),
-            lambda: self.inner(x, idx),
+            lambda: grouped(self.inner, x, route(x)),
+            lambda: self.inner(x, route(x)),
             _shape_key(self.inner, rows, k),
         )
 
