@@ -8,7 +8,12 @@ grouped ones (``dflash_mlx/model/moe.py``), and what speculation gains there.
 A random ``qwen3_moe`` target sized for 2 CPU cores (``--hidden``, ``--expert-dim``,
 ``--layers``). In one process, alternating the two paths (``DFLASH_MOE_GROUPED``):
 
-- per verify width 1..16: the milliseconds of one target forward of that many rows after a
+Times are CPU time of this process (all its threads), not wall time: on a machine shared
+with other jobs wall time is mostly waiting for a core, while CPU time only grows with
+what the other jobs do to the caches. On a dedicated machine the two agree up to the
+threads' overlap.
+
+- per verify width 1..16: the CPU milliseconds of one target forward of that many rows after a
   ``--context``-token prompt (the caches trimmed back after each; the best of ``--reps``,
   alternating the paths forward by forward, and the median), and the distinct
   experts it read per layer against the pairs (rows x top-k) mlx-lm multiplies one by one;
@@ -62,11 +67,13 @@ def build(args, root: Path):
 
 
 def _forward_ms(adapter, cache, ids) -> float:
-    """Ms of one evaluated forward of ids [1, n]; the caches trimmed back after it."""
-    t = time.perf_counter()
+    """CPU ms (this process's threads) of one evaluated forward of ids [1, n]; the caches
+    trimmed back after it. CPU time, not wall time: on a machine shared with other jobs a
+    forward's wall time is mostly waiting for a core."""
+    t = time.process_time()
     logits, feats = adapter(ids, cache)
     mx.eval(logits, feats)
-    ms = 1e3 * (time.perf_counter() - t)
+    ms = 1e3 * (time.process_time() - t)
     for c in cache:
         c.trim(ids.shape[1])
     return ms
@@ -108,17 +115,18 @@ def _continuation(model, ids: list[int], n: int) -> list[int]:
 
 
 def _plain_tps(model, ids: list[int], n: int) -> float:
+    """mlx-lm's plain greedy decoding: tokens per CPU second after the first."""
     from mlx_lm.generate import generate_step
 
     t0, got = None, 0
     for _ in generate_step(mx.array(ids), model.target, max_tokens=n):
-        t0 = t0 or time.perf_counter()
+        t0 = t0 or time.process_time()
         got += 1
-    return (got - 1) / (time.perf_counter() - t0)
+    return (got - 1) / (time.process_time() - t0)
 
 
 def _oracle_tps(model, ids, cont, block: int, accept: int, n: int) -> tuple[float, float]:
-    """(tokens per second, tokens per cycle) decoding with the target's own continuation
+    """(tokens per CPU second, tokens per cycle) decoding with the target's own continuation
     as drafts, cut wrong after ``accept`` of them."""
     from dflash_mlx.decoding import steps
     from dflash_mlx.decoding.acceptance import SamplingParams
@@ -141,12 +149,12 @@ def _oracle_tps(model, ids, cont, block: int, accept: int, n: int) -> tuple[floa
         t0, got, cycles = None, 0, 0
         for c in decode(model, ids, model.make_cache(), SamplingParams(0.0), opts):
             if t0 is None:
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 continue
             got, cycles = got + len(c.tokens), cycles + 1
     finally:
         steps._draft = real
-    return got / (time.perf_counter() - t0), got / max(cycles, 1)
+    return got / (time.process_time() - t0), got / max(cycles, 1)
 
 
 def oracle_table(model, context: int, block: int, tokens: int, accepts) -> dict:
@@ -213,15 +221,15 @@ def print_tables(rep: dict) -> None:
         f"expert width {c['expert_dim']}, {c['layers']} layers, "
         f"{'float32' if not c['bits'] else str(c['bits']) + '-bit'}; load {rep['load_average']:.1f}"
     )
-    print("rows | pairs | experts read | mlx-lm ms | grouped ms | speed-up (of medians)")
+    print("rows | pairs | experts read | mlx-lm CPU ms | grouped CPU ms | speed-up (of medians)")
     for r in rep["verify"]:
         print(
             f"{r['rows']:4d} | {r['pairs']:5d} | {r['experts']:12.1f} | {r['mlx_lm_ms']:9.2f} | "
             f"{r['grouped_ms']:10.2f} | {r['speedup']:.2f}x ({r['median_speedup']:.2f}x)"
         )
     o = rep["oracle"]
-    print(f"oracle drafts, block {o['block']}; plain decoding {o['plain_tok_s']:.2f} tok/s")
-    print("accepted | tokens/cycle | mlx-lm tok/s (x plain) | grouped tok/s (x plain)")
+    print(f"oracle drafts, block {o['block']}; plain decoding {o['plain_tok_s']:.2f} tok/CPU s")
+    print("accepted | tokens/cycle | mlx-lm tok/CPU s (x plain) | grouped tok/CPU s (x plain)")
     for r in o["rows"]:
         print(
             f"{r['accepted']:8d} | {r['tokens_per_cycle']:12.2f} | "
