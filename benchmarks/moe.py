@@ -108,6 +108,35 @@ def verify_table(model, context: int, reps: int, widths) -> list[dict]:
     return rows
 
 
+def experts_table(model, reps: int, widths) -> list[dict]:
+    """Per width: CPU ms of every MoE layer's routed experts alone (the best of ``reps``,
+    alternating mlx-lm's module and ``moe.grouped`` call by call), on the routing the
+    target's own routers give random rows; and whether the two outputs are the same bits."""
+    from dflash_mlx.model.moe import grouped
+
+    layers = [x.inner if hasattr(x, "inner") else x for x in model.adapter.inner.layers]
+    blocks = [(x.mlp.gate, x.mlp.switch_mlp.inner) for x in layers]
+    k, hidden = model.adapter.experts.top_k, model.adapter.hidden_size
+    rows = []
+    for w in widths:
+        x = mx.random.normal((1, w, hidden), key=mx.random.key(w))
+        routes = [mx.argpartition(g(x), kth=-k, axis=-1)[..., -k:] for g, _ in blocks]
+        mx.eval(x, routes)
+        paths = {"mlx_lm": lambda m, x, i: m(x, i), "grouped": grouped}
+        ms = {p: [] for p in paths}
+        for _ in range(reps + 1):
+            for p, fn in paths.items():
+                t = time.process_time()
+                mx.eval([fn(m, x, i) for (_, m), i in zip(blocks, routes)])
+                ms[p].append(1e3 * (time.process_time() - t))
+        same = all(mx.array_equal(m(x, i), grouped(m, x, i)).item() for (_, m), i in zip(blocks, routes))  # fmt: skip
+        row = {"rows": w, "same_bits": same}
+        row |= {f"{p}_ms": round(min(v[1:]), 3) for p, v in ms.items()}
+        row["speedup"] = round(row["mlx_lm_ms"] / row["grouped_ms"], 3)
+        rows.append(row)
+    return rows
+
+
 def _continuation(model, ids: list[int], n: int) -> list[int]:
     from mlx_lm.generate import generate_step
 
@@ -203,6 +232,7 @@ def main(argv=None) -> dict:
         model, _ = build(args, Path(tmp))
         t0 = time.time()
         rep = {"config": {k: v for k, v in vars(args).items() if k != "json_path"}}
+        rep["experts"] = experts_table(model, 3 * args.reps, widths)
         rep["verify"] = verify_table(model, args.context, args.reps, widths)
         accepts = [int(x) for x in args.accepts.split(",")]
         rep["oracle"] = oracle_table(model, args.context, args.block, args.tokens, accepts)
@@ -226,6 +256,12 @@ def print_tables(rep: dict) -> None:
         print(
             f"{r['rows']:4d} | {r['pairs']:5d} | {r['experts']:12.1f} | {r['mlx_lm_ms']:9.2f} | "
             f"{r['grouped_ms']:10.2f} | {r['speedup']:.2f}x ({r['median_speedup']:.2f}x)"
+        )
+    print("experts alone: rows | mlx-lm CPU ms | grouped CPU ms | speed-up | same bits")
+    for r in rep["experts"]:
+        print(
+            f"{r['rows']:4d} | {r['mlx_lm_ms']:8.3f} | {r['grouped_ms']:8.3f} | "
+            f"{r['speedup']:.2f}x | {r['same_bits']}"
         )
     o = rep["oracle"]
     print(f"oracle drafts, block {o['block']}; plain decoding {o['plain_tok_s']:.2f} tok/CPU s")
