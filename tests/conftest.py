@@ -46,6 +46,7 @@ SLOW_FIRST = (
     "vision/test_images_api.py",
     "vision/test_engine.py",
     "decoding/test_batch_sampling.py",
+    "model/test_moe.py",
     "train/test_entry_points.py",
     "test_batching.py",
     "loading/test_diskcache.py",

@@ -88,9 +88,9 @@ def build_tokenizer(
     return tok.get_vocab_size()
 
 
-def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4) -> dict:
+def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4, **moe) -> dict:
     """Config of a tiny 'qwen3' or 'qwen2' (dense), 'qwen3_5' or 'qwen3_next' (Gated
-    DeltaNet + attention) target."""
+    DeltaNet + attention) target, or of a ``MOE_KINDS`` one (``moe`` as for ``moe_config``)."""
     base = {
         "hidden_size": hidden,
         "num_hidden_layers": layers,
@@ -140,6 +140,8 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
             **linear,
             **base,
         }
+    if kind in MOE_KINDS:
+        return moe_config(kind, vocab_size, hidden, layers, **moe)
     if kind == "muse_glimmer":  # soft-capped logits, sliding + full attention
         return {
             "model_type": "muse_glimmer",
@@ -147,6 +149,50 @@ def target_config(kind: str, vocab_size: int, hidden: int = 64, layers: int = 4)
             "rope_theta": 10000.0,
             "qk_scale_factor": 1.0,
             **base,
+        }
+    raise ValueError(kind)
+
+
+# Mixture-of-experts families: few experts so a verify's rows share some (the grouped verify
+# then multiplies several rows by one expert), an expert width unlike the hidden one.
+MOE_KINDS = ("qwen3_moe", "qwen3_5_moe", "gpt_oss")
+EXPERTS, TOP_K = 8, 2
+
+
+def moe_config(
+    kind: str, vocab_size: int, hidden: int = 64, layers: int = 4, experts: int = EXPERTS,
+    top_k: int = TOP_K, expert_dim: int = 48,
+) -> dict:  # fmt: skip
+    """Config of a tiny mixture-of-experts target: 'qwen3_moe' (every layer routed),
+    'qwen3_5_moe' (Gated DeltaNet + attention, routed and shared experts: Qwen3.6-35B-A3B's
+    shape) or 'gpt_oss' (sliding + full attention with sinks, biased experts); ``experts``
+    of width ``expert_dim``, ``top_k`` per token."""
+    moe = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": expert_dim,
+    }
+    if kind == "qwen3_moe":
+        base = target_config("qwen3", vocab_size, hidden, layers)
+        extra = {"decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
+        return {**base, **moe, **extra, "model_type": "qwen3_moe"}
+    if kind == "qwen3_5_moe":
+        base = target_config("qwen3_5", vocab_size, hidden, layers)
+        return {**base, **moe, "shared_expert_intermediate_size": 32, "model_type": kind}
+    if kind == "gpt_oss":
+        base = target_config("qwen3", vocab_size, hidden, layers)
+        types = ["sliding_attention", "full_attention"] * (layers // 2)
+        return {
+            **{k: base[k] for k in ("hidden_size", "num_hidden_layers", "head_dim")},
+            **{k: base[k] for k in ("num_attention_heads", "num_key_value_heads")},
+            **{k: base[k] for k in ("vocab_size", "rms_norm_eps", "tie_word_embeddings")},
+            "model_type": "gpt_oss",
+            "num_local_experts": experts,
+            "num_experts_per_tok": top_k,
+            "intermediate_size": expert_dim,
+            "sliding_window": 8,
+            "rope_theta": 10000,
+            "layer_types": types,
         }
     raise ValueError(kind)
 

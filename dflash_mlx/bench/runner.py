@@ -45,6 +45,18 @@ class PromptResult:
     top1_run: float = 0.0
     continuation: list[int] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # each method's tokens
+    experts: dict[str, dict] = field(default_factory=dict)  # a MoE target's (moe.py take)
+
+
+def _experts(model, res: PromptResult | None = None, name: str = "") -> None:
+    """On a MoE target: start counting the experts read (no ``res``), or keep what the
+    method ``name`` read in ``res`` (after its timer stopped)."""
+    count = model.adapter.experts
+    if count is not None and res is None:
+        count.reset()
+    elif count is not None:
+        res.experts[name] = count.take()
+        count.reset(on=False)
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None, cache=None):
@@ -57,6 +69,7 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=No
     # From a shared prefix (``prefix.prefilled``): mlx-lm runs the last prompt token only.
     kw = {} if cache is None else {"prompt_cache": cache.target}
     prompt = mx.array(ids if cache is None else ids[len(cache.tokens) :])
+    _experts(model)
     for tok, _ in generate_step(
         prompt, model.target, max_tokens=max_tokens, sampler=make_sampler(temp), **_kv(kv), **kw
     ):
@@ -68,6 +81,7 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=No
     mx.synchronize(generation_stream)
     res.tokens["autoregressive"] = len(out)
     res.seconds["autoregressive"] = time.perf_counter() - t_first
+    _experts(model, res, "autoregressive")
     res.continuation = res.outputs["autoregressive"] = out
 
 
@@ -99,6 +113,7 @@ def _dflash(
     sched = (
         ensure(model).scheduler(temp == 0, sel, lookup=lookup, context=len(ids)) if auto else None
     )
+    _experts(model)
     for c in decode(
         model,
         ids,
@@ -123,6 +138,7 @@ def _dflash(
     res.tokens[name] = min(len(out), max_tokens)
     res.outputs[name] = out[:max_tokens]
     res.seconds[name] = time.perf_counter() - t_first
+    _experts(model, res, name)
     res.stats[name] = stats
     if sched is not None:
         model.tuning.finish(sched)
@@ -321,6 +337,18 @@ def latency_split(
     return {k: per.get(k, 0.0) / total for k in STAGES} | {"cycle_ms": 1e3 * total}
 
 
+def _experts_row(model, results, method: str) -> dict | None:
+    """The distinct experts a MoE target read per layer per verify and per plain step in
+    ``method`` over every prompt (``moe.ExpertCount.summary``); None on a dense target."""
+    count = getattr(model.adapter, "experts", None)
+    if count is None:
+        return None
+    sums: dict = {}
+    for r in results:
+        sums = count.merge(sums, r.experts.get(method, {}))
+    return count.summary(sums)
+
+
 def summarize(results, block, top_k, model, prompts, max_tokens, temperature) -> dict:
     """Aggregate per-prompt results into the report (JSON-ready)."""
     methods = [m for m in METHODS if m in results[0].tokens]
@@ -352,6 +380,7 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             row["blocks"] = {str(b): n for b, n in st.histogram().items()}
             row["plain_share"] = st.plain_share
             row["copied_share"] = st.copied_share
+        row["experts"] = _experts_row(model, results, m)
         rep["methods"][m] = row
     base = rep["methods"]["autoregressive"]["tok_per_s"]
     for m, row in rep["methods"].items():

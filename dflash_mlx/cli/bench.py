@@ -238,6 +238,16 @@ def _forecast(m, tok, prompts, cfg: GenerationConfig, raw: bool, con) -> None:
     )
 
 
+def experts_text(ex: dict) -> str:
+    """'41.3 @ 7.6 rows (8)': a MoE target's distinct experts per layer per verify at its
+    mean rows, and per plain step (``moe.ExpertCount.summary``)."""
+    plain = ex["per_plain_step"]
+    tail = f"({plain:g})" if plain is not None else ""
+    if ex["per_verify"] is None:
+        return f"- {tail}"
+    return f"{ex['per_verify']:.1f} @ {ex['verify_rows']:.1f} rows {tail}".rstrip()
+
+
 def print_report(rep: dict, console) -> None:
     """Print the method table, the per-position table and the latency split."""
     from rich.table import Table
@@ -250,7 +260,9 @@ def print_report(rep: dict, console) -> None:
         f"block {c['block_size']}, "
         f"T={c['temperature']}, BLAS: {rep['blas']}"
     )
-    for col in ("method", "tau", "tok/s", "speedup", "blocks (plain share)"):
+    moe = any(row.get("experts") for row in rep["methods"].values())
+    cols = ("method", "tau", "tok/s", "speedup", "blocks (plain share)")
+    for col in cols + (("experts/layer: verify (plain step)",) if moe else ()):
         t.add_column(col, justify="right" if col != "method" else "left")
     for m, row in rep["methods"].items():
         tau = f"{row['tau']:.2f}" if "tau" in row else "1.00"
@@ -260,7 +272,8 @@ def print_report(rep: dict, console) -> None:
             blocks = f"{blocks_text(hist)} ({100 * row['plain_share']:.0f}%)"
         if row.get("copied_share"):
             blocks += f"{' · ' if blocks else ''}copied {100 * row['copied_share']:.0f}%"
-        t.add_row(m, tau, f"{row['tok_per_s']:.1f}", f"{row['speedup']:.2f}x", blocks)
+        cells = [m, tau, f"{row['tok_per_s']:.1f}", f"{row['speedup']:.2f}x", blocks]
+        t.add_row(*cells, *([experts_text(row["experts"])] if moe else []))
     console.print(t)
     pos = rep["positions"]
     keys = [k for k in pos if k.startswith("recall")] + [k for k in pos if k.startswith("accept")]

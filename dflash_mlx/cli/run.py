@@ -61,6 +61,9 @@ def run(
     kw = template_kwargs(False if no_think else None)
     prompt, ids, cfg, opts = _request(m, tok, text, cfg, (system, pictures), ignore_chat_template, quiet, kw)  # fmt: skip
     opts.update(profile=verbose, logits_processors=processors(tok, ids, budget))
+    count = getattr(m.adapter, "experts", None) if as_json else None  # MoE: experts read
+    if count is not None:
+        count.reset()
     with guard:
         last, shown = _generate(m, tok, (prompt, ids), cfg, opts, as_json, quiet)
     has_selector = bool(getattr(m.drafter, "has_selector", True))
@@ -72,6 +75,7 @@ def run(
         extra = {"schedule": last.schedule, "blas": ops.backend_name()}
     if as_json:
         thought = {"reasoning": "".join(shown.reasoning)} if shown.reasoning else {}
+        s["experts"] = None if count is None else count.summary()  # null: a dense target
         print(json.dumps({"text": "".join(shown.content), **thought, **s}, ensure_ascii=False))
         return
     sys.stdout.write("\n")

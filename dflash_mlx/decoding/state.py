@@ -194,6 +194,12 @@ class PromptCache:
             model: the pair. kv: (bits, group size, quantized_kv_start), or None.
             n_prompt: the prompt's length. step: mlx-lm's ``prefill_step_size``.
         """
+        layers = [x for x in model.adapter.inner.layers if x is not None]
+        if kv is not None and any(hasattr(getattr(x, "self_attn", None), "sinks") for x in layers):
+            raise DFlashError(  # mlx-lm's generate_step fails on these too (gpt_oss)
+                f"kv_bits: '{model.adapter.model_type}' attends with sinks, which mlx-lm's "
+                "quantized attention does not take; leave kv_bits unset"
+            )
         have = [(c.bits, c.group_size) for c in self.target if isinstance(c, QuantizedKVCache)]
         if have and have[0] != (None if kv is None else tuple(kv[:2])):
             self._reset(model)

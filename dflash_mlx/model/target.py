@@ -21,13 +21,13 @@ from mlx_lm.models.cache import (
 from .. import ops
 from ..decoding import tree
 from ..errors import UnsupportedModelError
-from . import qmm, tape
+from . import moe, qmm, tape
 from .recurrent import recurrent
 from .wrapper import Wrapper as _Wrapper
 
 # Architectures whose attention takes positions from ``cache.offset`` and its mask from
 # ``make_mask`` of the first layer's cache: they can verify a tree (``tree.py``).
-TREE_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
+TREE_TYPES = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"}
 
 # Architectures whose layer loop, caches and heads the adapter has been checked against.
 SUPPORTED = {
@@ -39,6 +39,7 @@ SUPPORTED = {
     "qwen3_5",
     "qwen3_5_moe",
     "qwen3_next",
+    "gpt_oss",
     "muse_glimmer",
     "glm4",
     "glm",
@@ -194,6 +195,8 @@ class TargetAdapter:
                 mixer = base.linear_attn = _Recorder(mixer, self._armed)
             self.recorders.append(mixer)
         self.is_hybrid = any(r is not None for r in self.recorders)
+        # a MoE target's routed experts: counted on request, grouped in a verify (moe.py)
+        self.experts = moe.wrap([x.inner if isinstance(x, _Tap) else x for x in layers])
         # a rollback re-runs a mixer whose class the tape does not reproduce (said in stats)
         self.replays = any(r is not None and not r._taped for r in self.recorders)
         ops.prepare_target(layers)  # the CPU backend compiles the block-only modules
@@ -292,6 +295,8 @@ class TargetAdapter:
         self._store.clear()
         self._store["on"] = True
         self._tree["last"] = last
+        if self.experts is not None:
+            self.experts.phase = "prefill" if last else ("plain" if ids.shape[1] == 1 else "verify")
         if chain is not None and ids.shape[1] > chain:
             o, n = cache[0].offset, ids.shape[1]
             m = tree.mask(o, chain, n)
@@ -307,6 +312,8 @@ class TargetAdapter:
             self._store.clear()
             self._tree.clear()
             self._armed.clear()  # only the forward right after a snapshot records
+            if self.experts is not None:
+                self.experts.phase = None
         return logits, feats
 
     def can_tree(self, cache: list) -> bool:

@@ -301,6 +301,13 @@ static int split_rows = 0;
 void cblas_sgemm(int order, int ta, int tb, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C,
                  int ldc) {
+    /* One row handed over as a transposed [K, 1] matrix with unit stride (MLX does so for a
+     * [..., 1, K] operand whose strides allow both readings, as in mlx-lm's SwitchGLU) is
+     * the same contiguous row: the kernel takes it, so its bits are a row's like any other. */
+    if (order == ROW_MAJOR && ta == TRANS && M == 1 && lda == 1) {
+        ta = NO_TRANS;
+        lda = K;
+    }
     if (order == ROW_MAJOR && ta == NO_TRANS && tb == TRANS && M >= 1 &&
         (M <= max_rows || (split_rows && max_rows > 0)) && N >= 1 && K >= 1) {
         const long t0 = now_ns();
