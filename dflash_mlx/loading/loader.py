@@ -323,7 +323,7 @@ def _pair(res, paths, bits, notes, tokenizer_config, group, shard):
     link.from_env(group)  # the benchmark's test hook (DFLASH_TEST_LINK_DELAY_MS), if set
     pair = _assemble(target, tpath, dname, dpath, name, bits, notes)
     distributed.connect(pair, group, mode)
-    pair.group = group
+    pair.group, pair.tokenizer = group, tokenizer  # the tokenizer passes with its pair
     return pair, tokenizer
 
 
@@ -383,7 +383,6 @@ def load(
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     pair, tokenizer = _pair(res, (tpath, dname, dpath), bits, notes, tokenizer_config, group, shard)
     fit.cap(pair)
-    pair.tokenizer = tokenizer
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:  # the auto step costs now, on the same path on every rank
         policy.ensure(pair, group)
