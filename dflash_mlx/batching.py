@@ -22,6 +22,7 @@ from .decoding.schedule import PROBE_MAX, PROBE_START
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import generation_stream
+from .distributed import policy as across
 from .generation import (
     GenerationResponse,
     Prompt,
@@ -105,7 +106,8 @@ class BatchGenerator:
         # a vision-language target's caches carry its request's images: one at a time too
         self.hybrid = model.adapter.is_hybrid or vision_language(model)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
-        self.chooser = BlockChooser(model.block_size)
+        # under mlx.launch rank 0's choices (its clock), so every rank steps alike
+        self.chooser = across.follow_blocks(BlockChooser(model.block_size), model.group)
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
         self.requests: dict[int, _Request] = {}
         self.solo: dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time

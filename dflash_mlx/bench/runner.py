@@ -20,7 +20,7 @@ from .. import ops
 from ..decoding.acceptance import SamplingParams
 from ..decoding.loop import DecodeOptions, decode
 from ..decoding.stats import CycleStats
-from ..decoding.warmup import ensure
+from ..distributed import policy as across
 from ..generation import encode_prompt
 from ..model.drafter import block_mask, embed_block
 from ..model.selector import top_candidates
@@ -96,9 +96,10 @@ def _dflash(
     stats, out, t_first = CycleStats(block), [], None
     sel = selector and model.drafter.has_selector
     auto = name == "auto"
-    sched = (
-        ensure(model).scheduler(temp == 0, sel, lookup=lookup, context=len(ids)) if auto else None
-    )
+    sched = None
+    if auto:  # under mlx.launch: every rank warms up alike and takes rank 0's choices
+        tuning = across.ensure(model, model.group)
+        sched = tuning.scheduler(temp == 0, sel, lookup=lookup, context=len(ids))
     for c in decode(
         model,
         ids,
@@ -109,7 +110,7 @@ def _dflash(
             block_size=block,
             use_selector=selector,
             key=key,
-            policy=sched,
+            policy=across.follow(sched, model.group),
             lookup=lookup,
             tree=tree,
             kv=kv,
@@ -207,7 +208,7 @@ def run_bench(
         kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too
             (each method then prefills the prompt itself).
         latency: add ``latency_split`` of the first prompt (one more profiled decode).
-        auto: also run ``auto`` (False across ranks: it times cycles, which could part them).
+        auto: also run ``auto`` (across ranks rank 0 decides its blocks: ``distributed.policy``).
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
@@ -336,6 +337,8 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             "drafter": getattr(model, "drafter_path", ""),
         },
         "blas": ops.backend_name(),
+        # the ranks the target was sharded over (docs/distributed.md); one process: ranks 1
+        "group": getattr(model, "group_info", None) or {"ranks": 1},
         "methods": {},
         "positions": {},
     }

@@ -151,19 +151,16 @@ def _across_ranks(group, m, tok, cache_dir: str | None):
 
 def _load(src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb, sock=None):
     """(model, tokenizer, the prompt caches' GB inside the memory budget, the default
-    settings) for ``serve``; under ``mlx.launch`` ``auto`` becomes a fixed block. A load
-    that fails closes ``sock`` (the listening socket, if any)."""
-    from .. import distributed
+    settings) for ``serve``. A load that fails closes ``sock`` (the listening socket, if
+    any)."""
     from ..server.prompt_cache import pool_gb
 
     try:
         m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
-        if distributed.group() is not None:
-            cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
         if cfg.block_size == "auto":  # measured now, not under the first request's lock
-            from ..decoding.warmup import ensure
+            from ..distributed.policy import ensure
 
-            ensure(m)
+            ensure(m, m.group)  # under mlx.launch on every rank, rank 0's tables
         return m, tok, pool_gb(m, cache_gb, src.max_memory), cfg
     except BaseException:
         if sock is not None:

@@ -60,6 +60,9 @@ class DFlashModel:
     # The ``mx.distributed.Group`` the target is sharded over (None: one process); the
     # ``auto`` schedule then follows rank 0 (``distributed/policy.py``).
     group: object | None = field(default=None, repr=False, compare=False)
+    # That group as ``distributed.describe`` says it (ranks, shard mode, backend, link), or
+    # None: the warm-up costs are stored per group, and ``dflash bench`` reports it.
+    group_info: dict | None = field(default=None, repr=False, compare=False)
 
     @property
     def block_size(self) -> int:

@@ -87,14 +87,6 @@ def seeded(cfg, seed: int):
     return cfg if cfg.seed is not None else replace(cfg, seed=seed % 2**31)
 
 
-def pinned(cfg, block: int, seed: int):
-    """``cfg`` with what each rank could pick differently fixed: the seed (else read from
-    the clock) and ``block_size="auto"`` (it times cycles) replaced by ``block``."""
-    if cfg.block_size == "auto":
-        cfg = replace(cfg, block_size=block)
-    return seeded(cfg, seed)
-
-
 def start(group):
     """(channel, watchdog) of a command run across ranks: every rank calls it at the same
     point, after loading. Rank 0's normal exit tells the others it was no fault. The
@@ -208,7 +200,8 @@ class LeadBatch:
         return getattr(self._gen, name)
 
     def insert(self, ids: list[int], config, *, cache=None, processors=()) -> int:
-        """As ``BatchGenerator.insert`` with the seed and block pinned (``pinned``).
+        """As ``BatchGenerator.insert`` with rank 0's seed (``seeded``); ``auto`` follows
+        rank 0's blocks in the batch itself (``policy.FollowBlocks``).
 
         Raises:
             DFlashError: logits processors (a grammar, a thinking budget), which cannot be
@@ -220,7 +213,7 @@ class LeadBatch:
                 "budgets do not run across several processes yet; send the request without them"
             )
         seed = int.from_bytes(os.urandom(4), "little")
-        cfg = pinned(config, self._gen.model.block_size, seed)
+        cfg = seeded(config, seed)
         uid = self._gen.insert(ids, cfg, cache=cache)
         h = None if cache is None else self._lead.handles[id(cache)]
         self._lead.ops.append(["insert", list(ids), config_dict(cfg), h])

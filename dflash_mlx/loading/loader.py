@@ -323,7 +323,7 @@ def _pair(res, paths, bits, notes, tokenizer_config, group, shard):
     link.from_env(group)  # the benchmark's test hook (DFLASH_TEST_LINK_DELAY_MS), if set
     pair = _assemble(target, tpath, dname, dpath, name, bits, notes)
     distributed.connect(pair, group, mode)
-    pair.group = group
+    pair.group, pair.group_info = group, distributed.describe(group, mode)
     return pair, tokenizer
 
 

@@ -82,7 +82,7 @@ def _fake_serve(monkeypatch, args: list[str]) -> tuple[list, list]:
     from dflash_mlx.decoding import warmup
 
     calls, warmed = [], []
-    model = SimpleNamespace(name="m", block_size=8)
+    model = SimpleNamespace(name="m", block_size=8, group=None)
     monkeypatch.setattr(common, "load_pair", lambda src, q, v, cfg, **kw: (model, None))
     monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append((k, list(warmed))))
     monkeypatch.setattr(server, "listen", lambda host, port: None)
