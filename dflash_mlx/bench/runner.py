@@ -20,6 +20,7 @@ from .. import ops
 from ..decoding.acceptance import SamplingParams
 from ..decoding.loop import DecodeOptions, decode
 from ..decoding.stats import CycleStats
+from ..distributed import link
 from ..distributed import policy as across
 from ..generation import encode_prompt
 from ..model.drafter import block_mask, embed_block
@@ -45,6 +46,7 @@ class PromptResult:
     top1_run: float = 0.0
     continuation: list[int] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # each method's tokens
+    collectives: dict[str, int] = field(default_factory=dict)  # under the link hook only
 
 
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None, cache=None):
@@ -247,15 +249,21 @@ def _methods(
     def own():
         return {"cache": None if prefix is None else copied(prefix)}
 
-    _autoregressive(model, ids, max_tokens, temp, seed, res, kv, **own())
+    def run(name, method, *a, **k):  # the collectives each method issued (link hook on)
+        before = link.total()
+        method(*a, **k, **own())
+        if before is not None:
+            res.collectives[name] = link.total() - before
+
+    run("autoregressive", _autoregressive, model, ids, max_tokens, temp, seed, res, kv)
     args, kw = (model, ids, max_tokens, block, temp, seed), {"tree": tree, "kv": kv}
-    _dflash(*args, False, "dflash1", res, **kw, **own())
+    run("dflash1", _dflash, *args, False, "dflash1", res, **kw)
     if model.drafter.has_selector:
-        _dflash(*args, True, "dflash2", res, **kw, **own())
+        run("dflash2", _dflash, *args, True, "dflash2", res, **kw)
     if lookup:
-        _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw, **own())
+        run("dflash2+lookup", _dflash, *args, True, "dflash2+lookup", res, lookup=True, **kw)
     if auto:
-        _dflash(*args, True, "auto", res, lookup=lookup, **kw, **own())
+        run("auto", _dflash, *args, True, "auto", res, lookup=lookup, **kw)
     return res
 
 
@@ -346,6 +354,8 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         toks = sum(r.tokens[m] for r in results)
         secs = sum(r.seconds[m] for r in results)
         row = {"tokens": toks, "tok_per_s": (toks - len(results)) / max(secs, 1e-9)}
+        if all(m in r.collectives for r in results):  # the link hook's count (a benchmark)
+            row["collectives_per_token"] = sum(r.collectives[m] for r in results) / max(toks, 1)
         if m != "autoregressive":
             st = CycleStats(block)
             for r in results:
