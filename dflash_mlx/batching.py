@@ -37,6 +37,13 @@ from .settings import AUTO, GenerationConfig
 from .vision.notes import batch_note, vision_language
 
 
+def one_at_a_time(model: DFlashModel) -> bool:
+    """Whether a batch decodes this pair's requests one at a time (``stream_generate``, and
+    its ``auto`` the warm-up's cost tables): a hybrid target cannot roll rows back in one
+    shared cache, and a vision-language target's caches carry one request's images."""
+    return model.adapter.is_hybrid or vision_language(model)
+
+
 class BlockChooser:
     """``block_size="auto"`` for a batch: of a plain step (1) and the checkpoint's block, the
     one whose recent cycles committed the most tokens per second. It starts plain and tries
@@ -103,8 +110,7 @@ class BatchGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = inputs.check_count(max_batch, "max_batch")
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
-        # a vision-language target's caches carry its request's images: one at a time too
-        self.hybrid = model.adapter.is_hybrid or vision_language(model)
+        self.hybrid = one_at_a_time(model)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
         # under mlx.launch rank 0's choices (its clock), so every rank steps alike
         self.chooser = across.follow_blocks(BlockChooser(model.block_size), model.group)

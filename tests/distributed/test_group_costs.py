@@ -106,7 +106,12 @@ def test_the_batch_block_chooser_of_every_rank_takes_rank_zeros_choice(monkeypat
 
 
 def test_the_group_is_described_by_its_backend_and_link(tmp_path, monkeypatch):
-    for k in ("MLX_HOSTFILE", "MLX_JACCL_COORDINATOR", "MLX_JACCL_RING", distributed.link.ENV_DELAY):
+    for k in (
+        "MLX_HOSTFILE",
+        "MLX_JACCL_COORDINATOR",
+        "MLX_JACCL_RING",
+        distributed.link.ENV_DELAY,
+    ):
         monkeypatch.delenv(k, raising=False)
     hosts = tmp_path / "hosts.json"
     monkeypatch.setenv("MLX_HOSTFILE", str(hosts))

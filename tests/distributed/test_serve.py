@@ -1,6 +1,8 @@
 """``dflash serve`` on two ranks (``mlx.launch -n 2 --backend ring``, loopback), in one
-launch: a streamed and a whole request sent together get the same greedy text, with both
-ranks alive; then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
+launch: a streamed and a whole request sent together get the same greedy text under
+``auto`` (the default), with rank 1's own block chooser rigged to choose plain steps while
+rank 0's probes the block at its 8th cycle, so the ranks stay paired only by taking rank
+0's blocks; then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
 error event in the API's shape and exits within 30 s with one line naming rank 1."""
 
 import json
@@ -17,6 +19,7 @@ import pytest
 from launch import LAUNCH, ring
 
 START = 180  # seconds for both ranks to load and listen
+WORKER = Path(__file__).with_name("cli_worker.py")
 BOUND = 30  # seconds the survivors may take to exit once a rank is killed
 
 
@@ -73,7 +76,7 @@ class _Reader(threading.Thread):
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks in /proc")
 def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(tiny_dir, tmp_path):
     model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
-    cmd = [*ring(2), "--", sys.executable, "-m", "dflash_mlx.cli"]
+    cmd = [*ring(2), "--", sys.executable, str(WORKER)]  # rank 1 rigged to choose plain
     proc = subprocess.Popen(
         [*cmd, "serve", *model, "--port", "0", "--max-batch", "4"],
         cwd=tmp_path,
