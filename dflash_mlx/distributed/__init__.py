@@ -61,13 +61,29 @@ def shard(target, group, mode=None) -> str | None:
         return None
     import mlx.core as mx
 
-    chosen = pipeline.mode(target, mode, group.size())
+    if getattr(target, "vision_language", False):  # mlx-vlm's model: our own split
+        chosen = _vision(target, group, mode)
+    else:
+        chosen = pipeline.mode(target, mode, group.size())
     if chosen == "pipeline":
         pipeline.split(target, group)
-    else:
+    elif not getattr(target, "vision_language", False):
         _tensor(target, group)
     mx.eval(target.parameters())
     return chosen
+
+
+def _vision(target, group, mode) -> str:
+    """A vision-language target split by tensor parallelism (``vision.shard``)."""
+    from ..vision import shard as vision
+
+    if mode == "pipeline":
+        raise DFlashError(
+            "a vision-language target runs under mlx.launch with --shard tensor only; "
+            "drop --shard pipeline"
+        )
+    vision.shard(target, group)
+    return "tensor"
 
 
 def _tensor(target, group) -> None:

@@ -199,19 +199,22 @@ class LeadBatch:
     def __getattr__(self, name):
         return getattr(self._gen, name)
 
-    def insert(self, ids: list[int], config, *, cache=None, processors=()) -> int:
+    def insert(self, ids: list[int], config, *, cache=None, processors=(), images=None) -> int:
         """As ``BatchGenerator.insert`` with rank 0's seed (``seeded``); ``auto`` follows
         rank 0's blocks in the batch itself (``policy.FollowBlocks``).
 
         Raises:
             DFlashError: logits processors (a grammar, a thinking budget), which cannot be
-                sent to the other ranks yet; or what ``insert`` refuses.
+                sent to the other ranks yet; images (``IMAGES_ACROSS``); or what
+                ``insert`` refuses.
         """
         if processors:
             raise DFlashError(
                 "structured output (response_format, a forced tool call) and thinking "
                 "budgets do not run across several processes yet; send the request without them"
             )
+        if images is not None:
+            raise DFlashError(IMAGES_ACROSS)
         seed = int.from_bytes(os.urandom(4), "little")
         cfg = seeded(config, seed)
         uid = self._gen.insert(ids, cfg, cache=cache)
@@ -231,6 +234,14 @@ class LeadBatch:
             return self._gen.step()
         except RuntimeError as e:  # MLX's ring: "connection to a peer was lost"
             self._lead.broke(e)
+
+
+# serve and chat send rank 0's token ids, not a request's images (``dflash run --image`` and
+# the Python API run on every rank with its own copy of the image bytes)
+IMAGES_ACROSS = (
+    "images do not reach the other processes in serve and chat yet; use dflash run "
+    "--image or the Python API under mlx.launch, or serve in one process"
+)
 
 
 class Parted(DFlashError):

@@ -127,6 +127,17 @@ def test_rank_zero_refuses_logits_processors_it_cannot_send(pairs):
         gen.insert([1, 2], GenerationConfig(), processors=[lambda toks, logits: logits])
 
 
+def test_rank_zero_refuses_images_it_cannot_send_in_one_line(pairs):
+    from dflash_mlx.batching import BatchGenerator
+
+    model, tok = pairs("qwen3", "d2")
+    wire = _Wire()
+    gen = follow.Lead(wire).batch(BatchGenerator(model, tok, 2))
+    with pytest.raises(DFlashError, match="^images do not reach the other processes in serve"):
+        gen.insert([1, 2], GenerationConfig(), images=object())
+    assert not gen._lead.ops[1:]  # nothing logged: the followers never see it
+
+
 def test_the_server_answers_every_job_503_when_the_group_breaks(pairs):
     from dflash_mlx.server.worker import Engine, Job
 
