@@ -23,6 +23,7 @@ from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import generation_stream
 from .distributed import policy as across
+from .errors import DFlashError
 from .generation import (
     GenerationResponse,
     Prompt,
@@ -267,6 +268,25 @@ class BatchResponse:
     seconds: float
 
 
+def _per_prompt(images, n: int) -> list:
+    """``batch_generate``'s images: one entry per prompt (None entries: no images).
+
+    Raises:
+        DFlashError: not a list or tuple of ``n`` entries.
+    """
+    if images is None:
+        return [None] * n
+    if not isinstance(images, (list, tuple)) or len(images) != n:
+        got = (
+            f"{len(images)} entries" if isinstance(images, (list, tuple)) else type(images).__name__
+        )
+        raise DFlashError(
+            f"images must be a list with one entry per prompt ({n}; None for a prompt "
+            f"without images), got {got}"
+        )
+    return list(images)
+
+
 def batch_generate(
     model: DFlashModel,
     tokenizer,
@@ -277,6 +297,7 @@ def batch_generate(
     max_batch: int = 8,
     raw: bool = False,
     system: str | None = None,
+    images: Sequence | None = None,
     verbose: bool = False,
     **settings,
 ) -> BatchResponse:
@@ -288,6 +309,8 @@ def batch_generate(
             ``stream_generate``. config: settings for every prompt; configs: one per prompt
             (None entries use config), or one GenerationConfig for all.
         max_batch: rows decoding at once. raw, system: as for ``stream_generate``.
+        images: one entry per prompt, each what ``stream_generate`` takes as ``images``
+            (None: a prompt without): a vision-language target answers them one at a time.
         verbose: print the aggregate speed at the end.
         settings: ``GenerationConfig`` fields that override config for every prompt.
 
@@ -297,11 +320,12 @@ def batch_generate(
     """
     prompts = inputs.check_prompts(prompts)
     configs = inputs.check_configs(configs, len(prompts), config)
+    images = _per_prompt(images, len(prompts))
     gen = BatchGenerator(model, tokenizer, max_batch)
     tic = time.perf_counter()
     uids = [
-        gen.insert(p, c, raw=raw, system=system, **settings)
-        for p, c in zip(prompts, configs, strict=True)
+        gen.insert(p, c, raw=raw, system=system, images=i, **settings)
+        for p, c, i in zip(prompts, configs, images, strict=True)
     ]
     texts: dict[int, list[str]] = {u: [] for u in uids}
     last: dict[int, GenerationResponse] = {}

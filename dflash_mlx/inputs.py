@@ -11,7 +11,9 @@ context) are ``decoding/prompt.py``'s. MLX is imported only to recognise a promp
 from __future__ import annotations
 
 import difflib
+import weakref
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import fields, replace
 from numbers import Integral
 
@@ -250,21 +252,58 @@ def own_cache(model, cache):
 
 
 def check_tokenizer(model, tokenizer) -> None:
-    """Refuse a tokenizer whose vocabulary is larger than the model's (another model's:
-    its ids would index past the embedding and decode to garbage).
+    """Refuse another model's tokenizer: one whose ids mean other tokens than those of the
+    tokenizer ``load`` returned with the model (its text would decode to garbage). The
+    tokenizer ``load`` returned always passes, whatever tokens transformers adds to it;
+    ids past the embedding are refused where a prompt uses them (``prompts.fit_prompt``).
 
     Raises:
-        DFlashError: naming the tokenizer and the model.
+        DFlashError: naming the tokenizer, the model and a token the two disagree on.
     """
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
-    try:
-        size = len(inner)
-    except TypeError:  # a tokenizer without a length: nothing to check
+    own = getattr(model, "tokenizer", None)
+    if own is None or _inner(tokenizer) is _inner(own) or _AGREED.get(_inner(tokenizer)) is own:
         return
-    vocab = model.adapter.vocab_size
-    if size > vocab:
-        named = getattr(inner, "name_or_path", "") or type(inner).__name__
-        raise DFlashError(
-            f"the tokenizer ({named}, {size} ids) is not this model's ({model.identity}, "
-            f"{vocab} ids); pass the tokenizer load() returned with this model"
-        )
+    clash = _clash(_vocab(own), _vocab(tokenizer))
+    if clash is None:
+        with suppress(TypeError):  # not weakly referable: compared again next time
+            _AGREED[_inner(tokenizer)] = own
+        return
+    token, theirs, ours = clash
+    inner = _inner(tokenizer)
+    named = getattr(inner, "name_or_path", "") or type(inner).__name__
+    raise DFlashError(
+        f"the tokenizer ({named}) is not this model's ({model.identity}): it gives "
+        f"{token!r} id {theirs}, the model's tokenizer {ours}; pass the tokenizer load() "
+        "returned with this model"
+    )
+
+
+# A tokenizer found to agree with a model's -> that model's tokenizer (compared once).
+_AGREED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _inner(tokenizer):
+    """The tokenizer under mlx-lm's ``TokenizerWrapper`` (itself when there is none)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+def _vocab(tokenizer) -> Mapping | None:
+    """Token -> id of a tokenizer (None: it does not say)."""
+    get = getattr(_inner(tokenizer), "get_vocab", None)
+    try:
+        vocab = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError, ValueError):  # cannot list it
+        return None
+    return vocab if isinstance(vocab, Mapping) else None
+
+
+def _clash(ours: Mapping | None, theirs: Mapping | None):
+    """(token, their id, our id) of the first token both know under different ids, else None.
+    Tokens only one side has (added by one version of transformers) are no clash."""
+    if not ours or not theirs:
+        return None
+    for token, i in theirs.items():
+        j = ours.get(token, i)
+        if j != i:
+            return token, i, j
+    return None

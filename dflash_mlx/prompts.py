@@ -114,13 +114,14 @@ def request_ids(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCo
         model, tokenizer, prompt, cfg: as for ``fit_prompt``. kw: ``raw``, ``system``,
             ``tools`` and ``template_kwargs`` (``encode_prompt``'s; with images too) and
             ``images`` (a list of ``vision.images.Picture`` or what ``images.read`` takes,
-            or the ``VisionPrompt`` that ``vision.request.prepare`` made of this prompt).
+            or the ``VisionPrompt`` that ``vision.request.prepare`` made of this prompt)
+            and ``budget`` (``prepare``'s decode budget).
 
     Raises:
         DFlashError: as ``fit_prompt``. ImageError: an image sent to a text-only model
             (kind ``no_vision``), a bad image, image parts that do not match the images.
     """
-    images = kw.pop("images", None)
+    images, budget = kw.pop("images", None), kw.pop("budget", None)
     if cfg.kv_bits is not None and vision_language(model):
         # mlx-vlm's caches are not mlx-lm's: mlx-lm's conversion would not quantize them
         raise DFlashError(
@@ -134,7 +135,7 @@ def request_ids(model: DFlashModel, tokenizer, prompt: Prompt, cfg: GenerationCo
         if prepared(images):  # encoded already (a server tokenizes first): its own ids
             ids, cfg = fit_prompt(model, tokenizer, images.check(prompt), cfg, **kw)
             return ids, cfg, images
-        return prepare(model, tokenizer, prompt, images, cfg, **kw)
+        return prepare(model, tokenizer, prompt, images, cfg, budget=budget, **kw)
     if _has_parts(prompt):
         from .vision.request import flatten
 

@@ -39,6 +39,26 @@ def png_declaring(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
 
 
+def bad_idat_crc(data: bytes) -> bytes:
+    """A PNG (``encoded``'s) with its first IDAT chunk's CRC flipped, its pixels intact."""
+    at = data.index(b"IDAT") - 4
+    end = at + 12 + struct.unpack(">I", data[at : at + 4])[0]
+    return data[: end - 1] + bytes([data[end - 1] ^ 0xFF]) + data[end:]
+
+
+def exif_rotated_jpeg(size=(64, 32)) -> bytes:
+    """A JPEG of ``size`` whose EXIF Orientation is 6 (shown turned 90 degrees: 32x64)."""
+    from PIL import Image
+
+    im = Image.new("RGB", size, (10, 200, 30))
+    im.paste((250, 0, 0), (0, 0, size[0] // 2, size[1] // 4))  # a corner marks the turn
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    im.save(buf, format="JPEG", exif=exif)
+    return buf.getvalue()
+
+
 def post(port: int, path: str, body: dict):
     """POST ``body`` as JSON to the local server: (status, the JSON answer), errors too."""
     req = urllib.request.Request(

@@ -7,17 +7,20 @@ the context, a hybrid's recurrent states), the drafter (its layers at ``draft_qu
 dense fc / conv / selector projections, the target's LM head over the full or a draft
 vocabulary, its context K/V) and, on a hybrid target, the rollback of the Gated DeltaNet
 state after a rejection: *replay* (the mixers' input projections again over the kept
-tokens) or *tape* (only the recurrence, from inputs the verify kept).
+tokens) or *tape* (only the recurrence, from inputs the verify kept). On a mixture-of-experts
+target the routed experts are counted apart, as many as a verify's rows reach
+(``roofline_moe``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..loading.footprint import config_int
 from ..model.verify_attention import fused_rows
 from . import roofline_data as data
+from . import roofline_moe as moe_model
 
 GROUP = 64  # the drafter's quantization group (model/quantize.py)
 
@@ -31,6 +34,8 @@ class Inputs:
             (``roofline_data.QUANT_BYTES``). draft_quant: the drafter's layers' bits (0:
             bf16). draft_vocab: its draft vocabulary (0: the full one). block: B rows per
             verify. context: tokens in the caches. rollback: "tape" or "replay".
+            correlation: a MoE target's measured over uniform expert union
+            (``roofline_moe.CORRELATION``).
     """
 
     target: dict
@@ -41,6 +46,7 @@ class Inputs:
     block: int = 8
     context: int = 4096
     rollback: str = "tape"
+    correlation: float = moe_model.CORRELATION
 
 
 @dataclass
@@ -54,6 +60,8 @@ class Report:
     hybrid: bool = False
     plain: float = 0.0  # bytes of one plain decoding step (B = 1)
     other: tuple[str, float] | None = None  # (kind, bytes) of the rollback not counted
+    moe: moe_model.MoE | None = None  # a MoE target's routed experts
+    expert_bytes: float = 0.0  # one expert read in every MoE layer
 
     def group(self, prefix: str) -> float:
         """Bytes of the parts whose name starts with ``prefix``."""
@@ -90,7 +98,6 @@ def target_weights(cfg: dict) -> float:
     """Weights a verify reads (all but the embedding, whose B rows are gathered), in
     parameters."""
     H, V = config_int(cfg, "hidden_size"), config_int(cfg, "vocab_size")
-    inter, n = config_int(cfg, "intermediate_size", 4 * H), config_int(cfg, "num_hidden_layers")
     att, heads, kv, hd = _attention(cfg)
     gated = cfg.get("attn_output_gate", "linear_num_value_heads" in cfg)  # qwen3_5's q is gated
     q = heads * hd * (2 if gated else 1)
@@ -99,7 +106,8 @@ def target_weights(cfg: dict) -> float:
     hv, dv = config_int(cfg, "linear_num_value_heads"), config_int(cfg, "linear_value_head_dim")
     conv = (tape_in - 2 * hv) * config_int(cfg, "linear_conv_kernel_dim", 4)  # conv1d taps
     mixers = dn * (H * (width + hv * dv) + conv)  # input, output projections and the conv
-    return n * 3 * H * inter + attention + mixers + V * H  # + the LM head
+    mlp = moe_model.dense_mlp(cfg)  # a MoE target's routed experts are counted apart
+    return mlp + attention + mixers + V * H  # + the LM head
 
 
 def drafter_parts(inp: Inputs, head_bytes: float) -> dict[str, float]:
@@ -148,6 +156,7 @@ def estimate(inp: Inputs) -> Report:
     if dn:
         rep.parts["target recurrent states (read, write)"] = dn * 2 * state
     rep.plain = rep.group("target") - kv_bytes * (rep.chunks - 1)
+    _experts(rep, inp, per)
     rep.parts.update(drafter_parts(inp, per))
     if dn:
         H = config_int(t, "hidden_size")
@@ -157,6 +166,19 @@ def estimate(inp: Inputs) -> Report:
         rep.parts[f"rollback ({inp.rollback})"] = both.pop(inp.rollback)
         rep.other = next(iter(both.items()))  # the rollback not chosen, for comparison
     return rep
+
+
+def _experts(rep: Report, inp: Inputs, per: float) -> None:
+    """A MoE target's routed experts: the union a verify of ``inp.block`` rows reads (as the
+    grouped verify reads it), k of them in a plain step."""
+    rep.moe = moe_model.moe_of(inp.target)
+    if rep.moe is None:
+        return
+    m = rep.moe
+    rep.expert_bytes = m.layers * m.expert * per
+    u = moe_model.union(m, inp.block, inp.correlation)
+    rep.parts[f"target routed experts ({u:.1f} of {m.experts} a layer)"] = u * rep.expert_bytes
+    rep.plain += m.top_k * rep.expert_bytes
 
 
 def summary(rep: Report, bandwidth: float) -> dict:
@@ -185,41 +207,85 @@ def summary(rep: Report, bandwidth: float) -> dict:
 TAUS = (3.0, 4.8)  # tokens a cycle commits, for the predicted speedups
 
 
+def row_cost(column: str, quant: str, chip_name: str, rows: int) -> float:
+    """One matmul over ``rows`` rows over one row, for a ``compute`` column: "bytes_only"
+    (1.0), "mlx_qmm" (MLX's quantized matmul; bf16 is flat) or "few_row" (the few-row
+    kernel on affine 4 / 8 bits, else MLX's). Estimated."""
+    if column == "bytes_only" or quant == "bf16":
+        return 1.0
+    if column == "few_row" and quant in ("4bit", "8bit"):
+        return data.few_row_ratio(chip_name, rows)
+    return data.mlx_qmm_ratio(chip_name, rows)
+
+
+def _experts_cost(rep: Report, inp: Inputs, column: str, chip_name: str) -> tuple[float, float]:
+    """(expert reads per layer, their bytes-equivalent cost) of a verify in a ``compute``
+    column: MLX's ``SwitchGLU`` for "mlx_qmm", the grouped verify otherwise."""
+    if rep.moe is None:
+        return 0.0, 0.0
+    kernel = "mlx" if column == "mlx_qmm" else "grouped"
+    n = moe_model.reads(rep.moe, inp.block, kernel, inp.correlation)
+    m = moe_model.rows_per_read(rep.moe, inp.block, kernel, inp.correlation)
+    return n, n * rep.expert_bytes * row_cost(column, inp.quant, chip_name, m)
+
+
 def compute(rep: Report, inp: Inputs, chip_name: str, bandwidth: float) -> dict:
-    """The cycle with quantized matmul's cost per row, for MLX's kernel and the few-row one.
+    """The cycle with quantized matmul's cost per row, for MLX's kernel and ours.
 
     A verify of B rows costs the target's weights' bytes times the kernel's B-row ratio
-    (``roofline_data.mlx_qmm_ratio`` / ``few_row_ratio``); the drafter's quantized layers
-    pay MLX's ratio in both columns (only the target is wrapped); the rest stays bytes-bound.
-    A plain step is one row: bytes-bound. All estimated.
+    (``row_cost``); the drafter's quantized layers pay MLX's ratio in both columns (only
+    the target is wrapped); the rest stays bytes-bound. A MoE target's routed experts are
+    read as each kernel reads them (``roofline_moe.reads``), each read at the row cost of
+    the rows sharing it. A plain step is one row: bytes-bound. All estimated.
 
     Args:
         rep: ``estimate``'s report. inp: its inputs. chip_name: a ``CHIPS`` key.
         bandwidth: GB/s.
 
     Returns:
-        {"source": the MLX figure's origin, "block", "taus", "bytes_only" / "mlx_qmm" / "few_row": each's
-        rows ratio, cycle seconds, break-even tokens per cycle and speedups at ``TAUS``}.
+        {"source": the MLX figure's origin, "block", "taus", "bytes_only" / "mlx_qmm" /
+        "few_row": each's rows ratio, expert reads per layer (0: dense), cycle seconds,
+        break-even tokens per cycle and speedups at ``TAUS``}.
     """
     sec = 1e9 * bandwidth
     weights = rep.parts["target weights (verify)"]
     draft = rep.group("drafter layers") if inp.draft_quant else 0.0
-    rest = rep.group("") - weights - draft
+    experts = rep.group("target routed experts")
+    rest = rep.group("") - weights - draft - experts
     mlx = data.mlx_qmm_ratio(chip_name, inp.block)
-    ratios = {
-        "bytes_only": 1.0,
-        "mlx_qmm": mlx if inp.quant != "bf16" else 1.0,
-        "few_row": data.few_row_ratio(chip_name, inp.block)
-        if inp.quant in ("4bit", "8bit")
-        else 1.0,
-    }
-    if inp.quant not in ("4bit", "8bit", "bf16"):
-        ratios["few_row"] = ratios["mlx_qmm"]  # the kernel is affine-only: MLX's runs
     out = {"source": data.qmm_rows(chip_name)[1], "block": inp.block, "taus": TAUS}
     plain = rep.plain / sec
-    for name, r in ratios.items():
-        cycle = (rest + weights * r + draft * (1.0 if name == "bytes_only" else mlx)) / sec
+    for name in ("bytes_only", "mlx_qmm", "few_row"):
+        r = row_cost(name, inp.quant, chip_name, inp.block)
+        reads, routed = _experts_cost(rep, inp, name, chip_name)
+        cycle = (rest + weights * r + routed + draft * (1.0 if name == "bytes_only" else mlx)) / sec
         even = cycle / plain
         speed = {f"speedup_at_tau_{t:g}": t / even if t <= inp.block else None for t in TAUS}
-        out[name] = {"rows_ratio": r, "cycle_seconds": cycle, "break_even_tau": even, **speed}
+        out[name] = {"rows_ratio": r, "expert_reads": reads, "cycle_seconds": cycle}
+        out[name] |= {"break_even_tau": even, **speed}
     return out
+
+
+BLOCKS = (2, 3, 4, 5, 6, 8, 12, 16)  # the widths ``by_block`` lists (up to the block asked)
+
+
+def by_block(inp: Inputs, chip_name: str, bandwidth: float) -> list[dict]:
+    """``compute`` at each width of ``BLOCKS`` up to ``inp.block`` (and at it): per block,
+    a MoE target's expert union and MLX's expert reads per layer, then MLX's kernel's and
+    ours' break-even tokens per cycle and speedups at ``TAUS``. Estimated.
+
+    Args:
+        inp: the pair as asked (its block is the widest listed). chip_name: a ``CHIPS``
+            key. bandwidth: GB/s.
+    """
+    rows = []
+    for b in sorted({b for b in BLOCKS if b <= inp.block} | {inp.block}):
+        at = replace(inp, block=b)
+        c = compute(estimate(at), at, chip_name, bandwidth)
+        row = {"block": b, "union": c["few_row"]["expert_reads"] or None}
+        row["mlx_expert_reads"] = c["mlx_qmm"]["expert_reads"] or None
+        for name, col in (("mlx", "mlx_qmm"), ("ours", "few_row")):
+            keep = ("break_even_tau", *(f"speedup_at_tau_{t:g}" for t in TAUS))
+            row[name] = {k: c[col][k] for k in keep}
+        rows.append(row)
+    return rows

@@ -152,6 +152,80 @@ ARCHS: dict[str, dict[str, dict]] = {
 }
 
 
+# The mixture-of-experts aliases. Targets: the fields of the models' config.json
+# (Qwen3.5/3.6-35B-A3B share one text config; Qwen3-Coder-30B-A3B is Qwen3-30B-A3B's
+# shape). Drafters: z-lab's DFlash (1) checkpoints' config.json: the 35B-A3B ones have 8
+# layers, hidden 2048, 32 / 4 heads, intermediate 6144, block 16, layers [1, 10, 19, 28,
+# 37]. Qwen3-Coder-30B-A3B-DFlash's is not read here: its block 16 (model card) and the
+# target's hidden size and vocabulary are known; its layers and widths are assumed the
+# same as the 35B-A3B drafters' and its taps follow z-lab's spacing rule for 48 layers.
+_QWEN35_MOE = {
+    "model_type": "qwen3_5_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "attn_output_gate": True,
+    "full_attention_interval": 4,
+    "linear_num_value_heads": 32,
+    "linear_num_key_heads": 16,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "vocab_size": 248320,
+    "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
+}
+
+
+def _dflash1(vocab: int, layer_ids: list[int]) -> dict:
+    """A z-lab DFlash (1) drafter of the MoE targets (8 layers, hidden 2048, block 16)."""
+    return {
+        "model_type": "qwen3",
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 8,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": vocab,
+        "dflash_config": {"block_size": 16, "target_layer_ids": layer_ids},
+    }
+
+
+ARCHS["Qwen3.6-35B-A3B"] = {
+    "target": _QWEN35_MOE,
+    "drafter": _dflash1(248320, [1, 10, 19, 28, 37]),
+}
+ARCHS["Qwen3.5-35B-A3B"] = ARCHS["Qwen3.6-35B-A3B"]
+ARCHS["Qwen3-Coder-30B-A3B"] = {
+    "target": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "num_hidden_layers": 48,
+        "intermediate_size": 6144,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "vocab_size": 151936,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+    },
+    "drafter": _dflash1(151936, [1, 12, 23, 34, 45]),
+}
+
+
 def chip(name: str) -> tuple[str, float, str]:
     """(the table's name, bandwidth in GB/s, note) of a chip named case-insensitively.
 

@@ -224,7 +224,10 @@ def read_images(paths) -> list:
     from ..vision.images import ImageError, read_all
 
     try:
-        return read_all(list(paths))
+        pictures = read_all(list(paths))
+        for path, pic in zip(paths, pictures):
+            pic.pil(str(path))  # decoded once now (a corrupt file fails here), then dropped
+        return pictures
     except ImageError as e:  # the limits' flags are the server's: not named here
         raise ImageError(re.sub(r" \(--max-image[a-z-]* to change it\)", "", str(e)), e.kind)
 

@@ -71,6 +71,7 @@ def _print_json(rows) -> None:
                     "drafters": list(e.drafters),
                     "block_size": e.block_size,
                     "kind": e.kind,
+                    "moe": e.moe,
                     "cached_targets": tc,
                     "cached_drafters": dict(zip(e.drafters, ds, strict=True)),
                     "memory": {q: {"bytes": b, "context": c} for q, (b, c) in mem.items()},
@@ -94,7 +95,8 @@ def _print_table(rows) -> None:
     table.add_column("in cache")
     table.add_column("memory (estimated)")
     for e, tc, ds, mem in rows:
-        alias = f"{e.alias}\n[dim]{e.kind} · block {e.block_size}[/dim]"
+        moe = " · MoE" if e.moe else ""
+        alias = f"{e.alias}\n[dim]{e.kind} · block {e.block_size}{moe}[/dim]"
         target = _short(e.target())
         if not e.local:
             target += "\n[dim]" + " ".join(e.targets) + "[/dim]"

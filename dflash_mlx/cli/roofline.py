@@ -112,17 +112,24 @@ def roofline(
     hosts: int = typer.Option(1, "--hosts", help="Macs the target is sharded over."),
     link: str = typer.Option("tb5-rdma", "--link", help="Their link: tb5-rdma, tb5, tb4, ..."),
     shard: str = typer.Option("tensor", "--shard", help="With --hosts: tensor or pipeline."),
+    moe_correlation: float = typer.Option(
+        None,
+        "--moe-correlation",
+        help="A MoE target's expert union over the uniform one (default 0.69: lucebox #501).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead."),
 ):
     """Offline cost model of a verify cycle: the bytes the target's verify, the drafter and
     the rollback read, and their time at the chip's bandwidth (estimated; nothing runs).
+    On a mixture-of-experts target the routed experts are the union a verify's rows reach.
+    Then each block's break-even tokens per cycle and speedups, with MLX's kernels and ours.
     With --hosts N, also plain and DFlash per token with the link's round trips added."""
-    from ..bench import roofline as rl
     from ..bench import roofline_data as data
     from ..model.config import parse_draft_quant
 
     _check(quant, context, block, draft_vocab, rollback)
     _check_group(hosts, link, shard)
+    correlation = _check_correlation(moe_correlation)
     bits = parse_draft_quant(draft_quant, "--draft-quant")
     try:
         chip_name, bandwidth, note = data.chip(chip)
@@ -130,13 +137,38 @@ def roofline(
         raise DFlashError(f"--chip {chip!r} is unknown; use one of: {', '.join(data.CHIPS)}")
     name, tcfg, dcfg, stored = _check_sizes(_configs(model, drafter), context, draft_vocab)
     inp = _inputs(tcfg, dcfg, (quant or stored or "4bit").lower(), bits, draft_vocab, block)
-    inp.context, inp.rollback, draft_vocab = context, rollback, inp.draft_vocab
+    inp.context, inp.rollback, inp.correlation = context, rollback, correlation
+    head = {"model": name, "quant": inp.quant, "chip": chip_name, "bandwidth_gb_s": bandwidth}
+    _report(head, inp, (chip_name, bandwidth, note), (hosts, link, shard), json_out)
+
+
+def _check_correlation(value: float | None) -> float:
+    """``--moe-correlation``, or its cited default."""
+    from ..bench.roofline_moe import CORRELATION
+
+    if value is None:
+        return CORRELATION
+    if not 0 < value <= 1:
+        raise DFlashError(
+            f"--moe-correlation must be above 0 and at most 1 (got {value}); 1 is uniform "
+            f"routing, the default {CORRELATION} the measured union"
+        )
+    return value
+
+
+def _report(head: dict, inp, chip: tuple, group_args: tuple, json_out: bool) -> None:
+    """Estimate the cycle of ``inp`` on ``chip`` (name, GB/s, note) and print the table or
+    the JSON object."""
+    from ..bench import roofline as rl
+
+    chip_name, bandwidth, note = chip
     rep = rl.estimate(inp)
     total = rl.summary(rep, bandwidth) | {"compute": rl.compute(rep, inp, chip_name, bandwidth)}
-    head = {"model": name, "quant": inp.quant, "chip": chip_name, "bandwidth_gb_s": bandwidth}
-    head |= {"block": inp.block, "context": context, "draft_quant": inp.draft_quant}
-    head |= {"draft_vocab": draft_vocab, "rollback": rollback if rep.hybrid else None}
-    group = _group(inp, rep, total, bandwidth, (hosts, link, shard))
+    total["blocks"] = rl.by_block(inp, chip_name, bandwidth)
+    head |= {"block": inp.block, "context": inp.context, "draft_quant": inp.draft_quant}
+    head |= {"draft_vocab": inp.draft_vocab, "rollback": inp.rollback if rep.hybrid else None}
+    head["moe"] = _moe(rep, inp)
+    group = _group(inp, rep, total, bandwidth, group_args)
     if json_out:
         head["hosts"] = group
         parts = {k: {"bytes": v, "seconds": v / (bandwidth * 1e9)} for k, v in rep.parts.items()}
@@ -149,7 +181,28 @@ def roofline(
         return
     _print(head, rep, total, bandwidth, note)
     if group is not None:
-        print(_render(name, inp.quant, chip_name, group))
+        print(_render(head["model"], inp.quant, chip_name, group))
+
+
+def _moe(rep, inp) -> dict | None:
+    """A MoE target's experts for the report: E, k, layers, the union at the block (uniform
+    and as counted), the correlation and MLX's reads; None for a dense target."""
+    from ..bench import roofline_moe as moe_model
+
+    m = rep.moe
+    if m is None:
+        return None
+    uniform = moe_model.union(m, inp.block, 1.0)
+    return {
+        "experts": m.experts,
+        "top_k": m.top_k,
+        "layers": m.layers,
+        "uniform_union": uniform,
+        "correlation": inp.correlation,
+        "union": moe_model.union(m, inp.block, inp.correlation),
+        "mlx_reads": moe_model.reads(m, inp.block, "mlx", inp.correlation),
+        "mlx_sorts": inp.block * m.top_k >= moe_model.SORT_PAIRS,
+    }
 
 
 def _inputs(tcfg: dict, dcfg: dict, quant: str, bits, draft_vocab, block):
@@ -200,12 +253,15 @@ def _print(head: dict, rep, total: dict, bandwidth: float, note: str) -> None:
         f"fused vector attention: {rep.rows_per_chunk} rows a chunk, {rep.chunks} chunk(s) "
         f"per verify (q_len <= 8 and q_len x heads / KV heads <= 32)"
     )
+    if head["moe"] is not None:
+        print(_moe_line(head["moe"], head["block"]))
     if rep.other is not None:
         kind, v = rep.other
         print(f"rollback by {kind} instead: {v / 1e9:.3f} GB ({v * ms:.2f} ms)")
     if note:
         print(f"note: {note}")
     _print_compute(total["compute"])
+    _print_blocks(total["blocks"], head["moe"] is not None)
 
 
 def _print_compute(c: dict) -> None:
@@ -227,3 +283,38 @@ def _print_compute(c: dict) -> None:
         cells = [c[col][key] for col in cols]
         text = "".join(f"{'-' if v is None else f'{v * scale:.2f}':>12}" for v in cells)
         print(f"{label:<32}{text}")
+
+
+def _moe_line(m: dict, block: int) -> str:
+    """What a MoE target's experts cost a verify of ``block`` rows."""
+    how = "sorted by expert" if m["mlx_sorts"] else "one read per (row, slot) below 64 pairs"
+    return (
+        f"routed experts: {m['experts']} a layer, top {m['top_k']}, in {m['layers']} layers; "
+        f"a plain step reads {m['top_k']}, a verify of {block} rows the union "
+        f"{m['union']:.1f} (uniform {m['uniform_union']:.1f} x correlation "
+        f"{m['correlation']:g}; lucebox #501 measured 39.4 of 57.4 at 8 rows); MLX's "
+        f"SwitchGLU reads {m['mlx_reads']:.0f} ({how}), the grouped verify {m['union']:.1f}"
+    )
+
+
+def _print_blocks(rows: list[dict], moe: bool) -> None:
+    """Per block: break-even tokens per cycle and speedups at tau 3 and 4.8, MLX's kernels
+    (qmm and SwitchGLU) against ours (few-row and grouped verify); a MoE target's expert
+    reads per layer first."""
+    taus = [k for k in rows[0]["mlx"] if k.startswith("speedup")]
+    head = f"{'block':>5}" + (f"{'union':>8}{'MLX reads':>11}" if moe else "")
+    head += f"{'break-even MLX':>16}{'ours':>7}"
+    head += "".join(f"{'x at tau ' + k.rsplit('_', 1)[1] + ' MLX':>18}{'ours':>7}" for k in taus)
+    print(
+        "per block (estimated; ours: the few-row kernel"
+        + (" and the grouped verify)" if moe else ")")
+    )
+    print(head)
+    cell = lambda v, w: f"{'-' if v is None else f'{v:.2f}':>{w}}"
+    for r in rows:
+        line = f"{r['block']:>5}"
+        if moe:
+            line += f"{r['union']:>8.1f}{r['mlx_expert_reads']:>11.1f}"
+        line += cell(r["mlx"]["break_even_tau"], 16) + cell(r["ours"]["break_even_tau"], 7)
+        line += "".join(cell(r["mlx"][k], 18) + cell(r["ours"][k], 7) for k in taus)
+        print(line)

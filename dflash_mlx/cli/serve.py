@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 
 import typer
 
 from ..errors import DFlashError
 from ..settings import SHUTDOWN_GRACE, GenerationConfig, ServerConfig
+from ..vision.budget import share_of
 from ..vision.images import MAX_BYTES as MAX_IMAGE_BYTES
 from ..vision.images import MAX_IMAGES as MAX_IMAGE_COUNT
 from ..vision.images import MAX_PIXELS as MAX_IMAGE_PIXELS
@@ -85,6 +87,7 @@ def serve(
     requests that do not set them."""
     check_server_options(port, api_key, max_queue, max_batch, prompt_cache_gb, prompt_cache_dir)
     images = ImageLimits(max_image_pixels, max_image_bytes, max_images).validate(flags=True)
+    images = replace(images, max_decoded=share_of(src.max_memory, images))  # inside it
     config = ServerConfig(tuple(allow_origin or ()), shutdown_grace, allow_image_urls, images)
     config = config.validate(flags=True)
     from .. import distributed, server

@@ -39,7 +39,8 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos: list[int] | None = None):
 
     Args:
         tokenizer: mlx-lm TokenizerWrapper (or a fast Hugging Face tokenizer).
-        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary).
+        vocab_size: the model's logits width (may exceed the tokenizer's vocabulary, or
+            fall short of it where transformers added tokens past the embedding).
         eos: ids that end the answer (default: the tokenizer's EOS ids); the mask allows
             them once the grammar is complete.
     """
@@ -53,7 +54,10 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos: list[int] | None = None):
     except TypeError:  # not weakly referenceable: build it each time
         cached = {}
     if key not in cached:
-        cached[key] = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=list(eos))
+        # The tokenizer may hold ids past the embedding (tokens transformers adds): llguidance
+        # needs them all; the mask is cut to the logits' width (``unpack_mask``).
+        n = max(vocab_size, len(hf))
+        cached[key] = llguidance.hf.from_tokenizer(hf, n_vocab=n, eos_token=list(eos))
     return cached[key]
 
 

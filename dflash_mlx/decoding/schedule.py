@@ -3,12 +3,12 @@ acceptance, and decode plainly when drafting cannot pay.
 
 For a block of b tokens (the anchor plus b-1 drafts) the expected tokens committed are
 ``E(b) = 1 + sum_{k<b} prod_{j<=k} alpha_j``, where alpha_j is the conditional acceptance at
-draft position j; a cycle costs ``C(b)`` seconds. The scheduler picks the b that maximises
-``E(b) / C(b)``, with b = 1 meaning a plain target step (no drafting); once drafting pays,
-the block is the best under optimistic acceptance, so unreached positions get tried. Costs
-come from a warm-up at load and from the loop's own timings; acceptance is estimated online
-per request, starting from a prior carried across requests on the same model. Only the past
-is used, never the current draft, so every schedule is lossless.
+draft position j; a cycle costs ``C(b)`` seconds. It picks the b maximising ``E(b) / C(b)``,
+with b = 1 meaning a plain target step; once drafting pays, the block is the best under
+optimistic acceptance among those expected near the best, so unreached positions get tried
+at a small cost. Costs come from a warm-up at load and from the loop's own timings;
+acceptance is estimated online per request, from a prior carried across requests on the
+model. Only the past is used, never the current draft, so every schedule is lossless.
 
 While decoding plainly nothing is learnt about acceptance, so the scheduler re-probes with a
 speculative cycle after 8, 16, 32, ... plain steps, and only when an optimistic estimate
@@ -34,6 +34,8 @@ PLAIN_RUN_MAX = 32  # plain steps run back to back before the choice is made aga
 # Speculate only when the expected speedup clears this: estimates near 1.0x are coin flips
 # that cost more in the losers than they win in the winners.
 GAIN_MARGIN = 1.05
+# A block tried for its unseen positions may cost this much of the expected best's speed.
+EXPLORE_SLACK = 1.05
 DEFAULT_PRIOR = 0.25  # acceptance assumed per position before a model has decoded anything
 CALIBRATE_RUN = 8  # plain steps that time a plain step in a band whose blocks are timed
 # the warm-up's tables as stored: drafted and copied, at its short and its long context
@@ -112,17 +114,27 @@ class Scheduler:
         """The speculative block (<= top) with the highest expected speedup over plain,
         as (block, speedup, siblings); ``costs``: the cycles' cost table (default: drafted
         ones, which may hold siblings when the loop verifies trees)."""
-        tree = costs is None and self.tree
-        costs = self.costs if costs is None else costs
-        plain = 1.0 / self.costs(1)
-        best_b, best, best_s = self.min_block, 0.0, 0
-        catches = self.catches.rates()
+        (b, n), best = max(self._scores(rates, top, costs).items(), key=lambda kv: kv[1])
+        return b, best, n
+
+    def _scores(self, rates: list[float], top: int, costs: CostTable | None = None) -> dict:
+        """Expected speedup over plain of each (block, siblings) up to ``top``, by block."""
+        tree, costs = costs is None and self.tree, self.costs if costs is None else costs
+        scores, catches = {}, self.catches.rates()
         for b in range(self.min_block, top + 1):
             for n in range(min(MAX_SIBLINGS, b - 2) + 1 if tree else 1):
                 e = expected_tokens(rates, b - n) + (1 - rates[0]) * caught(catches, n)
-                if e / costs(b) / plain > best:
-                    best_b, best, best_s = b, e / costs(b) / plain, n
-        return best_b, best, best_s
+                scores[b, n] = e / costs(b) * self.costs(1)
+        return scores
+
+    def _explore(self, top: int, speedup: float) -> tuple[int, int]:
+        """(block, siblings) once speculation pays: the best under optimistic acceptance
+        (unreached positions get tried) among blocks expected within ``EXPLORE_SLACK`` of
+        the best, so a steep verify curve (a MoE's) keeps deep trials cheap."""
+        expected = self._scores(self.acc.rates(), top)
+        hopeful = self._scores(self.acc.rates(optimistic=True), top)
+        fair = {k: v for k, v in hopeful.items() if expected[k] * EXPLORE_SLACK >= speedup}
+        return max(fair, key=fair.get)
 
     def _lookup_best(self, match: int, top: int) -> tuple[int, float]:
         """The best block for the lookup draft of a match of length ``match`` (0, 0.0:
@@ -160,13 +172,9 @@ class Scheduler:
             return choice
         if s > GAIN_MARGIN:
             self.probe_after = PROBE_START  # speculation pays again: probe eagerly next time
-            # Speculation pays; which block is chosen optimistically: a position no cycle
-            # reaches keeps its prior forever (and a shallow block then looks best forever),
-            # while the benefit of the doubt shrinks as a position is seen.
-            b, _, n_sib = self._best(self.acc.rates(optimistic=True), top)
+            b, n_sib = self._explore(top, s)
             why = f"block {b}" + (f" ({n_sib} siblings)" if n_sib else "")
-            choice = Choice(b, s, reason=f"{why}: expected {s:.2f}x plain decoding")
-            choice.siblings = n_sib
+            choice = Choice(b, s, reason=f"{why}: expected {s:.2f}x plain decoding", siblings=n_sib)
         else:
             ob, os_, o_sib = self._best(self.acc.rates(optimistic=True), top)
             if os_ <= GAIN_MARGIN:
@@ -177,8 +185,7 @@ class Scheduler:
             self.last_reason = "plain: " + why
             if os_ > GAIN_MARGIN and self.since_spec >= self.probe_after:
                 self.probe_after = min(self.probe_after * 2, PROBE_MAX)
-                choice = Choice(ob, os_, probe=True, reason=f"probe block {ob}")
-                choice.siblings = o_sib
+                choice = Choice(ob, os_, probe=True, reason=f"probe block {ob}", siblings=o_sib)
             else:
                 choice = Choice(1, 1.0, reason=self.last_reason)
         self._note(choice)

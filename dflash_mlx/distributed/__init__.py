@@ -29,12 +29,16 @@ def group(given=None):
     Args:
         given: an ``mx.distributed.Group``, or None.
     """
-    import mlx.core as mx
-
     if given is None and not launched():
         return None
-    g = given if given is not None else mx.distributed.init()
-    return g if g.size() > 1 else None
+    if given is None:
+        from . import join
+
+        given = _joined.get("group") or _joined.setdefault("group", join.init())
+    return given if given.size() > 1 else None
+
+
+_joined: dict = {}  # the launched group, once joined (``join.init`` starts a watchdog)
 
 
 def shard(target, group, mode=None) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -171,16 +172,27 @@ class LeadPool:
 
     def __init__(self, pool, lead: Lead):
         self._pool, self._lead = pool, lead
+        if pool.disk is not None:
+            pool.agree = agreement(lead.channel)
 
     def __getattr__(self, name):
         return getattr(self._pool, name)
 
     def take(self, ids: list[int]):
-        """As ``PromptPool.take``; logged with the prefix it reused."""
-        cache = self._pool.take(ids)
+        """As ``PromptPool.take``; logged with the prefix it reused. With a disk tier (each
+        rank's own, which may hold other entries) every rank takes at once and they agree
+        on what their tiers restored (``agreement``)."""
         h = next(self._lead._handles)
+        disk = self._pool.disk is not None
+        if disk:
+            self._lead.send(["take", list(ids), h, None])
+        try:
+            cache = self._pool.take(ids)
+        except RuntimeError as e:  # MLX's ring, in the agreement
+            self._lead.broke(e)
         self._lead.handles[id(cache)] = h
-        self._lead.ops.append(["take", list(ids), h, len(cache.tokens)])
+        if not disk:
+            self._lead.ops.append(["take", list(ids), h, len(cache.tokens)])
         return cache
 
     def give(self, cache, keep: bool = True) -> None:
@@ -248,6 +260,41 @@ class Parted(DFlashError):
     """A follower's state no longer matches rank 0's."""
 
 
+def agreement(channel: Channel):
+    """``PromptPool.agree`` across ranks: every rank's (tokens reused from memory, tokens
+    restored from its own disk tier) in one ``all_sum``; a restore counts only when every
+    rank restored as many (a rank whose folder cannot be written, or lost an entry, has
+    fewer), so the ranks never part over their disks.
+
+    Raises:
+        Parted: (another rank than 0) its memory reused another prefix than rank 0's.
+    """
+
+    def agree(n: int, k: int) -> bool:
+        rows = np.zeros((channel.size, 2), np.int32)  # [rank, (memory, disk)]
+        rows[channel.rank] = (n, k)
+        got = np.array(channel._sum(mx.array(rows)))
+        if got[channel.rank, 0] != got[0, 0]:
+            raise Parted(
+                f"rank {channel.rank}'s prompt cache reused {n} tokens where rank 0's reused "
+                f"{got[0, 0]}; restart every rank"
+            )
+        agreed = bool((got[:, 1] == got[0, 1]).all())
+        if not agreed and channel.rank == 0 and not said:
+            said.append(True)  # once: the other ranks' own warnings are muted
+            ranks = ", ".join(f"rank {r} {int(v)}" for r, v in enumerate(got[:, 1]))
+            logging.getLogger("dflash_mlx.server").warning(
+                "the ranks' prompt-cache folders restored different prefixes (%s tokens), so "
+                "none is used; a rank whose folder cannot be written or lost its entries "
+                "keeps the others from restoring (said once)",
+                ranks,
+            )
+        return agreed
+
+    said: list = []
+    return agree
+
+
 def follow_batches(channel: Channel, pool, make_batch) -> None:
     """Another rank's serving loop: replay rank 0's pool and batch calls until it quits.
 
@@ -259,12 +306,14 @@ def follow_batches(channel: Channel, pool, make_batch) -> None:
         Parted: this rank's pool reused another prefix than rank 0's.
     """
     gen, caches = make_batch(), {}
+    if getattr(pool, "disk", None) is not None:
+        pool.agree = agreement(channel)
     while True:
         for op, *args in channel.recv()["ops"]:
             if op == "take":
                 ids, h, n = args
                 caches[h] = pool.take(ids)
-                if len(caches[h].tokens) != n:
+                if n is not None and len(caches[h].tokens) != n:  # None: agreed in take
                     raise Parted(
                         f"rank {channel.rank}'s prompt cache reused {len(caches[h].tokens)} "
                         f"tokens where rank 0's reused {n}; restart every rank"

@@ -369,19 +369,21 @@ def load(
         the drafter, ``model.name`` the alias, Hub id or directory name. Raises
         ``DFlashError``: one line naming the problem and the fix.
     """
-    bits = parse_draft_quant(draft_quant)  # before any I/O
-    distributed.check_shard(shard)
-    res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
     group = distributed.group(group)
-    ranks = distributed.plan_shard(group, shard)
-    fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits, ranks)
-    notes = _notices(quiet, log)
-    tpath = locate(res.target, "model", offline, quiet, log)
-    dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
+    with handshake.told(group):  # a rank that fails here is named by every rank
+        bits = parse_draft_quant(draft_quant)  # before any I/O
+        distributed.check_shard(shard)
+        res, offline = resolve(model, drafter, quant), hub.offline_mode(offline)
+        ranks = distributed.plan_shard(group, shard)
+        fit = memory.Fit(res, quant, max_memory, max_context, kv, offline, bits, ranks)
+        notes = _notices(quiet, log)
+        tpath = locate(res.target, "model", offline, quiet, log)
+        dname, dpath = _locate_drafter(res.drafters, offline, quiet, log)
     handshake.check(group, (tpath, dpath))  # ranks started alike, or one error on each
     fit.check(tpath, dpath, notes)  # before loading (before downloading: in Fit, if it can)
     pair, tokenizer = _pair(res, (tpath, dname, dpath), bits, notes, tokenizer_config, group, shard)
     fit.cap(pair)
+    pair.tokenizer = tokenizer
     set_draft_vocab(pair, tokenizer, draft_vocab)
     if warmup:  # the auto step costs now, on the same path on every rank
         policy.ensure(pair, group)

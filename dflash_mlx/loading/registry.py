@@ -33,6 +33,8 @@ class Entry:
         note: one short line shown by ``dflash models``.
         local: the target and drafters are paths shipped with the package, not Hub ids.
         install: how to install a local target that is missing (a command), if any.
+        moe: the target is a mixture of experts (``dflash models`` marks it; a verify of
+            B rows reads the union of the experts its rows route to).
     """
 
     alias: str
@@ -43,6 +45,7 @@ class Entry:
     note: str = ""
     local: bool = False
     install: str = ""
+    moe: bool = False
 
     @property
     def default_quant(self) -> str:
@@ -79,11 +82,35 @@ ENTRIES: list[Entry] = [
         ("z-lab/Muse-Glimmer-30B-DFlash2", "incoai/Muse-Glimmer-30B-DFlash2"),
         16,
     ),
+    # Mixtures of experts with z-lab's DFlash (1) drafters (z-lab/dflash README's table;
+    # block 16 from their config.json). Families: qwen3_5_moe (hybrid Gated DeltaNet with
+    # routed and shared experts) and qwen3_moe.
     Entry(
-        "GLM-5.3-Flash",
-        _mlx("GLM-5.3-Flash"),
-        ("incoai/GLM-5.3-Flash-DFlash2", "z-lab/GLM-5.3-Flash-DFlash2"),
+        "Qwen3.6-35B-A3B",
+        _mlx("Qwen3.6-35B-A3B", ("4bit", "8bit")),
+        ("z-lab/Qwen3.6-35B-A3B-DFlash",),
         16,
+        kind="DFlash 1",
+        note="MoE (256 experts, top 8): blocks of 4-6 beat 16 (z-lab/dflash #151)",
+        moe=True,
+    ),
+    Entry(
+        "Qwen3.5-35B-A3B",
+        _mlx("Qwen3.5-35B-A3B", ("4bit", "8bit")),
+        ("z-lab/Qwen3.5-35B-A3B-DFlash",),
+        16,
+        kind="DFlash 1",
+        note="MoE (256 experts, top 8): a wide verify reads many experts",
+        moe=True,
+    ),
+    Entry(
+        "Qwen3-Coder-30B-A3B",
+        _mlx("Qwen3-Coder-30B-A3B-Instruct", ("4bit", "8bit")),
+        ("z-lab/Qwen3-Coder-30B-A3B-DFlash",),
+        16,
+        kind="DFlash 1",
+        note="MoE (128 experts, top 8): a wide verify reads many experts",
+        moe=True,
     ),
     Entry(
         "Qwen3-8B",

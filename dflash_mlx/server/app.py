@@ -23,6 +23,7 @@ from .. import generation
 from ..decoding.prompt import context_length
 from ..errors import ContextLengthError, DFlashError
 from ..settings import GenerationConfig, ServerConfig
+from ..vision.budget import PixelBudget
 from ..vision.images import ImageError, ImageLimits
 from .access import Access
 from .connection import body_limit
@@ -82,6 +83,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         self.config = (config or ServerConfig()).validate()
         self.images = (self.config.image_limits or ImageLimits()).validate()
         self.max_body = body_limit(self.images)
+        self.decoding = PixelBudget(self.images.decoded)  # pixels decoded at once, all requests
         self.access = Access(host, self.server_port, self.config.allow_origins)
         self.created = now()
         self.context = context_length(engine.model)
@@ -110,6 +112,7 @@ class DFlashHTTPServer(ThreadingHTTPServer):
         by its hash) the prompt pool matches."""
         model = self.engine.model
         kw = {"tools": req.template_tools, "template_kwargs": req.template_kwargs}
+        kw["budget"] = self.decoding
         with model.lock:  # the tokenizer and processor are shared with the worker
             ids, _, req.vision = generation.request_ids(
                 model, self.engine.tokenizer, req.prompt, req.gen, images=req.images, **kw

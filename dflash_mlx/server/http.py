@@ -203,6 +203,8 @@ class Handler(Connection):
             structured.prepare(req, req.body, tok)
         else:
             structured.prepare_completion(req, req.body)
+        if req.images and not srv.engine.has_room():  # images are decoded for queued jobs only
+            self._refuse_full()
         ids = srv.tokenize(req)
         vocab = srv.engine.model.adapter.vocab_size
         if any(not 0 <= t < vocab for t in req.gen.logit_bias or {}):
@@ -216,12 +218,17 @@ class Handler(Connection):
         job = Job(ids, req.gen, structured.processors(req, tok, vocab))
         job.vision = req.vision  # with images: the prompt prepared once (ids and images)
         if not srv.engine.submit(job):
-            if srv.engine.closing or srv.engine.stopping.is_set():
-                raise shutting_down()
-            raise APIError(
-                503, "the server is busy (request queue full); retry later", code="server_busy"
-            )
+            self._refuse_full()
         return job
+
+    def _refuse_full(self):
+        """503: the server is stopping, or its queue is full."""
+        engine = self.server.engine
+        if engine.closing or engine.stopping.is_set():
+            raise shutting_down()
+        raise APIError(
+            503, "the server is busy (request queue full); retry later", code="server_busy"
+        )
 
     # ------------------------------------------------------------------ answering
     def _next(self, job: Job):

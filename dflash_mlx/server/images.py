@@ -8,33 +8,47 @@ Each is checked by ``vision.images`` (size, format, pixels from the header; docs
 A ``data:`` URL (or Anthropic's base64 source) is always taken; an http(s) URL only with
 ``dflash serve --allow-image-urls``, fetched with a deadline, a byte cap enforced while
 reading, an ``image/*`` content type and at most ``MAX_REDIRECTS`` redirects, never another
-scheme. A text-only model's refusal (``no_vision``) is the engine's
-(``vision/request.py``). Every refusal is an ``APIError`` (each API puts it in its own shape): 413 for an image
-too large, 400 for the rest. No MLX; Pillow only when an image is sent.
+scheme. A declared media type (a ``data:`` URL's, Anthropic's ``media_type``) must name the
+bytes' format; a fetched URL's bytes decide it (its server, not the client, labelled it).
+Nothing here decodes pixels: a text-only model's refusal (``no_vision``) and the decode
+are the engine's (``vision/request.py``). Every refusal is an ``APIError`` (each API puts
+it in its own shape): 413 for an image too large, 503 when the decode budget stays full,
+400 for the rest. No MLX; Pillow only when an image is sent.
 """
 
 from __future__ import annotations
 
+import http.client
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from typing import Any
 
-from ..vision.images import ImageError, ImageLimits, Picture, from_base64, from_bytes, from_data_url
+from ..vision.images import (
+    MEDIA_TYPES,
+    ImageError,
+    ImageLimits,
+    Picture,
+    declared,
+    from_base64,
+    from_bytes,
+    from_data_url,
+)
 from .schema import APIError
 
 IMAGE = {"type": "image"}  # a message part standing for the next picture
 URL_SECONDS = 10.0  # the whole fetch of one image URL: connect, redirects, every byte
 MAX_REDIRECTS = 3
 URLS_OFF = "image URLs are off; send a data: URL or start the server with --allow-image-urls"
-MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/gif": "GIF", "image/webp": "WEBP"}
-STATUS = {"too_large": 413}  # every other kind: 400
+STATUS = {"too_large": 413, "busy": 503}  # every other kind: 400
 CODES = {
     "invalid": "invalid_image",
     "too_large": "image_too_large",
     "too_many": "too_many_images",
     "not_allowed": "image_urls_off",
     "no_vision": "model_not_vision",
+    "busy": "server_busy",
 }
 
 
@@ -123,10 +137,10 @@ class Gather:
                 400, f"{where}.source.media_type must be one of {', '.join(MEDIA_TYPES)}"
             )
         pic = self._take(where, lambda: from_base64(src["data"], self.limits, "the image"))
-        if pic.format != MEDIA_TYPES[media]:
-            e = ImageError(f"media_type says {media} but the data is {pic.format}; fix one")
-            raise api_error(e, f"{where}.source")
-        return {"type": "image", "picture": pic}
+        try:
+            return {"type": "image", "picture": declared(pic, media, "media_type")}
+        except ImageError as e:  # the data URLs' rule (vision.images.declared)
+            raise api_error(e, f"{where}.source") from None
 
     def responses(self, part: dict, where: str) -> dict:
         """A translated picture part of a Responses ``input_image`` part."""
@@ -158,46 +172,132 @@ class Gather:
 # ----------------------------------------------------------------------------- URLs
 
 
-class _Redirects(urllib.request.HTTPRedirectHandler):
-    """At most ``MAX_REDIRECTS`` redirects, each to http(s) only."""
-
-    max_redirections = MAX_REDIRECTS
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        if not newurl.lower().startswith(("http://", "https://")):
-            raise ImageError(f"the image URL redirects to {newurl[:80]!r}; only http(s) is taken")
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
-
-
 def fetch(url: str, limits: ImageLimits) -> bytes:
-    """An image URL's bytes, read within ``URL_SECONDS`` and ``limits.max_bytes``.
+    """An image URL's bytes, read within ``URL_SECONDS`` (connecting, every redirect, the
+    status line, the headers and every byte of the body) and ``limits.max_bytes``; at most
+    ``MAX_REDIRECTS`` redirects are followed. The fetch runs in a thread the deadline
+    abandons (its socket shut), so no server, however slowly it answers, holds it longer.
 
     Raises:
-        ImageError: unreachable, an HTTP error, not ``image/*``, too many bytes, too slow,
-            too many redirects, a redirect to another scheme.
+        ImageError: a malformed URL, unreachable, a malformed answer, an HTTP error, not
+            ``image/*``, too many bytes, too slow, too many redirects, a redirect to
+            another scheme; one line naming the URL.
     """
-    deadline = time.monotonic() + URL_SECONDS
-    opener = urllib.request.build_opener(_Redirects())
-    req = urllib.request.Request(url, headers={"User-Agent": "dflash-mlx", "Accept": "image/*"})
+    seconds, shown = URL_SECONDS, _shown(url)
+    deadline, conns, box = time.monotonic() + seconds, [], {}
+
+    def run():
+        try:
+            box["data"] = _follow(url, limits.max_bytes, deadline, conns)
+        except Exception as e:  # noqa: BLE001 (handed to the caller's thread, raised there)
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="dflash-image-url", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        for c in conns:
+            _abort(c)
+        raise ImageError(f"{shown} took over {seconds:g} s to fetch; send a data: URL")
+    err = box.get("error")
+    if isinstance(err, (OSError, http.client.HTTPException, ValueError)) and not isinstance(
+        err, ImageError
+    ):
+        raise ImageError(f"cannot fetch {shown} ({_reason(err)})") from None
+    if err is not None:
+        raise err
+    return box["data"]
+
+
+def _shown(url: str) -> str:
+    """The URL as messages show it: quoted when it holds a space or a control character."""
+    cut = url[:200] + ("..." if len(url) > 200 else "")
+    return cut if cut.isprintable() and " " not in cut else repr(cut)
+
+
+def _reason(e: BaseException) -> str:
+    """One line of an exception: http.client's class names say what was malformed."""
+    text = str(getattr(e, "reason", None) or e).splitlines()
+    head = text[0][:120] if text else ""
+    return f"{type(e).__name__}: {head}" if head else type(e).__name__
+
+
+def _abort(conn) -> None:
+    """Wake a thread blocked reading ``conn`` (its socket shut both ways)."""
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _target(url: str) -> tuple[str, str, int | None, str]:
+    """(scheme, host, port, request target) of an http(s) URL.
+
+    Raises:
+        ImageError: another scheme, no host, a bad port or IPv6 literal, a space or a
+            control character.
+    """
+    shown = _shown(url)
+    if any(c <= " " or c == "\x7f" for c in url):
+        raise ImageError(f"{shown} holds a space or a control character; percent-encode it")
     try:
-        with opener.open(req, timeout=URL_SECONDS) as r:
+        sp = urllib.parse.urlsplit(url)
+        port = sp.port  # a port that is not a number in 0..65535 raises here
+    except ValueError as e:
+        raise ImageError(f"{shown} is not a valid URL ({e})") from None
+    if sp.scheme.lower() not in ("http", "https") or not sp.hostname:
+        raise ImageError(f"{shown} is not an http(s) URL with a host")
+    path = sp.path or "/"
+    target = urllib.parse.quote(path + ("?" + sp.query if sp.query else ""), safe=_SAFE)
+    return sp.scheme.lower(), sp.hostname, port, target
+
+
+_SAFE = "!#$%&'()*+,/:;=?@[]~"  # kept as they are in a request target; the rest encoded
+
+
+def _follow(url: str, cap: int, deadline: float, conns: list) -> bytes:
+    """GET ``url``, following at most ``MAX_REDIRECTS`` redirects, within the deadline."""
+    first = _shown(url)
+    for _ in range(MAX_REDIRECTS + 1):
+        scheme, host, port, target = _target(url)
+        kind = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        conn = kind(host, port, timeout=max(0.05, deadline - time.monotonic()))
+        conns.append(conn)
+        try:
+            conn.request("GET", target, headers=HEADERS)
+            r = conn.getresponse()
+            if r.status in REDIRECTS:
+                url = _next(url, r.getheader("Location"), first, r.status)
+                continue
+            if r.status != 200:
+                raise ImageError(f"cannot fetch {first} (HTTP {r.status})")
             ctype = r.headers.get_content_type()
             if not ctype.startswith("image/"):
-                raise ImageError(f"{url} is {ctype}, not an image")
-            return _read(r, url, limits.max_bytes, deadline)
-    except ImageError:
-        raise
-    except urllib.error.HTTPError as e:
-        redirect = f"over {MAX_REDIRECTS} redirects, or one away from http(s)"  # urllib refuses
-        why = redirect if 300 <= e.code < 400 else f"HTTP {e.code}"
-        raise ImageError(f"cannot fetch {url} ({why})") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", None) or e
-        raise ImageError(f"cannot fetch {url} ({reason})") from None
+                raise ImageError(f"{first} is {ctype}, not an image")
+            return _read(r, first, cap)
+        finally:
+            conn.close()
+    raise ImageError(f"cannot fetch {first} (over {MAX_REDIRECTS} redirects)")
 
 
-def _read(r, url: str, cap: int, deadline: float) -> bytes:
-    """The body, refused past ``cap`` bytes (announced or read) or past the deadline."""
+HEADERS = {"User-Agent": "dflash-mlx", "Accept": "image/*"}
+REDIRECTS = (301, 302, 303, 307, 308)
+
+
+def _next(url: str, location: str | None, first: str, status: int) -> str:
+    """Where a redirect goes: http(s) only."""
+    if not location:
+        raise ImageError(f"cannot fetch {first} (HTTP {status} without a Location)")
+    new = urllib.parse.urljoin(url, location.strip())
+    if not new.lower().startswith(("http://", "https://")):
+        raise ImageError(f"{first} redirects away from http(s) (to {_shown(new[:80])})")
+    return new
+
+
+def _read(r, url: str, cap: int) -> bytes:
+    """The body, refused past ``cap`` bytes (announced or read)."""
     length = r.headers.get("Content-Length")
     if length and length.isdigit() and int(length) > cap:
         raise ImageError(
@@ -212,6 +312,4 @@ def _read(r, url: str, cap: int, deadline: float) -> bytes:
                 f"{url} is over {cap:,} bytes; at most {cap:,} are taken (--max-image-bytes)",
                 "too_large",
             )
-        if time.monotonic() > deadline:
-            raise ImageError(f"{url} took over {URL_SECONDS:g} s to fetch; send a data: URL")
     return bytes(data)

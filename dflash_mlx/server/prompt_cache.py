@@ -159,6 +159,9 @@ class PromptPool:
         self.lock = threading.Lock()  # /health reads the counters from another thread
         self.lookups = self.hits = self.cached = self.prompted = self.evicted = 0
         self.out = 0  # entries taken and not given back
+        # under mlx.launch, ``agree(n, k)``: whether every rank restored k tokens from its
+        # own disk tier (each reused n from memory); False: none uses its restore
+        self.agree = None
 
     def take(self, prompt: list[int]) -> PromptCache:
         """The cache whose prefix of prompt is longest (memory, then disk), out of the pool;
@@ -175,12 +178,16 @@ class PromptPool:
                     best, n = i, k
             if best is not None:
                 best, copied = self._lend(best, n)
+        restored = None
         if self.disk is not None and len(prompt) - 1 > n:
             restored = self.disk.take(self.model, prompt, n)
-            if restored is not None:
-                if best is not None and not copied:
-                    self._put(best)  # untouched: back as it was (a copy just goes)
-                best, n = restored, restored.usable(prompt)
+        k = 0 if restored is None else restored.usable(prompt)
+        if self.disk is not None and self.agree is not None and not self.agree(n, k):
+            restored = None  # another rank's tier lacks it: every rank goes without
+        if restored is not None:
+            if best is not None and not copied:
+                self._put(best)  # untouched: back as it was (a copy just goes)
+            best, n = restored, restored.usable(prompt)
         with self.lock:
             self.lookups += 1
             self.prompted += len(prompt)

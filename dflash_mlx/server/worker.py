@@ -109,6 +109,11 @@ class Engine:
         batched = self.max_batch > 1 or self.lockstep is not None
         return len(self.active) if batched else int(self.current is not None)
 
+    def has_room(self) -> bool:
+        """Whether a job submitted now would be queued (a request's images are decoded
+        only then)."""
+        return not (self.closing or self.stopping.is_set() or self.jobs.full())
+
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full or the server is stopping."""
         with self._gate:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..errors import DFlashError
+from .budget import DECODING
 from .images import ImageError, ImageLimits, read_all
 
 EXAMPLE = "a Qwen3.5 checkpoint whose config.json has a vision_config"
@@ -92,13 +93,15 @@ def prepare(model, tokenizer, prompt, images, cfg, raw=False, system=None, limit
         model, tokenizer: the loaded pair. prompt: a str or chat messages. images: what
             ``images.read_all`` takes. cfg: validated settings. raw: refused with images.
         system: the system message of a str prompt. limits: ``ImageLimits`` (default ones).
-        kw: ``tools`` and ``template_kwargs`` (e.g. ``{"enable_thinking": False}``) for the
+        kw: ``budget`` (a ``vision.budget.PixelBudget``; default the process's), ``tools``
+            and ``template_kwargs`` (e.g. ``{"enable_thinking": False}``) for the
             chat template, as the text path's ``encode_prompt`` takes them.
 
     Raises:
-        ImageError: a text-only model (``no_vision``), a bad image, image parts that do not
-            match the images. DFlashError: a raw prompt or token ids with images, a prompt
-            longer than the context.
+        ImageError: a text-only model (``no_vision``, before an image is looked at), a bad
+            image, image parts that do not match the images, text that spells the model's
+            image placeholder, images over the decode budget. DFlashError: a raw prompt or
+            token ids with images, a prompt longer than the context.
     """
     from ..decoding.prompt import chat_text, check_fits, context_length, room, with_default_stops
     from .target import VisionTarget
@@ -110,12 +113,33 @@ def prepare(model, tokenizer, prompt, images, cfg, raw=False, system=None, limit
         raise DFlashError("a raw prompt takes no images; drop raw=True to use the chat template")
     pictures = read_all(images, limits or ImageLimits())
     msgs = _messages(prompt, len(pictures), system)
+    _no_placeholders(target.processor, msgs)
     text = chat_text(tokenizer, msgs, kw.get("tools"), kw.get("template_kwargs"))
-    vision = _vision(target, text, pictures)
+    with (kw.get("budget") or DECODING).hold(sum(p.pixels for p in pictures)):
+        vision = _vision(target, text, pictures)  # the decoded pixels are dropped after
     ctx = context_length(model)
     check_fits(vision.length, ctx)
     cfg = replace(cfg, stop=with_default_stops(cfg.stop, tokenizer))
     return vision.ids, replace(cfg, max_tokens=room(vision.length, cfg.max_tokens, ctx)), vision
+
+
+def _no_placeholders(processor, msgs: list[dict]) -> None:
+    """Refuse text that spells the model's image or video placeholder (``<|image_pad|>``):
+    the processor would expand it as an image's rows, so the rows would not be the images
+    given."""
+    marks = [getattr(processor, a, None) for a in ("image_token", "video_token")]
+    marks = [m for m in marks if isinstance(m, str) and m]
+    for i, m in enumerate(msgs):
+        content = m.get("content")
+        parts = content if isinstance(content, list) else [{"text": content}]
+        for p in parts:
+            text = p.get("text") if isinstance(p, dict) else None
+            hit = next((k for k in marks if isinstance(text, str) and k in text), None)
+            if hit:
+                raise ImageError(
+                    f"message {i}'s text spells the image placeholder {hit}; remove it (each "
+                    "image is one {'type': 'image'} part with its image in images=[...])"
+                )
 
 
 def _vision(target, text: str, pictures):
@@ -124,8 +148,9 @@ def _vision(target, text: str, pictures):
     from .prompt import VisionPrompt
 
     cfg = target.vlm.config
+    pils = [p.pil(f"image {i}") for i, p in enumerate(pictures)]
     try:
-        out = target.processor(images=[p.pil() for p in pictures], text=[text])
+        out = target.processor(images=pils, text=[text])
         ids, grid = out["input_ids"], out["image_grid_thw"]
         pos, delta = target.language_model.get_rope_index(ids, grid, None, out["attention_mask"])
         return VisionPrompt(

@@ -106,6 +106,7 @@ def test_the_command_prints_a_table_and_json(capsys):
 
     args = {"quant": "4bit", "chip": "M4 Pro", "context": 4096, "block": None, "drafter": None}
     args |= {"draft_quant": "4", "hosts": 1, "link": "tb5-rdma", "shard": "tensor"}
+    args["moe_correlation"] = None
     roofline(model="qwen3.8-27b", draft_vocab=16384, rollback="tape", json_out=True, **args)
     out = json.loads(capsys.readouterr().out)
     assert out["estimated"] and out["block"] == 8 and out["fused_attention_chunks"] == 2
@@ -119,7 +120,7 @@ def test_the_demo_is_read_from_its_files_with_its_own_draft_vocabulary(capsys):
     from dflash_mlx.cli.roofline import roofline
 
     args = {"quant": None, "chip": "M1", "context": 1024, "block": None, "drafter": None}
-    args |= {"hosts": 1, "link": "tb5-rdma", "shard": "tensor"}
+    args |= {"hosts": 1, "link": "tb5-rdma", "shard": "tensor", "moe_correlation": None}
     roofline(
         model="demo", draft_quant="none", draft_vocab=None, rollback="tape", json_out=True, **args
     )
@@ -174,7 +175,7 @@ def test_the_command_prints_mlxs_qmm_and_the_few_row_kernel_with_their_break_eve
     from dflash_mlx.cli.roofline import roofline
 
     args = {"quant": "4bit", "chip": "M4 Pro", "context": 4096, "block": None, "drafter": None}
-    args |= {"hosts": 1, "link": "tb5-rdma", "shard": "tensor"}
+    args |= {"hosts": 1, "link": "tb5-rdma", "shard": "tensor", "moe_correlation": None}
     roofline(
         model="Qwen3.8-27B", draft_quant="4", draft_vocab=0, rollback="tape", json_out=False, **args
     )

@@ -66,6 +66,7 @@ def test_the_command_adds_the_group_to_its_table_and_json(capsys):
 
     args = {"quant": "8bit", "chip": "M4 Max", "context": 4096, "block": None, "drafter": None}
     args |= {"draft_quant": "4", "draft_vocab": 0, "rollback": "tape", "shard": "tensor"}
+    args["moe_correlation"] = None
     roofline(model="Qwen3.8-27B", hosts=2, link="tb4", json_out=False, **args)
     text = capsys.readouterr().out
     assert "on 2x M4 Max, tensor parallel over tb4 (300 us a round trip" in text

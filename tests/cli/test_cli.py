@@ -405,7 +405,9 @@ def test_models_lists_registry_and_cache(pair, tmp_path, monkeypatch):
     assert q["target"] == "mlx-community/Qwen3.8-27B-4bit" and q["block_size"] == 8
     assert q["drafters"] == ["incoai/Qwen3.8-27B-DFlash2", "z-lab/Qwen3.8-27B-DFlash2"]
     assert set(q["quants"]) == {"4bit", "8bit", "bf16", "mxfp8"}
-    assert q["cached_targets"] == {}
+    assert q["cached_targets"] == {} and not q["moe"]
+    moe = rows["Qwen3.6-35B-A3B"]
+    assert moe["moe"] and moe["drafters"] == ["z-lab/Qwen3.6-35B-A3B-DFlash"]
     small = rows["Qwen3-4B"]
     assert set(small["cached_targets"]) == {"8bit"} and small["cached_targets"]["8bit"] > 0
     assert small["cached_drafters"]["z-lab/Qwen3-4B-DFlash-b16"] > 0
@@ -414,7 +416,7 @@ def test_models_lists_registry_and_cache(pair, tmp_path, monkeypatch):
     assert t.exit_code == 0
     assert "Qwen3.8-27B" in t.stdout and "incoai/Qwen3.8-27B-DFlash2" in t.stdout
     assert "8bit 7" in t.stdout and "kB" in t.stdout  # the cached one, with its size
-    assert "DFlash 2 · block 8" in t.stdout
+    assert "DFlash 2 · block 8" in t.stdout and "DFlash 1 · block 16 · MoE" in t.stdout
     assert str(tmp_path / "hf" / "hub") in t.stdout.replace("\n", "")
 
 
@@ -492,8 +494,16 @@ def test_serve_passes_allowed_origins_the_shutdown_grace_and_image_options(pair,
     assert fake_server[-1][1]["config"] == want
     assert invoke("serve", *model_args(pair)).exit_code == 0
     assert fake_server[-1][1]["config"] == ServerConfig(image_limits=ImageLimits())
-    r = invoke("serve", *model_args(pair), "--max-image-bytes", "0")
-    assert r.exit_code == 2 and "--max-image-bytes must be a whole number >= 1" in r.stderr
+    for bad in ("0", "99999999999999999999"):  # the body limit must stay bounded
+        r = invoke("serve", *model_args(pair), "--max-image-bytes", bad)
+        assert (
+            r.exit_code == 2
+            and "--max-image-bytes must be a whole number in 1..1,073,741,824" in r.stderr
+        )
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert invoke("serve", *model_args(pair), "--max-memory", "4").exit_code == 0
+    decoded = fake_server[-1][1]["config"].image_limits.decoded  # the budget inside it
+    assert decoded == 4e9 / 10 / 8
 
 
 def test_sparkline():

@@ -67,10 +67,13 @@ def one_error_line(r, needle: str) -> None:
         ("cut.png", "not a readable PNG"),
         ("bomb.png", "pixels"),
         ("good.png", "this model takes no images"),
+        ("/proc/self/mem", "cannot read the image file /proc/self/mem (Input/output error)"),
+        ("~dflash-no-such-user/x.png", "cannot read the image file ~dflash-no-such-user/x.png"),
     ],
 )
 def test_run_image_refusals_are_one_error_line(pair, files, name, needle):
-    one_error_line(run(pair, "--image", files / "good.jpg", "--image", files / name, "hi"), needle)
+    path = name if name[0] in "/~" else files / name  # a read error is not a write error
+    one_error_line(run(pair, "--image", files / "good.jpg", "--image", path, "hi"), needle)
 
 
 def test_run_image_needs_the_chat_template(pair, files):
@@ -95,12 +98,14 @@ def session(pair, lines: str):
 
 
 def test_chat_image_refusals_keep_the_session(pair, files, capsys):
-    lines = f"/help\n/image\n/image {files / 'text.png'}\n/image {files / 'good.png'}\nhi\n"
+    lines = f"/help\n/image\n/image {files / 'text.png'}\n/image /proc/self/mem\n"
+    lines += f"/image {files / 'good.png'}\nhi\n"
     s, out = session(pair, lines)
     s.loop()
     text, err = out.getvalue(), capsys.readouterr().err
     assert "/image <path>" in text and "usage: /image PATH" in text
     assert "error: " in err and "not a supported image" in err
+    assert "cannot read the image file /proc/self/mem (Input/output error)" in err
     assert "this model takes no images" in err
     assert s.pending == [] and len(s.history) == 2  # the message was answered, text only
     assert s.history[0] == {"role": "user", "content": "hi"}

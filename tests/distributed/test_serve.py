@@ -2,7 +2,9 @@
 launch: a streamed and a whole request sent together get the same greedy text under
 ``auto`` (the default), with rank 1's own block chooser rigged to choose plain steps while
 rank 0's probes the block at its 8th cycle, so the ranks stay paired only by taking rank
-0's blocks; then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
+0's blocks; the same prompt again gets it too, although rank 0 restores it from its
+prompt-cache folder and rank 1 cannot write its own (the ranks agree to restore nothing,
+never part); then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
 error event in the API's shape and exits within 30 s with one line naming rank 1."""
 
 import json
@@ -77,8 +79,11 @@ class _Reader(threading.Thread):
 def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(tiny_dir, tmp_path):
     model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
     cmd = [*ring(2), "--", sys.executable, str(WORKER)]  # rank 1 rigged to choose plain
+    (tmp_path / "pc").mkdir()
+    (tmp_path / "pc" / "rank1").write_text("a file: rank 1 cannot write its folder")
+    disk = ["--prompt-cache-dir", str(tmp_path / "pc"), "--prompt-cache-gb", "0"]  # all to disk
     proc = subprocess.Popen(
-        [*cmd, "serve", *model, "--port", "0", "--max-batch", "4"],
+        [*cmd, "serve", *model, "--port", "0", "--max-batch", "4", *disk],
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -102,6 +107,8 @@ def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(ti
         for t in both:
             t.join(120)
         assert got[True] == got[False] and got[True], got  # batched together, same text
+        assert _text(port, False, 24) == got[True]  # rank 0's disk holds it, rank 1's cannot
+        assert list((tmp_path / "pc" / "rank0").glob("*/e-*")), "rank 0 saved no entry"
         ranks = _ranks(proc.pid)
         assert sorted(ranks) == [0, 1], "".join(reader.lines)[-2000:]
 

@@ -86,6 +86,28 @@ def test_registry_has_the_known_drafters():
     assert len(aliases) == len(set(aliases)) and "demo" in aliases
 
 
+def test_moe_aliases_name_z_labs_drafters_and_carry_moe_shapes_of_a_supported_family():
+    from dflash_mlx.bench.roofline_data import ARCHS
+    from dflash_mlx.bench.roofline_moe import moe_of
+    from dflash_mlx.model.target import SUPPORTED
+
+    moe = {e.alias: e for e in registry.ENTRIES if e.moe}
+    assert set(moe) == {"Qwen3.6-35B-A3B", "Qwen3.5-35B-A3B", "Qwen3-Coder-30B-A3B"}
+    for alias, e in moe.items():
+        arch = ARCHS[alias]  # `dflash roofline --model ALIAS` works offline
+        assert moe_of(arch["target"]) is not None
+        assert e.block_size == arch["drafter"]["dflash_config"]["block_size"] == 16
+        assert e.drafters == (f"z-lab/{alias}-DFlash",) and e.kind == "DFlash 1"
+    r = resolve("qwen3-coder-30b-a3b", quant="8bit")
+    assert r.target == "mlx-community/Qwen3-Coder-30B-A3B-Instruct-8bit"
+    # a Hub id of the target finds its drafter, the quant suffix ignored
+    assert registry.entry_for_target("mlx-community/Qwen3.6-35B-A3B-4bit").alias.startswith(
+        "Qwen3.6"
+    )
+    for alias, arch in ARCHS.items():  # every alias with shapes names a family we run
+        assert registry.find(alias) is not None and arch["target"]["model_type"] in SUPPORTED
+
+
 @pytest.mark.parametrize(
     "name, expect",
     [

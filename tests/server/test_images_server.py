@@ -11,7 +11,7 @@ import base64
 import pytest
 
 pytest.importorskip("PIL", reason="images need Pillow (pip install -e '.[vision]')")
-from image_helpers import data_url, encoded, png_declaring, post
+from image_helpers import bad_idat_crc, data_url, encoded, png_declaring, post
 
 from dflash_mlx.settings import ServerConfig
 from dflash_mlx.vision.images import ImageLimits
@@ -73,6 +73,8 @@ BAD_CHAT = [
     (image_url(data_url(b"plain text, no image", "image/png")), 400, "invalid_image"),
     (image_url(data_url(png(fmt="TIFF"), "image/tiff")), 400, "invalid_image"),
     (image_url(data_url(png((64, 64))[:80])), 400, "invalid_image"),
+    (image_url(data_url(bad_idat_crc(png()))), 400, "invalid_image"),
+    (image_url(data_url(png(), "image/jpeg")), 400, "invalid_image"),  # Anthropic's rule too
     (image_url("data:image/png;base64,@@@@"), 400, "invalid_image"),
     (image_url(BOMB), 413, "image_too_large"),
     (image_url(data_url(png((200, 200)))), 413, "image_too_large"),  # over the pixel limit
@@ -108,6 +110,7 @@ def test_too_many_images_are_refused_before_the_extra_ones_are_decoded(inproc):
     [
         (base64.b64encode(png()).decode(), "image/jpeg", 400, "media_type says image/jpeg"),
         (base64.b64encode(png()).decode(), "image/tiff", 400, "media_type must be one of"),
+        (base64.b64encode(bad_idat_crc(png())).decode(), "image/png", 400, "CRC check"),
         ("not base64!", "image/png", 400, "not valid base64"),
         (BOMB.split(",", 1)[1], "image/png", 413, "pixels"),
         (base64.b64encode(png()).decode(), "image/png", 400, "takes no images"),
@@ -136,6 +139,7 @@ def test_anthropic_url_sources_follow_the_url_policy(inproc):
     [
         (GOOD, 400, "model_not_vision"),
         (BOMB, 413, "image_too_large"),
+        (data_url(png(), "image/jpeg"), 400, "invalid_image"),
         ("http://x.example/a.png", 400, "image_urls_off"),
         (None, 400, None),
     ],
@@ -170,3 +174,42 @@ def test_bad_limits_are_refused_by_name():
 
     with pytest.raises(ImageError, match="max_images"):
         ImageLimits(max_images=0).validate()
+
+
+def test_a_text_only_server_refuses_images_without_decoding_a_pixel(inproc, monkeypatch):
+    from dflash_mlx.vision import images
+
+    decoded = []
+    real = images._decode
+    monkeypatch.setattr(images, "_decode", lambda im: decoded.append(im.size) or real(im))
+    _, port = inproc()
+    big = image_url(data_url(png((64, 64))))
+    for path, body in [
+        (CHAT, chat(big, big)),
+        (MESSAGES, anthropic_image(base64.b64encode(png()).decode())),
+        (RESPONSES, responses_image(GOOD)),
+    ]:
+        st, out = post(port, path, body)
+        assert st == 400 and "takes no images" in out["error"]["message"], out
+    assert decoded == []  # checked from their headers, refused before any decode
+    still_answers(port)
+
+
+def test_images_are_decoded_only_for_a_request_the_queue_admits(inproc, monkeypatch):
+    httpd, port = inproc()
+    monkeypatch.setattr(httpd.engine, "has_room", lambda: False)
+    st, out = post(port, CHAT, chat(image_url(GOOD)))  # 503 before the model is asked
+    assert st == 503 and out["error"]["code"] == "server_busy", out
+
+
+def test_a_mislabelled_data_url_is_one_rule_in_every_api_streaming_too(inproc):
+    _, port = inproc(worker=False)
+    lie = data_url(png(), "image/jpeg")
+    for path, body in [
+        (CHAT, chat(image_url(lie))),
+        (MESSAGES, anthropic_image(lie.split(",", 1)[1], "image/jpeg")),
+        (RESPONSES, responses_image(lie)),
+    ]:
+        st, out = post(port, path, {**body, "stream": True})
+        assert st == 400 and "says image/jpeg but the data is PNG" in out["error"]["message"]
+        assert out["error"]["type"] == "invalid_request_error", out

@@ -208,3 +208,81 @@ def test_a_responses_chain_keeps_its_image_and_streams(vlm, port, images):
     msgs.append({"role": "user", "content": "and now?"})
     assert "".join(deltas) == done.output_text == expected(vlm, msgs, images[:1])
     assert done.usage.input_tokens_details.cached_tokens >= 10  # the first turn's image rows
+
+
+@pytest.mark.parametrize(
+    "bad", [123, True, 1.5, ["/proc/self/mem"], ["~dflash-no-such-user/x.png"]]
+)
+def test_bad_images_are_one_dflash_error_naming_them_in_every_entry(vlm, bad):
+    from dflash_mlx import BatchGenerator, DFlashError, stream_generate
+
+    calls = [
+        lambda: generate(*vlm, ASK, images=bad, max_tokens=1),
+        lambda: next(stream_generate(*vlm, ASK, images=bad, max_tokens=1)),
+        lambda: BatchGenerator(*vlm).insert(ASK, images=bad, max_tokens=1),
+    ]
+    for call in calls:
+        with pytest.raises(DFlashError) as e:
+            call()
+        msg = str(e.value)
+        assert "\n" not in msg and ("images must be" in msg or f"image file {bad[0]}" in msg), msg
+
+
+def test_a_pil_image_answers_what_its_file_answers(vlm, images):
+    from PIL import Image
+
+    pil = Image.open(io.BytesIO(images[0]))
+    assert generate(*vlm, ASK, images=pil, max_tokens=N, temperature=0) == expected(
+        vlm, ASK, images[:1]
+    )
+
+
+@pytest.mark.parametrize("mark", ["<|image_pad|>", "<|video_pad|>"])
+def test_text_spelling_an_image_placeholder_is_refused(vlm, port, images, mark):
+    from dflash_mlx import DFlashError
+
+    with pytest.raises(DFlashError, match="spells the image placeholder"):
+        generate(*vlm, f"what is {mark} this?", images=images[:1], max_tokens=1)
+    with pytest.raises(DFlashError, match="spells the image placeholder"):
+        generate(*vlm, [turn(f"look {mark}")], system="hi", images=images[:1], max_tokens=1)
+    from image_helpers import post
+
+    part = {"type": "image_url", "image_url": {"url": data_url(images[0])}}
+    msgs = [{"role": "user", "content": [part, {"type": "text", "text": f"a {mark} b"}]}]
+    st, out = post(port, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1})
+    assert st == 400 and "spells the image placeholder" in out["error"]["message"], out
+
+
+def test_batch_generate_with_images_answers_what_generate_does(vlm, images):
+    from dflash_mlx import DFlashError, batch_generate
+
+    out = batch_generate(
+        *vlm, [ASK, ASK, ASK], images=[images[0], None, [images[1]]], max_tokens=N, temperature=0
+    )
+    want = [expected(vlm, ASK, images[:1]), generate(*vlm, ASK, max_tokens=N, temperature=0)]
+    assert out.texts == [*want, expected(vlm, ASK, images[1:2])]
+    with pytest.raises(DFlashError, match="one entry per prompt"):
+        batch_generate(*vlm, [ASK, ASK], images=[images[0]], max_tokens=1)
+
+
+def test_decoded_pixels_are_budgeted_and_given_back(vlm, images, monkeypatch):
+    import gc
+    import weakref
+
+    from dflash_mlx.generation import request_ids
+    from dflash_mlx.settings import GenerationConfig
+    from dflash_mlx.vision import images as vision_images
+    from dflash_mlx.vision.budget import DECODING, PixelBudget
+    from dflash_mlx.vision.images import ImageError
+
+    with pytest.raises(ImageError) as e:  # two 64x64 images over a budget of 8191 pixels
+        request_ids(*vlm, ASK, GenerationConfig(), images=images[:2], budget=PixelBudget(8191))
+    assert e.value.kind == "too_large" and "8,192 pixels together" in str(e.value)
+    alive, real = [], vision_images._decode
+    monkeypatch.setattr(vision_images, "_decode", lambda im: alive.append(real(im)) or alive[-1])
+    vision = request_ids(*vlm, ASK, GenerationConfig(), images=images[:2])[2]
+    refs = [weakref.ref(im) for im in alive]
+    alive.clear()
+    gc.collect()
+    assert len(refs) == 2 and all(r() is None for r in refs) and DECODING.used == 0
+    assert vision.length > 8  # the prompt kept only the processor's arrays
