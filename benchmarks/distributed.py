@@ -1,20 +1,22 @@
 """Several processes as one Mac would be several Macs (docs/distributed.md, "Benchmark"):
-the demo pair sharded over ``mlx.launch -n N --backend ring`` on this machine (loopback),
-plain sharded decoding against DFlash on the same sharded target, and the unsharded pair.
+``dflash bench`` on the demo pair sharded over ``mlx.launch -n N --backend ring`` on this
+machine (loopback), against the same bench in one process. Every figure is the bench's own
+(its JSON), so the command each row prints is what a user runs to get it.
 
-    python benchmarks/distributed.py                       # tensor, 3 ranks, delays 0 0.1 1
+    python benchmarks/distributed.py                       # tensor, 3 ranks; hook off, 0, 1 ms
     python benchmarks/distributed.py --modes pipeline      # pipeline, 2 ranks
-    python benchmarks/distributed.py --modes tensor pipeline --json out.json
+    python benchmarks/distributed.py --delays off --json out.json
 
-Per mode and per injected delay (``DFLASH_TEST_LINK_DELAY_MS``, ``distributed/link.py``:
-every collective's input evaluated, then a sleep, then the collective), one launch: each
-rank loads the demo pair sharded, decodes the same prompts plainly (mlx-lm's
-``generate_step`` on the sharded target) and with DFlash (the checkpoint's block), and
-rank 0 reports tokens/s, tau and the collectives issued per generated token (counted by
-the hook). The unsharded row runs in one process with the hook counting nothing. The demo
-needs 3 ranks for tensor parallelism (9 query / 3 key-value heads); pipeline runs on 2. A
-mode that ``load`` refuses is a row saying so. Plain decoding stops at an end-of-sequence
-token as DFlash does, so both count the same tokens.
+Per mode and per link setting, one launch of ``dflash bench --model demo --max-samples 2
+--max-tokens T --temp 0`` (the built-in prompts; ``--block-size`` if given): plain decoding
+(mlx-lm's ``generate_step`` on the sharded target) against DFlash 2 and ``auto`` on the same
+sharded target, each timed from its first token on from one shared prefill, as ``dflash
+bench`` always times. A delay turns on the test hook on the link
+(``DFLASH_TEST_LINK_DELAY_MS``, ``distributed/link.py``: each collective's input evaluated,
+then a sleep, then the collective), which also counts the collectives per generated token;
+"off" leaves MLX's collectives as a user gets them. The demo needs 3 ranks for tensor
+parallelism (9 query / 3 key-value heads); pipeline runs on 2. A mode ``load`` refuses is a
+row saying so.
 """
 
 from __future__ import annotations
@@ -22,121 +24,110 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
+import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import dflash_mlx  # noqa: F401 - before MLX: it preloads the system OpenBLAS (Linux)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-PROMPTS = [
-    "Why is the sky blue? Answer in two sentences.",
-    "Write a short Python function that reverses a string.",
-]
-TIMEOUT = 900  # seconds for one launch, loading included
+TIMEOUT = 1800  # seconds for one launch, loading and the warm-up included
 # the demo's 9 query / 3 key-value heads split over 3 ranks; its 30 layers over 2 stages
 RANKS = {"tensor": 3, "pipeline": 2}
 
 
-def _decode(model, tok, prompt: str, max_tokens: int, dflash: bool) -> dict:
-    """One prompt: seconds, tokens and tau, plain (mlx-lm) or DFlash."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step, generation_stream
-
-    from dflash_mlx import stream_generate
-    from dflash_mlx.generation import encode_prompt, eos_ids
-
-    ids = encode_prompt(tok, prompt)  # the chat template, as `dflash run` would
-    t = time.perf_counter()
-    if dflash:
-        n, tau = 0, 0.0
-        kw = {"max_tokens": max_tokens, "temperature": 0.0, "block_size": model.block_size}
-        for r in stream_generate(model, tok, ids, **kw):
-            n, tau = r.generation_tokens, r.tau
-    else:
-        n, tau, eos = 0, 1.0, eos_ids(tok)
-        for tok_id, _ in generate_step(mx.array(ids), model.target, max_tokens=max_tokens):
-            if int(tok_id) in eos:  # where DFlash stops too: both count the same tokens
-                break
-            n += 1
-        mx.synchronize(generation_stream)  # its step in flight: done before the next run
-    return {"seconds": time.perf_counter() - t, "tokens": n, "tau": tau}
+def bench_args(max_tokens: int, block: int | None, samples: int) -> list[str]:
+    """``dflash bench``'s arguments of every row (the built-in prompts, greedy)."""
+    args = ["bench", "--model", "demo", "--max-samples", str(samples)]
+    args += ["--max-tokens", str(max_tokens), "--temp", "0"]
+    return args + ([] if block is None else ["--block-size", str(block)])
 
 
-def worker(out: Path, mode: str, max_tokens: int) -> None:
-    """One rank (or the one process): load, warm up, time plain and DFlash, write JSON."""
-    import mlx.core as mx  # after dflash_mlx (imported above): a BLAS loaded after MLX is unused
-
-    from dflash_mlx import DFlashError, load
-    from dflash_mlx.distributed import link
-
-    group = mx.distributed.init() if mode != "none" else None
-    rank = group.rank() if group is not None else 0
-    counts = link.install(link.delay_from_env() or 0.0) if group is not None else None
-    kw = {} if mode in ("none", "tensor") else {"shard": mode}
-    try:
-        model, tok = load("demo", **kw)
-    except (TypeError, DFlashError) as e:  # a mode this build does not have
-        (out / f"rank{rank}.json").write_text(json.dumps({"refused": str(e).splitlines()[0]}))
-        return
-    res = {"size": 1 if group is None else group.size()}
-    for name, dflash in (("plain", False), ("dflash", True)):
-        _decode(model, tok, PROMPTS[0], 8, dflash)  # warm-up: compile, caches
-        before = sum(counts.values()) if counts is not None else 0
-        runs = [_decode(model, tok, p, max_tokens, dflash) for p in PROMPTS]
-        after = sum(counts.values()) if counts is not None else 0
-        tokens = sum(r["tokens"] for r in runs)
-        res[name] = {
-            "tok_s": tokens / sum(r["seconds"] for r in runs),
-            "tau": sum(r["tau"] * r["tokens"] for r in runs) / max(tokens, 1),
-            "collectives_per_token": (after - before) / max(tokens, 1),
-            "tokens": tokens,
-        }
-    (out / f"rank{rank}.json").write_text(json.dumps(res))
-
-
-def _launch(mode: str, ranks: int, delay: float, max_tokens: int) -> dict:
-    """One row: the ranks' run (rank 0's figures), or the one process for mode "none"."""
-    out = Path(tempfile.mkdtemp(prefix="dflash-dist-bench-"))
-    me = [sys.executable, __file__, "--worker", str(out), "--mode", mode]
-    me += ["--max-tokens", str(max_tokens)]
-    cmd = me if mode == "none" else [LAUNCH, "-n", str(ranks), "--backend", "ring", "--", *me]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), DFLASH_TEST_LINK_DELAY_MS=f"{delay:g}")
+def _launch(mode: str, ranks: int, delay: str, args: list[str]) -> dict:
+    """One row: rank 0's bench report (``--json``), or the one process for mode "none"."""
+    out = Path(tempfile.mkdtemp(prefix="dflash-dist-bench-")) / "bench.json"
+    me = [sys.executable, "-m", "dflash_mlx.cli", *args, "--json", str(out)]
+    if mode != "none":
+        me += ["--shard", mode]
+    ring = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", _port(ranks)]
+    cmd = me if mode == "none" else [*ring, "--", *me]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("DFLASH_TEST_LINK_DELAY_MS", None)
+    if delay != "off":
+        env["DFLASH_TEST_LINK_DELAY_MS"] = delay
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
+    shown = shlex.join(["dflash" if a == sys.executable else a for a in cmd])
+    shown = shown.replace("dflash -m dflash_mlx.cli", "dflash").replace(LAUNCH, "mlx.launch")
+    if delay != "off":
+        shown = f"DFLASH_TEST_LINK_DELAY_MS={delay} {shown}"
     try:
         log, _ = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
-        return {"failed": f"no answer in {TIMEOUT} s"}
-    try:  # mlx.launch exits 0 even when a rank fails: rank 0's own file is the answer
-        return json.loads((out / "rank0.json").read_text())
+        return {"failed": f"no answer in {TIMEOUT} s", "command": shown}
+    try:  # mlx.launch exits 0 even when a rank fails: rank 0's report is the answer
+        return {"report": json.loads(out.read_text()), "command": shown}
     except (OSError, ValueError):
-        return {"failed": log.decode(errors="replace").strip().splitlines()[-1:]}
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+        lines = log.decode(errors="replace").strip().splitlines()
+        said = [ln for ln in lines if ln.startswith("error:")] or lines[-1:]
+        return {"refused": said[0] if said else "no output", "command": shown}
+
+
+def _port(n: int) -> str:
+    """A starting port with ``n`` free ports: ``mlx.launch``'s default is fixed, and two
+    launches on one machine at once would join one ring."""
+    for _ in range(50):
+        port = random.randrange(20000, 60000)
+        try:
+            for p in range(port, port + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return str(port)
+    raise RuntimeError("no free ports for mlx.launch")
+
+
+def figures(rep: dict) -> dict:
+    """The row's figures from a bench report: plain and DFlash 2 tok/s, their ratio, tau,
+    ``auto``'s ratio, and the collectives per token where the link hook counted them."""
+    m = rep["methods"]
+    plain, dflash = m["autoregressive"], m.get("dflash2") or m["dflash1"]
+    return {
+        "plain_tok_s": plain["tok_per_s"],
+        "dflash_tok_s": dflash["tok_per_s"],
+        "speedup": dflash["speedup"],
+        "tau": dflash["tau"],
+        "auto_speedup": m["auto"]["speedup"] if "auto" in m else None,
+        "coll_plain": plain.get("collectives_per_token"),
+        "coll_dflash": dflash.get("collectives_per_token"),
+        "group": rep.get("group", {"ranks": 1}),
+    }
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as text: tok/s plain and DFlash, their ratio, tau, collectives per token."""
-    head = f"{'mode':<10}{'ranks':>6}{'delay ms':>9}{'plain tok/s':>12}{'DFlash tok/s':>13}"
-    head += f"{'DFlash/plain':>13}{'tau':>6}{'coll/token plain':>17}{'DFlash':>8}"
+    """The rows as text: tok/s plain and DFlash 2, their ratio, tau, auto, collectives."""
+    head = f"{'mode':<10}{'ranks':>6}{'link':>6}{'plain tok/s':>12}{'DFlash tok/s':>13}"
+    head += f"{'DFlash/plain':>13}{'tau':>6}{'auto/plain':>11}{'coll/token plain':>17}{'DFlash':>8}"
     lines = [head]
     for r in rows:
-        lead = f"{r['mode']:<10}{r['ranks']:>6}{r['delay_ms']:>9g}"
-        if "plain" not in r:
-            lines.append(lead + "  " + (r.get("refused") and "refused: " + r["refused"] or str(r)))
+        lead = f"{r['mode']:<10}{r['ranks']:>6}{r['delay']:>6}"
+        if "figures" not in r:
+            lines.append(f"{lead}  {r.get('refused') or r.get('failed')}")
             continue
-        p, d = r["plain"], r["dflash"]
+        f = r["figures"]
+        auto = "-" if f["auto_speedup"] is None else f"{f['auto_speedup']:.2f}x"
+        coll = [("-" if c is None else f"{c:.1f}") for c in (f["coll_plain"], f["coll_dflash"])]
         lines.append(
-            f"{lead}{p['tok_s']:>12.1f}{d['tok_s']:>13.1f}{d['tok_s'] / p['tok_s']:>12.2f}x"
-            f"{d['tau']:>6.2f}{p['collectives_per_token']:>17.1f}{d['collectives_per_token']:>8.1f}"
+            f"{lead}{f['plain_tok_s']:>12.1f}{f['dflash_tok_s']:>13.1f}{f['speedup']:>12.2f}x"
+            f"{f['tau']:>6.2f}{auto:>11}{coll[0]:>17}{coll[1]:>8}"
         )
     return "\n".join(lines)
 
@@ -145,23 +136,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", default=["tensor"], choices=["tensor", "pipeline"])
     ap.add_argument("--ranks", type=int, help="processes (default: tensor 3, pipeline 2)")
-    ap.add_argument("--delays", nargs="+", type=float, default=[0.0, 0.1, 1.0], help="ms")
+    ap.add_argument(
+        "--delays", nargs="+", default=["off", "0", "1"], help="'off' (no hook) or ms each"
+    )
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--json", help="also write the rows here")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--max-samples", type=int, default=2, help="built-in prompts")
+    ap.add_argument("--block-size", type=int, help="default: the checkpoint's")
+    ap.add_argument("--json", help="also write the rows (with each bench report) here")
     a = ap.parse_args()
-    if a.worker:
-        return worker(Path(a.worker), a.mode, a.max_tokens)
-    rows = [
-        {"mode": "unsharded", "ranks": 1, "delay_ms": 0.0, **_launch("none", 1, 0, a.max_tokens)}
-    ]
+    args = bench_args(a.max_tokens, a.block_size, a.max_samples)
+    runs = [("unsharded", "none", 1, "off")]
     for mode in a.modes:
-        for delay in a.delays:
-            ranks = a.ranks or RANKS[mode]
-            got = _launch(mode, ranks, delay, a.max_tokens)
-            rows.append({"mode": mode, "ranks": ranks, "delay_ms": delay, **got})
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        runs += [(mode, mode, a.ranks or RANKS[mode], d) for d in a.delays]
+    rows = []
+    for name, mode, ranks, delay in runs:
+        got = _launch(mode, ranks, delay, args)
+        row = {"mode": name, "ranks": ranks, "delay": delay, **got}
+        if "report" in got:
+            row["figures"] = figures(got["report"])
+        rows.append(row)
+        print(table(rows[-1:]).splitlines()[-1], f"  <- {got['command']}", flush=True)
     print(f"load: {os.getloadavg()[0]:.1f} (1-min average, {os.cpu_count()} cores)")
     print(table(rows))
     if a.json:

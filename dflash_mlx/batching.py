@@ -22,6 +22,7 @@ from .decoding.probe import PROBE_MAX, PROBE_START
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import generation_stream
+from .distributed import policy as across
 from .errors import DFlashError
 from .generation import (
     GenerationResponse,
@@ -35,6 +36,13 @@ from .generation import (
 )
 from .settings import AUTO, GenerationConfig
 from .vision.notes import batch_note, vision_language
+
+
+def one_at_a_time(model: DFlashModel) -> bool:
+    """Whether a batch decodes this pair's requests one at a time (``stream_generate``, and
+    its ``auto`` the warm-up's cost tables): a hybrid target cannot roll rows back in one
+    shared cache, and a vision-language target's caches carry one request's images."""
+    return model.adapter.is_hybrid or vision_language(model)
 
 
 class BlockChooser:
@@ -103,10 +111,10 @@ class BatchGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = inputs.check_count(max_batch, "max_batch")
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
-        # a vision-language target's caches carry its request's images: one at a time too
-        self.hybrid = model.adapter.is_hybrid or vision_language(model)
+        self.hybrid = one_at_a_time(model)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
-        self.chooser = BlockChooser(model.block_size)
+        # under mlx.launch rank 0's choices (its clock), so every rank steps alike
+        self.chooser = across.follow_blocks(BlockChooser(model.block_size), model.group)
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
         self.requests: dict[int, _Request] = {}
         self.solo: dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time

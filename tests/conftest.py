@@ -42,6 +42,7 @@ SLOW_FIRST = (
     "distributed/test_pipeline.py",
     "distributed/test_sharded.py",
     "distributed/test_serve.py",
+    "vision/test_ranks.py",
     "distributed/test_refusals.py",
     "vision/test_images_api.py",
     "vision/test_engine.py",

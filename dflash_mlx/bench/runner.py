@@ -20,7 +20,8 @@ from .. import ops
 from ..decoding.acceptance import SamplingParams
 from ..decoding.loop import DecodeOptions, decode
 from ..decoding.stats import CycleStats
-from ..decoding.warmup import ensure
+from ..distributed import link
+from ..distributed import policy as across
 from ..generation import encode_prompt
 from ..model.drafter import block_mask, embed_block
 from ..model.selector import top_candidates
@@ -46,6 +47,7 @@ class PromptResult:
     continuation: list[int] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)  # each method's tokens
     experts: dict[str, dict] = field(default_factory=dict)  # a MoE target's (moe.py take)
+    collectives: dict[str, int] = field(default_factory=dict)  # under the link hook only
 
 
 def _experts(model, res: PromptResult | None = None, name: str = "") -> None:
@@ -110,9 +112,10 @@ def _dflash(
     stats, out, t_first = CycleStats(block), [], None
     sel = selector and model.drafter.has_selector
     auto = name == "auto"
-    sched = (
-        ensure(model).scheduler(temp == 0, sel, lookup=lookup, context=len(ids)) if auto else None
-    )
+    sched = None
+    if auto:  # under mlx.launch: every rank warms up alike and takes rank 0's choices
+        tuning = across.ensure(model, model.group)
+        sched = tuning.scheduler(temp == 0, sel, lookup=lookup, context=len(ids))
     _experts(model)
     for c in decode(
         model,
@@ -124,7 +127,7 @@ def _dflash(
             block_size=block,
             use_selector=selector,
             key=key,
-            policy=sched,
+            policy=across.follow(sched, model.group),
             lookup=lookup,
             tree=tree,
             kv=kv,
@@ -223,7 +226,7 @@ def run_bench(
         kv: (kv_bits, kv_group_size, quantized_kv_start) for every method, mlx-lm's too
             (each method then prefills the prompt itself).
         latency: add ``latency_split`` of the first prompt (one more profiled decode).
-        auto: also run ``auto`` (False across ranks: it times cycles, which could part them).
+        auto: also run ``auto`` (across ranks rank 0 decides its blocks: ``distributed.policy``).
     """
     check_block_size(block_size, model.block_size)
     block = model.block_size if block_size in (None, AUTO) else block_size
@@ -262,15 +265,21 @@ def _methods(
     def own():
         return {"cache": None if prefix is None else copied(prefix)}
 
-    _autoregressive(model, ids, max_tokens, temp, seed, res, kv, **own())
+    def run(name, method, *a, **k):  # the collectives each method issued (link hook on)
+        before = link.total()
+        method(*a, **k, **own())
+        if before is not None:
+            res.collectives[name] = link.total() - before
+
+    run("autoregressive", _autoregressive, model, ids, max_tokens, temp, seed, res, kv)
     args, kw = (model, ids, max_tokens, block, temp, seed), {"tree": tree, "kv": kv}
-    _dflash(*args, False, "dflash1", res, **kw, **own())
+    run("dflash1", _dflash, *args, False, "dflash1", res, **kw)
     if model.drafter.has_selector:
-        _dflash(*args, True, "dflash2", res, **kw, **own())
+        run("dflash2", _dflash, *args, True, "dflash2", res, **kw)
     if lookup:
-        _dflash(*args, True, "dflash2+lookup", res, lookup=True, **kw, **own())
+        run("dflash2+lookup", _dflash, *args, True, "dflash2+lookup", res, lookup=True, **kw)
     if auto:
-        _dflash(*args, True, "auto", res, lookup=lookup, **kw, **own())
+        run("auto", _dflash, *args, True, "auto", res, lookup=lookup, **kw)
     return res
 
 
@@ -364,6 +373,8 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             "drafter": getattr(model, "drafter_path", ""),
         },
         "blas": ops.backend_name(),
+        # the ranks the target was sharded over (docs/distributed.md); one process: ranks 1
+        "group": getattr(model, "group_info", None) or {"ranks": 1},
         "methods": {},
         "positions": {},
     }
@@ -371,6 +382,8 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
         toks = sum(r.tokens[m] for r in results)
         secs = sum(r.seconds[m] for r in results)
         row = {"tokens": toks, "tok_per_s": (toks - len(results)) / max(secs, 1e-9)}
+        if all(m in r.collectives for r in results):  # the link hook's count (a benchmark)
+            row["collectives_per_token"] = sum(r.collectives[m] for r in results) / max(toks, 1)
         if m != "autoregressive":
             st = CycleStats(block)
             for r in results:

@@ -90,7 +90,7 @@ def bench(
             f"per-position Recall can be measured; pass -m {block} or more"
         )
     with guard:
-        rep = _measure(m, tok, prompts, cfg, raw=not chat_template, auto=rank is None)
+        rep = _measure(m, tok, prompts, cfg, raw=not chat_template)
     from rich.console import Console
 
     print_report(rep, Console(highlight=False))
@@ -165,29 +165,22 @@ def check_output(path: str, flag: str, suffixes=None) -> str:
 
 
 def _ranks(m, cfg: GenerationConfig):
-    """(this rank, the settings, a guard): under ``mlx.launch`` a fixed block and the
-    watchdog's guard, said in notes; (None, cfg, a null guard) in one process. Every rank
-    runs the same bench (same collectives), without ``auto``, which times its cycles and
-    could part the ranks."""
+    """(this rank, the settings, a guard): under ``mlx.launch`` rank 0's seed and the
+    watchdog's guard; (None, cfg, a null guard) in one process. Every rank runs the same
+    bench (same collectives); ``auto`` takes rank 0's choices (``distributed.policy``)."""
     from contextlib import nullcontext
 
-    from .. import distributed
-
-    group = distributed.group()
+    group = m.group
     if group is None:
         return None, cfg, nullcontext()
     from ..distributed import follow
 
     channel, dog = follow.start(group)
-    cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
-    cfg = follow.seeded(cfg, channel.seed)
-    print("note: several processes: the bench runs without auto", file=sys.stderr)
-    return group.rank(), cfg, follow.guarded(dog)
+    return group.rank(), follow.seeded(cfg, channel.seed), follow.guarded(dog)
 
 
-def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool, auto: bool = True) -> dict:
-    """Run the benchmark with a progress bar; the report with the latency split added
-    (``auto``: also the ``auto`` method)."""
+def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:
+    """Run the benchmark with a progress bar; the report with the latency split added."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -213,7 +206,6 @@ def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool, auto: bool = Tru
             if cfg.kv_bits is None
             else (cfg.kv_bits, cfg.kv_group_size, cfg.quantized_kv_start),
             latency=True,
-            auto=auto,
         )
     return rep
 
@@ -258,7 +250,7 @@ def print_report(rep: dict, console) -> None:
     t = Table(
         title=f"dflash bench — {c['prompts']} prompts (~{c.get('prompt_tokens', '?')} tokens), "
         f"block {c['block_size']}, "
-        f"T={c['temperature']}, BLAS: {rep['blas']}"
+        f"T={c['temperature']}, BLAS: {rep['blas']}{group_text(rep.get('group'))}"
     )
     moe = any(row.get("experts") for row in rep["methods"].values())
     cols = ("method", "tau", "tok/s", "speedup", "blocks (plain share)")
@@ -301,6 +293,15 @@ def print_report(rep: dict, console) -> None:
             s.add_column(n, justify="right")
         s.add_row(*[f"{100 * split[n]:.1f}%" for n in names])
         console.print(s)
+
+
+def group_text(group: dict | None) -> str:
+    """The table title's words for the ranks the bench ran on ("" for one process)."""
+    if not group or group.get("ranks", 1) == 1:
+        return ""
+    words = f", {group['ranks']} ranks ({group['shard']}, {group['backend']}, {group['link']}"
+    delay = group.get("injected_delay_ms")
+    return words + ("" if delay is None else f", +{delay:g} ms a collective injected") + ")"
 
 
 def write_json(rep: dict, path: str) -> None:

@@ -53,18 +53,15 @@ class ChatLead:
 
 
 def start(group, m, cfg):
-    """(settings with a fixed block, ``ChatLead`` on rank 0 or None elsewhere) of a chat
-    across ranks; every rank calls it after loading.
+    """(the settings, ``ChatLead`` on rank 0 or (channel, watchdog) elsewhere) of a chat
+    across ranks; every rank calls it after loading. ``auto`` follows rank 0's choices in
+    each turn's decode (``distributed.policy``).
 
     Args:
         group: the launched group. m: the loaded pair. cfg: the command's settings.
     """
-    import sys
-
-    from .. import distributed
     from ..distributed import follow
 
-    cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
     channel, dog = follow.start(group)
     return cfg, (ChatLead(channel, dog) if group.rank() == 0 else (channel, dog))
 

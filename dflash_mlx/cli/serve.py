@@ -98,7 +98,8 @@ def serve(
             "--kv-bits needs --max-batch 1 (batched requests share one cache), in one process"
         )
     sock = _listen(host, port, api_key, group)
-    m, tok, prompt_cache_gb, cfg = _load(src, quiet, verbose, cfg, prompt_cache_gb, sock)
+    batched = max_batch > 1 or group is not None
+    m, tok, prompt_cache_gb, cfg = _load(src, quiet, verbose, cfg, prompt_cache_gb, sock, batched)
     ranks = _across_ranks(group, m, tok, prompt_cache_dir)
     if ranks is None:
         return  # another rank than 0: it followed rank 0 to its end
@@ -152,21 +153,23 @@ def _across_ranks(group, m, tok, cache_dir: str | None):
     return follow.Lead(channel, dog), cache_dir
 
 
-def _load(src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb, sock=None):
+def _load(
+    src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb, sock=None, batched=True
+):
     """(model, tokenizer, the prompt caches' GB inside the memory budget, the default
-    settings) for ``serve``; under ``mlx.launch`` ``auto`` becomes a fixed block. A load
-    that fails closes ``sock`` (the listening socket, if any)."""
-    from .. import distributed
+    settings) for ``serve``. ``auto``'s cost tables are measured now (not under the first
+    request's lock) where requests will read them: served one at a time (``batched``
+    False), or on a target a batch decodes one at a time; a batch's own ``auto`` times its
+    cycles instead. A load that fails closes ``sock`` (the listening socket, if any)."""
+    from ..batching import one_at_a_time
     from ..server.prompt_cache import pool_gb
 
     try:
         m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
-        if distributed.group() is not None:
-            cfg = distributed.fixed_block(cfg, m.block_size, lambda s: print(s, file=sys.stderr))
-        if cfg.block_size == "auto":  # measured now, not under the first request's lock
-            from ..decoding.warmup import ensure
+        if cfg.block_size == "auto" and (not batched or one_at_a_time(m)):
+            from ..distributed.policy import ensure
 
-            ensure(m)
+            ensure(m, m.group)  # under mlx.launch on every rank, rank 0's tables
         return m, tok, pool_gb(m, cache_gb, src.max_memory), cfg
     except BaseException:
         if sock is not None:

@@ -60,6 +60,9 @@ class DFlashModel:
     # The ``mx.distributed.Group`` the target is sharded over (None: one process); the
     # ``auto`` schedule then follows rank 0 (``distributed/policy.py``).
     group: object | None = field(default=None, repr=False, compare=False)
+    # That group as ``distributed.describe`` says it (ranks, shard mode, backend, link), or
+    # None: the warm-up costs are stored per group, and ``dflash bench`` reports it.
+    group_info: dict | None = field(default=None, repr=False, compare=False)
     # The tokenizer ``load`` returned with this pair (None: built by hand); another tokenizer
     # passes the door only where its ids mean what this one's do (``inputs.check_tokenizer``).
     tokenizer: object | None = field(default=None, repr=False, compare=False)

@@ -65,13 +65,29 @@ def shard(target, group, mode=None) -> str | None:
         return None
     import mlx.core as mx
 
-    chosen = pipeline.mode(target, mode, group.size())
+    if getattr(target, "vision_language", False):  # mlx-vlm's model: our own split
+        chosen = _vision(target, group, mode)
+    else:
+        chosen = pipeline.mode(target, mode, group.size())
     if chosen == "pipeline":
         pipeline.split(target, group)
-    else:
+    elif not getattr(target, "vision_language", False):
         _tensor(target, group)
     mx.eval(target.parameters())
     return chosen
+
+
+def _vision(target, group, mode) -> str:
+    """A vision-language target split by tensor parallelism (``vision.shard``)."""
+    from ..vision import shard as vision
+
+    if mode == "pipeline":
+        raise DFlashError(
+            "a vision-language target runs under mlx.launch with --shard tensor only; "
+            "drop --shard pipeline"
+        )
+    vision.shard(target, group)
+    return "tensor"
 
 
 def _tensor(target, group) -> None:
@@ -118,20 +134,51 @@ def speak_only_on_rank_zero(group) -> None:
         sys.stdout, sys.stderr = devnull, devnull
 
 
-def fixed_block(cfg, block: int, note=print):
-    """``cfg`` with ``block_size="auto"`` replaced by ``block``, said in one note: the
-    commands whose ranks replay rank 0's calls (serve, chat, bench) do not send auto's
-    choices yet (``dflash run`` and the Python API do: ``policy.py``).
+def describe(group, mode: str | None) -> dict | None:
+    """What ``dflash bench`` reports of the group, and what keys the warm-up costs stored
+    for it: {"ranks", "shard", "backend", "link"}, plus "injected_delay_ms" when the
+    benchmark's link hook is on (``link.py``); None for one process.
 
     Args:
-        cfg: a ``GenerationConfig``. block: the checkpoint's block. note: where to say it.
+        group: the ``mx.distributed.Group`` or None. mode: what ``shard`` returned.
     """
-    from dataclasses import replace
+    if group is None:
+        return None
+    from .link import delay_from_env
 
-    if cfg.block_size != "auto":
-        return cfg
-    note(
-        f"note: several processes: block size {block} instead of auto (this command does "
-        "not share auto's choices across processes yet); --block-size N to choose another"
-    )
-    return replace(cfg, block_size=block)
+    info = {"ranks": group.size(), "shard": mode, "backend": backend(), "link": link_kind()}
+    delay = delay_from_env()
+    if delay is not None:
+        info["injected_delay_ms"] = delay * 1e3
+    return info
+
+
+def backend() -> str:
+    """The backend ``mlx.launch`` started, from the environment it gives each rank."""
+    env = os.environ
+    if "MLX_JACCL_COORDINATOR" in env:
+        return "jaccl-ring" if env.get("MLX_JACCL_RING") else "jaccl"
+    if env.get("MLX_HOSTFILE"):
+        return "ring"
+    if "NCCL_HOST_IP" in env:
+        return "nccl"
+    return "mpi" if any(k in env for k in RANK_ENV[1:]) else "unknown"
+
+
+def link_kind() -> str:
+    """What joins the ranks, as far as this rank can tell: "loopback" when the ring's
+    hostfile lists this machine alone, "rdma" under JACCL (Thunderbolt 5), "tcp" for a ring
+    over other addresses (Thunderbolt bridge or Ethernet: not told apart), else "unknown"."""
+    import json
+
+    if backend().startswith("jaccl"):
+        return "rdma"
+    path = os.environ.get("MLX_HOSTFILE", "")
+    try:
+        with open(path) as f:
+            hosts = json.load(f)
+        ips = {a.rsplit(":", 1)[0] for node in hosts for a in node}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return "unknown"
+    local = all(ip.startswith("127.") or ip in ("localhost", "::1") for ip in ips)
+    return "loopback" if ips and local else "tcp"

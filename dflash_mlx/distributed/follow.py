@@ -88,14 +88,6 @@ def seeded(cfg, seed: int):
     return cfg if cfg.seed is not None else replace(cfg, seed=seed % 2**31)
 
 
-def pinned(cfg, block: int, seed: int):
-    """``cfg`` with what each rank could pick differently fixed: the seed (else read from
-    the clock) and ``block_size="auto"`` (it times cycles) replaced by ``block``."""
-    if cfg.block_size == "auto":
-        cfg = replace(cfg, block_size=block)
-    return seeded(cfg, seed)
-
-
 def start(group):
     """(channel, watchdog) of a command run across ranks: every rank calls it at the same
     point, after loading. Rank 0's normal exit tells the others it was no fault. The
@@ -219,20 +211,24 @@ class LeadBatch:
     def __getattr__(self, name):
         return getattr(self._gen, name)
 
-    def insert(self, ids: list[int], config, *, cache=None, processors=()) -> int:
-        """As ``BatchGenerator.insert`` with the seed and block pinned (``pinned``).
+    def insert(self, ids: list[int], config, *, cache=None, processors=(), images=None) -> int:
+        """As ``BatchGenerator.insert`` with rank 0's seed (``seeded``); ``auto`` follows
+        rank 0's blocks in the batch itself (``policy.FollowBlocks``).
 
         Raises:
             DFlashError: logits processors (a grammar, a thinking budget), which cannot be
-                sent to the other ranks yet; or what ``insert`` refuses.
+                sent to the other ranks yet; images (``IMAGES_ACROSS``); or what
+                ``insert`` refuses.
         """
         if processors:
             raise DFlashError(
                 "structured output (response_format, a forced tool call) and thinking "
                 "budgets do not run across several processes yet; send the request without them"
             )
+        if images is not None:
+            raise DFlashError(IMAGES_ACROSS)
         seed = int.from_bytes(os.urandom(4), "little")
-        cfg = pinned(config, self._gen.model.block_size, seed)
+        cfg = seeded(config, seed)
         uid = self._gen.insert(ids, cfg, cache=cache)
         h = None if cache is None else self._lead.handles[id(cache)]
         self._lead.ops.append(["insert", list(ids), config_dict(cfg), h])
@@ -250,6 +246,14 @@ class LeadBatch:
             return self._gen.step()
         except RuntimeError as e:  # MLX's ring: "connection to a peer was lost"
             self._lead.broke(e)
+
+
+# serve and chat send rank 0's token ids, not a request's images (``dflash run --image`` and
+# the Python API run on every rank with its own copy of the image bytes)
+IMAGES_ACROSS = (
+    "images do not reach the other processes in serve and chat yet; use dflash run "
+    "--image or the Python API under mlx.launch, or serve in one process"
+)
 
 
 class Parted(DFlashError):

@@ -92,3 +92,8 @@ def from_env(group) -> None:
     delay = delay_from_env()
     if group is not None and delay is not None:
         install(delay)
+
+
+def total() -> int | None:
+    """Collectives issued since the hook was installed; None when it is not."""
+    return sum(counts.values()) if _state["original"] else None

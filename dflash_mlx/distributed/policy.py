@@ -6,8 +6,9 @@ the ranks' collectives no longer pair (a hang, or sums of unlike tensors). So ev
 the decode loop steers by (``choose``, ``plain_run``, ``copy_pays``) is rank 0's, sent to
 the others in one small ``all_sum`` (they add zeros). The warm-up that fills the cost
 tables runs the sharded target, so every rank runs it, and rank 0's tables end up on every
-rank. Only decisions travel, never tokens:
-the tokens still follow from identical logits and keys on every rank.
+rank (and in the start-up cache, keyed by the group, for the next launch). A batch's block
+chooser (``dflash serve``) follows rank 0 the same way. Only decisions travel, never
+tokens: the tokens still follow from identical logits and keys on every rank.
 """
 
 from __future__ import annotations
@@ -91,27 +92,80 @@ def follow(policy, group):
     return policy if group is None or policy is None else Follow(policy, group)
 
 
+class FollowBlocks:
+    """A batch's block chooser (``batching.BlockChooser``) whose choices are rank 0's: the
+    batch of ``dflash serve`` times its cycles as a request's scheduler does.
+
+    Args:
+        chooser: the rank's own ``BlockChooser``. group: the group.
+    """
+
+    def __init__(self, chooser, group):
+        self.chooser, self.group = chooser, group
+
+    def choose(self) -> int:
+        """Rank 0's block for the batch's next cycle."""
+        lead = self.group.rank() == 0
+        return broadcast([self.chooser.choose() if lead else 0], self.group)[0]
+
+    def record(self, block: int, tokens: int, seconds: float) -> None:
+        self.chooser.record(block, tokens, seconds)
+
+
+def follow_blocks(chooser, group):
+    """``chooser`` as every rank must run it: itself without a group, else
+    :class:`FollowBlocks`."""
+    return chooser if group is None else FollowBlocks(chooser, group)
+
+
 def ensure(model, group=None):
-    """``warmup.ensure`` (the ``auto`` step costs), alike on every rank: every rank runs the
-    warm-up (it runs the sharded target, so every rank must take its steps), and rank 0's
-    tables replace the others'. The start-up cache is neither read nor written under a
-    group: it keys costs by the pair, and a sharded pair's would stand for the one-process
-    pair's (a key per group size is left to do).
+    """``warmup.ensure`` (the ``auto`` step costs), alike on every rank. Rank 0 reads the
+    costs stored for this group (``diskcache`` keys them by ranks, shard mode, backend and
+    link: a sharded pair costs otherwise than the one-process pair) and decides whether
+    they stand; a spot check or a warm-up runs the sharded target, so every rank runs it.
+    Rank 0's tables then reach every rank, and a measured table is stored for the next
+    launch.
 
     Args:
         model: the loaded pair. group: the pair's group (None: ``warmup.ensure`` as is).
     """
     from ..decoding import warmup
+    from ..loading import diskcache
 
     if group is None:
         return warmup.ensure(model)
     if model.tuning is not None:
         return model.tuning
-    warmup.warm_up(model)
-    tables = send_tables(model.tuning.tables() if group.rank() == 0 else {}, model, group)
-    if group.rank() != 0:
-        warmup.tune(model, tables)
+    lead = group.rank() == 0
+    stored = diskcache.read_costs(model) if lead else None
+    measure = not _stands(model, stored, group)
+    if measure:
+        warmup.warm_up(model)
+    mine = (model.tuning.tables() if measure else stored) if lead else {}
+    tables = send_tables(mine, model, group)
+    if lead and measure:
+        diskcache.write_costs(model, tables)
+    warmup.tune(model, tables)  # rank 0's tables on every rank
     return model.tuning
+
+
+def _stands(model, stored: dict | None, group) -> bool:
+    """Every rank: whether rank 0's ``stored`` costs stand, as ``warmup.ensure`` decides it
+    in one process (a spot check, unless ``DFLASH_COSTS_CHECK=0`` on rank 0)."""
+    from .. import env
+    from ..decoding import warmup
+    from ..loading import diskcache
+
+    lead = group.rank() == 0
+    state = 0 if stored is None else 2 if env.switch(warmup.ENV_CHECK) else 1
+    state = broadcast([state], group)[0]  # 0: none stored, 1: use it, 2: check it first
+    if state < 2:
+        return state == 1
+    spot = warmup.spot_check(model)  # every rank: it runs the sharded target
+    why = warmup.disagreement(stored, *spot, model.block_size) if lead else None
+    if why is not None:
+        diskcache.note(f"the stored warm-up costs {why}; measuring them again", model.notes)
+    return bool(broadcast([int(why is None)], group)[0])
 
 
 def send_tables(tables: dict, model, group) -> dict:

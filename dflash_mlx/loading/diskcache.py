@@ -247,7 +247,16 @@ def _costs_path(pair) -> Path | None:
 
     head, bits = getattr(pair, "draft_head", None), bits_of(getattr(pair, "drafter", None))
     vocab = ("" if head is None else str(head.size)) + (f" bits={bits}" if bits else "")
-    return costs_file(pair.target_path, pair.drafter_path, vocab)
+    return costs_file(pair.target_path, pair.drafter_path, vocab + _group_tag(pair))
+
+
+def _group_tag(pair) -> str:
+    """The key's part for a target sharded over ranks (its costs are not the one-process
+    pair's, nor another group's): ranks, shard mode, backend, link; "" in one process."""
+    info = getattr(pair, "group_info", None)
+    if not info:
+        return ""
+    return " group=" + ",".join(f"{k}:{info[k]}" for k in sorted(info))
 
 
 def _number(x) -> float | None:

@@ -323,7 +323,8 @@ def _pair(res, paths, bits, notes, tokenizer_config, group, shard):
     link.from_env(group)  # the benchmark's test hook (DFLASH_TEST_LINK_DELAY_MS), if set
     pair = _assemble(target, tpath, dname, dpath, name, bits, notes)
     distributed.connect(pair, group, mode)
-    pair.group, pair.tokenizer = group, tokenizer  # the tokenizer passes with its pair
+    pair.group, pair.group_info = group, distributed.describe(group, mode)
+    pair.tokenizer = tokenizer  # the tokenizer passes with its pair (inputs.check_tokenizer)
     return pair, tokenizer
 
 

@@ -30,25 +30,19 @@ def require() -> None:
         raise DFlashError(INSTALL) from None
 
 
-ALONE = "a vision-language model does not run under mlx.launch yet; run it in one process"
-
-
 def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None, grouped=False):
     """(``VisionTarget``, mlx-lm tokenizer) of the checkpoint in ``path``.
 
     Args:
         path: the checkpoint directory. params: its config.json.
         tokenizer_config: extra settings for the tokenizer. grouped: loading under a
-            group of ranks (``mlx.launch``): refused, since the vision target is not
-            sharded and the followers of serve and chat replay token ids alone (an image's
-            rows would decode wrong there).
+            group of ranks (``mlx.launch``): no weight is read until the language model
+            is split (``vision.shard``), so each rank reads only its share.
 
     Raises:
-        DFlashError: under a group, mlx-vlm missing, a family not supported yet, a
-            checkpoint mlx-vlm cannot load.
+        DFlashError: mlx-vlm missing, a family not supported yet, a checkpoint mlx-vlm
+            cannot load.
     """
-    if grouped:
-        raise DFlashError(ALONE)
     require()
     mtype = params.get("model_type")
     if mtype not in SUPPORTED:
@@ -64,7 +58,7 @@ def load_vlm(path: Path, params: dict, tokenizer_config: dict | None = None, gro
     from .target import VisionTarget
 
     try:
-        vlm = load_model(path)
+        vlm = load_model(path, lazy=grouped)
         processor = load_processor(path, add_detokenizer=False)
     except LOAD_ERRORS as e:
         raise load_failed(e, f"vision-language model {path}", "mlx-vlm") from None

@@ -55,9 +55,15 @@ def test_report_has_every_method_position_and_figure(pairs, tmp_path):
     rep["latency_split"] = latency_split(model, tok.encode("def f("), 16, 8, 0.0)
     shares = [v for k, v in rep["latency_split"].items() if k != "cycle_ms"]
     assert abs(sum(shares) - 1.0) < 0.05
+    assert rep["group"] == {"ranks": 1}  # one process; no link hook, so no collectives
+    assert not any("collectives_per_token" in row for row in rep["methods"].values())
     with open(tmp_path / "out.txt", "w") as fh:
         print_report(rep, Console(file=fh, width=120))
-    assert "copied" in (tmp_path / "out.txt").read_text()
+        group = {"ranks": 3, "shard": "tensor", "backend": "ring", "link": "loopback"}
+        print_report({**rep, "group": {**group, "injected_delay_ms": 1.0}}, Console(file=fh))
+    printed = "".join((tmp_path / "out.txt").read_text().split())  # the title may wrap
+    assert "copied" in printed and "ranks" not in printed.split("dflashbench")[1]
+    assert "3ranks(tensor,ring,loopback,+1msacollectiveinjected)" in printed
     write_json(rep, tmp_path / "r.json")
     assert json.loads((tmp_path / "r.json").read_text())["config"]["block_size"] == 8
     pytest.importorskip("matplotlib")

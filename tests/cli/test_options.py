@@ -75,14 +75,15 @@ def test_a_bad_value_is_one_error_line_naming_the_flag(command, tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: --temp must be >= 0"), r.stderr
 
 
-def _fake_serve(monkeypatch, args: list[str]) -> tuple[list, list]:
+def _fake_serve(monkeypatch, args: list[str], hybrid=False) -> tuple[list, list]:
     """Run ``dflash serve`` with a stand-in pair: (run_server's keywords, warm-ups done)."""
     from dflash_mlx import server
     from dflash_mlx.cli import common
     from dflash_mlx.decoding import warmup
 
     calls, warmed = [], []
-    model = SimpleNamespace(name="m", block_size=8)
+    adapter = SimpleNamespace(is_hybrid=hybrid)
+    model = SimpleNamespace(name="m", block_size=8, group=None, adapter=adapter, target=None)
     monkeypatch.setattr(common, "load_pair", lambda src, q, v, cfg, **kw: (model, None))
     monkeypatch.setattr(server, "run_server", lambda *a, **k: calls.append((k, list(warmed))))
     monkeypatch.setattr(server, "listen", lambda host, port: None)
@@ -97,10 +98,14 @@ def test_serve_no_tree_is_the_default_of_requests(monkeypatch):
     assert calls[0][0]["defaults"] == GenerationConfig(max_tokens=512, tree=False, lookup=False)
 
 
-def test_serve_with_auto_sets_step_costs_before_serving_and_a_fixed_block_does_not(monkeypatch):
-    calls, warmed = _fake_serve(monkeypatch, [])
+def test_serve_sets_step_costs_before_serving_where_requests_read_them(monkeypatch):
+    calls, warmed = _fake_serve(monkeypatch, ["--max-batch", "1"])  # each via stream_generate
     assert len(warmed) == 1 and calls[0][1] == warmed  # before run_server
-    calls, warmed = _fake_serve(monkeypatch, ["--block-size", "4"])
+    calls, warmed = _fake_serve(monkeypatch, [], hybrid=True)  # a batch runs it one at a time
+    assert len(warmed) == 1
+    calls, warmed = _fake_serve(monkeypatch, [])  # a batch's auto times its own cycles
+    assert warmed == [] and len(calls) == 1
+    calls, warmed = _fake_serve(monkeypatch, ["--block-size", "4", "--max-batch", "1"])
     assert warmed == [] and len(calls) == 1
 
 

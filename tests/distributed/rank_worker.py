@@ -1,7 +1,7 @@
 """One rank of the sharded-decoding test (run by ``mlx.launch``): load the tiny pair sharded
 over the launched group, decode plain (mlx-lm) and with DFlash greedily (blocks 2, 4 and
-``auto``), then the sampling law of an 8-token pair on the tensor-sharded target
-(``sharded_law``); write it all. For ``auto``, every rank but 0 gets a scheduler that would
+``auto``), ``dflash bench``'s methods (``auto`` among them), then the sampling law of an
+8-token pair on the tensor-sharded target (``sharded_law``); write it all. For ``auto``, every rank but 0 gets a scheduler that would
 always choose a plain step: the ranks stay paired only if they take rank 0's choices."""
 
 import json
@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: laws.py
 import sharded_law
 
 from dflash_mlx import load, stream_generate
+from dflash_mlx.bench.runner import run_bench
 from dflash_mlx.decoding.policy import Choice
 from dflash_mlx.decoding.schedule import Scheduler
 
@@ -38,6 +39,10 @@ for block in (2, 4, "auto"):
         got += r.tokens
     runs[str(block)] = got
 blocks = {str(b): n for b, n in r.blocks.items()}  # auto's: steps per block size
+# the bench's methods, auto's blocks rank 0's, and the group it states in its report
+rep = run_bench(model, tok, ["def parse_args(argv):"], max_tokens=8, lookup=False)
+auto = rep["methods"]["auto"]["blocks"]
+bench = {"group": rep["group"], "parity": rep["parity"]["summary"], "auto_blocks": auto}
 shards = model.target.layers[0].self_attn.n_heads  # query heads kept on this rank
 (out / f"rank{group.rank()}.json").write_text(
     json.dumps(
@@ -47,6 +52,7 @@ shards = model.target.layers[0].self_attn.n_heads  # query heads kept on this ra
             "dflash": runs,
             "heads": shards,
             "blocks": blocks,
+            "bench": bench,
             "law": sharded_law.report(Path(sys.argv[4]), group, "tensor"),
         }
     )

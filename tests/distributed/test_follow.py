@@ -110,16 +110,12 @@ def test_followers_stop_at_the_cycle_where_rank_zero_broke_off():
     assert [m["op"] for m in wire.sent] == ["next", "next"]
 
 
-def test_settings_cross_as_json_with_seed_and_block_pinned():
+def test_settings_cross_as_json_with_a_seed_pinned_and_auto_kept():
     cfg = GenerationConfig(logit_bias={5: -1.5}, stop=["\n\n"], temperature=0.7)
     sent = json.loads(json.dumps(follow.config_dict(cfg)))
-    assert follow.config_of(sent) == cfg
-    assert follow.seeded(cfg, 5).seed == 5 and follow.seeded(GenerationConfig(seed=1), 5).seed == 1
-    pinned = follow.pinned(cfg, 8, 2**40 + 3)
-    assert pinned.block_size == 8 and pinned.seed == 3
-    assert follow.pinned(GenerationConfig(seed=7, block_size=4), 8, 1) == GenerationConfig(
-        seed=7, block_size=4
-    )
+    assert follow.config_of(sent) == cfg and cfg.block_size == "auto"  # rank 0 decides it
+    assert follow.seeded(cfg, 2**40 + 3).seed == 3
+    assert follow.seeded(GenerationConfig(seed=1), 5).seed == 1
 
 
 def test_rank_zero_refuses_logits_processors_it_cannot_send(pairs):
@@ -129,6 +125,17 @@ def test_rank_zero_refuses_logits_processors_it_cannot_send(pairs):
     gen = follow.Lead(_Wire()).batch(BatchGenerator(model, tok, 2))
     with pytest.raises(DFlashError, match="structured output .* do not run across several"):
         gen.insert([1, 2], GenerationConfig(), processors=[lambda toks, logits: logits])
+
+
+def test_rank_zero_refuses_images_it_cannot_send_in_one_line(pairs):
+    from dflash_mlx.batching import BatchGenerator
+
+    model, tok = pairs("qwen3", "d2")
+    wire = _Wire()
+    gen = follow.Lead(wire).batch(BatchGenerator(model, tok, 2))
+    with pytest.raises(DFlashError, match="^images do not reach the other processes in serve"):
+        gen.insert([1, 2], GenerationConfig(), images=object())
+    assert not gen._lead.ops[1:]  # nothing logged: the followers never see it
 
 
 def test_the_server_answers_every_job_503_when_the_group_breaks(pairs):

@@ -1,6 +1,8 @@
 """``dflash serve`` on two ranks (``mlx.launch -n 2 --backend ring``, loopback), in one
-launch: a streamed and a whole request sent together get the same greedy text, with both
-ranks alive; the same prompt again gets it too, although rank 0 restores it from its
+launch: a streamed and a whole request sent together get the same greedy text under
+``auto`` (the default), with rank 1's own block chooser rigged to choose plain steps while
+rank 0's probes the block at its 8th cycle, so the ranks stay paired only by taking rank
+0's blocks; the same prompt again gets it too, although rank 0 restores it from its
 prompt-cache folder and rank 1 cannot write its own (the ranks agree to restore nothing,
 never part); then rank 1 is killed mid-answer, and rank 0 answers the stream's client an
 error event in the API's shape and exits within 30 s with one line naming rank 1."""
@@ -18,7 +20,8 @@ from pathlib import Path
 import pytest
 from launch import LAUNCH, ring
 
-START = 180  # seconds for both ranks to load and listen
+START = 300  # seconds for both ranks to load and listen (a loaded 2-core box took 180+)
+WORKER = Path(__file__).with_name("cli_worker.py")
 BOUND = 30  # seconds the survivors may take to exit once a rank is killed
 
 
@@ -75,7 +78,7 @@ class _Reader(threading.Thread):
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks in /proc")
 def test_two_ranks_serve_alike_and_a_killed_rank_ends_the_other_with_its_name(tiny_dir, tmp_path):
     model = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
-    cmd = [*ring(2), "--", sys.executable, "-m", "dflash_mlx.cli"]
+    cmd = [*ring(2), "--", sys.executable, str(WORKER)]  # rank 1 rigged to choose plain
     (tmp_path / "pc").mkdir()
     (tmp_path / "pc" / "rank1").write_text("a file: rank 1 cannot write its folder")
     disk = ["--prompt-cache-dir", str(tmp_path / "pc"), "--prompt-cache-gb", "0"]  # all to disk

@@ -1,7 +1,8 @@
 """Two ranks on one machine (``mlx.launch -n 2 --backend ring``, loopback): the tiny qwen3
 target sharded with mlx-lm's tensor parallelism, DFlash greedy equal to plain greedy
 decoding of the same sharded target on every rank, and every rank taking the same tokens,
-``auto`` included (rank 0 decides the blocks); the sampling law on a tensor-sharded 8-token
+``auto`` included (rank 0 decides the blocks), in the decode and in ``dflash bench``'s
+methods, whose report states the group; the sampling law on a tensor-sharded 8-token
 target."""
 
 import json
@@ -33,6 +34,10 @@ def test_dflash_fixed_and_auto_on_a_tensor_sharded_target_equal_its_plain_greedy
     sharded_law.check([r["law"] for r in ranks])
     # auto drafted (rank 1's own scheduler never would): rank 1 took rank 0's blocks
     assert any(int(b) > 1 for b in ranks[0]["blocks"]), ranks[0]["blocks"]
+    bench = ranks[0]["bench"]  # dflash bench's methods, auto too, states the group it ran on
+    assert bench["group"] == {"ranks": 2, "shard": "tensor", "backend": "ring", "link": "loopback"}
+    assert all(s["identical"] == s["of"] == 1 for s in bench["parity"].values()), bench
+    assert "auto" in bench["parity"] and bench["auto_blocks"]  # rank 1 took the same blocks
 
 
 def test_a_family_without_tensor_parallelism_or_even_heads_is_refused_in_one_line(pairs):

@@ -108,28 +108,32 @@ def test_kv_bits_on_a_vlm_is_refused_not_ignored(tiny_vlm_dir, images):
 
 
 class _Group:
-    """A fake group of two ranks (as tests/distributed/test_sharded.py's)."""
+    """A fake group of ``n`` ranks (as tests/distributed/test_sharded.py's)."""
+
+    def __init__(self, n=2):
+        self.n = n
 
     def size(self):
-        return 2
+        return self.n
 
     def rank(self):
         return 0
 
 
-def test_a_vlm_under_a_group_is_refused_in_one_line(tiny_vlm_dir, monkeypatch):
-    """Under mlx.launch a vision target is not sharded and serve / chat followers replay
-    token ids alone: refused at load, before mlx-vlm loads anything."""
-    from dflash_mlx import distributed
+def test_a_vlm_that_cannot_split_over_the_ranks_is_refused_in_one_line(tiny_vlm_dir, monkeypatch):
+    """Across ranks a qwen3_5 VLM's language model is split by tensor parallelism
+    (``vision.shard``; the two-rank run is tests/vision/test_ranks.py): heads that do not
+    split, or pipeline parallelism, are one line before anything is split."""
     from dflash_mlx.distributed import handshake
     from dflash_mlx.errors import DFlashError
 
     # a fake group cannot sum: the start-up handshake (every rank alike) is not the point here
     monkeypatch.setattr(handshake, "check", lambda group, paths, argv=None: [])
-    line = "a vision-language model does not run under mlx.launch yet; run it in one process"
-    with pytest.raises(DFlashError) as e:
-        load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]), group=_Group())
-    assert str(e.value) == line
-    monkeypatch.setattr(distributed, "group", lambda given=None: _Group())  # mlx.launch's
-    with pytest.raises(DFlashError, match="^a vision-language model does not run under"):
-        load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]))
+    pair = (str(tiny_vlm_dir[0]), str(tiny_vlm_dir[1]))
+    with pytest.raises(
+        DFlashError,
+        match=r"^this vision-language target's heads \(2 DeltaNet key, 4 DeltaNet value\) do not split over 3",
+    ):
+        load(pair[0], drafter=pair[1], group=_Group(3))
+    with pytest.raises(DFlashError, match="^a vision-language target runs under mlx.launch with"):
+        load(pair[0], drafter=pair[1], group=_Group(), shard="pipeline")
