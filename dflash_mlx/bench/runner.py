@@ -26,6 +26,7 @@ from ..generation import encode_prompt
 from ..model.drafter import block_mask, embed_block
 from ..model.selector import top_candidates
 from ..settings import AUTO, check_block_size
+from . import experts
 from .datasets import load_prompts  # noqa: F401  (scripts import it from here)
 from .parity import parity_report
 from .prefix import context_rows, copied, prefilled
@@ -50,17 +51,6 @@ class PromptResult:
     collectives: dict[str, int] = field(default_factory=dict)  # under the link hook only
 
 
-def _experts(model, res: PromptResult | None = None, name: str = "") -> None:
-    """On a MoE target: start counting the experts read (no ``res``), or keep what the
-    method ``name`` read in ``res`` (after its timer stopped)."""
-    count = model.adapter.experts
-    if count is not None and res is None:
-        count.reset()
-    elif count is not None:
-        res.experts[name] = count.take()
-        count.reset(on=False)
-
-
 def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=None, cache=None):
     from mlx_lm.generate import generate_step, generation_stream
     from mlx_lm.sample_utils import make_sampler
@@ -71,7 +61,7 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=No
     # From a shared prefix (``prefix.prefilled``): mlx-lm runs the last prompt token only.
     kw = {} if cache is None else {"prompt_cache": cache.target}
     prompt = mx.array(ids if cache is None else ids[len(cache.tokens) :])
-    _experts(model)
+    experts.count(model)
     for tok, _ in generate_step(
         prompt, model.target, max_tokens=max_tokens, sampler=make_sampler(temp), **_kv(kv), **kw
     ):
@@ -83,7 +73,7 @@ def _autoregressive(model, ids, max_tokens, temp, seed, res: PromptResult, kv=No
     mx.synchronize(generation_stream)
     res.tokens["autoregressive"] = len(out)
     res.seconds["autoregressive"] = time.perf_counter() - t_first
-    _experts(model, res, "autoregressive")
+    experts.count(model, res, "autoregressive")
     res.continuation = res.outputs["autoregressive"] = out
 
 
@@ -116,7 +106,7 @@ def _dflash(
     if auto:  # under mlx.launch: every rank warms up alike and takes rank 0's choices
         tuning = across.ensure(model, model.group)
         sched = tuning.scheduler(temp == 0, sel, lookup=lookup, context=len(ids))
-    _experts(model)
+    experts.count(model)
     for c in decode(
         model,
         ids,
@@ -141,7 +131,7 @@ def _dflash(
     res.tokens[name] = min(len(out), max_tokens)
     res.outputs[name] = out[:max_tokens]
     res.seconds[name] = time.perf_counter() - t_first
-    _experts(model, res, name)
+    experts.count(model, res, name)
     res.stats[name] = stats
     if sched is not None:
         model.tuning.finish(sched)
@@ -346,18 +336,6 @@ def latency_split(
     return {k: per.get(k, 0.0) / total for k in STAGES} | {"cycle_ms": 1e3 * total}
 
 
-def _experts_row(model, results, method: str) -> dict | None:
-    """The distinct experts a MoE target read per layer per verify and per plain step in
-    ``method`` over every prompt (``moe.ExpertCount.summary``); None on a dense target."""
-    count = getattr(model.adapter, "experts", None)
-    if count is None:
-        return None
-    sums: dict = {}
-    for r in results:
-        sums = count.merge(sums, r.experts.get(method, {}))
-    return count.summary(sums)
-
-
 def summarize(results, block, top_k, model, prompts, max_tokens, temperature) -> dict:
     """Aggregate per-prompt results into the report (JSON-ready)."""
     methods = [m for m in METHODS if m in results[0].tokens]
@@ -393,7 +371,7 @@ def summarize(results, block, top_k, model, prompts, max_tokens, temperature) ->
             row["blocks"] = {str(b): n for b, n in st.histogram().items()}
             row["plain_share"] = st.plain_share
             row["copied_share"] = st.copied_share
-        row["experts"] = _experts_row(model, results, m)
+        row["experts"] = experts.row(model, results, m)
         rep["methods"][m] = row
     base = rep["methods"]["autoregressive"]["tok_per_s"]
     for m, row in rep["methods"].items():
