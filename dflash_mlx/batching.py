@@ -96,14 +96,24 @@ class BatchGenerator:
         max_batch: rows decoding at once; more requests wait, in arrival order.
         prefill_step_size: prompt tokens per prefill chunk (a joining prompt stalls the
             running rows for one chunk per cycle).
+        solo: decode one request at a time through ``stream_generate``, as a hybrid target
+            does (its requests may then set ``kv_bits``: a shared batch cache is not
+            quantized).
     """
 
-    def __init__(self, model: DFlashModel, tokenizer, max_batch: int = 8, prefill_step_size=2048):
+    def __init__(
+        self,
+        model: DFlashModel,
+        tokenizer,
+        max_batch: int = 8,
+        prefill_step_size=2048,
+        solo: bool = False,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = inputs.check_count(max_batch, "max_batch")
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
         # a vision-language target's caches carry its request's images: one at a time too
-        self.hybrid = model.adapter.is_hybrid or vision_language(model)
+        self.hybrid = solo or model.adapter.is_hybrid or vision_language(model)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
         self.chooser = BlockChooser(model.block_size)
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
