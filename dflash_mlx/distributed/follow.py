@@ -116,7 +116,7 @@ def recipe(proc) -> dict:
         return {"grammar": proc.grammar, **proc.made}
     raise DFlashError(
         f"a logits processor of type {type(proc).__name__} cannot run across several "
-        "processes (grammars and thinking budgets can); run it in one process"
+        "processes (those of grammar.make_processor and ThinkingGate can); run it in one"
     )
 
 
