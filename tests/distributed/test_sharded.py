@@ -65,3 +65,17 @@ def test_commands_that_cannot_run_sharded_yet_refuse_under_mlx_launch(monkeypatc
     src = ModelOptions(model=str(tiny_dir / "qwen3"), drafter=str(tiny_dir / "d2_qwen3"))
     with pytest.raises(DFlashError, match="does not run under mlx.launch yet"):
         common.load_pair(src, True, False)
+
+
+def test_serve_takes_kv_bits_with_max_batch_1_under_mlx_launch(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_mlx import distributed
+    from dflash_mlx.cli import app
+
+    monkeypatch.setattr(distributed, "group", lambda given=None: _Group())
+    argv = ["serve", "--kv-bits", "8", "--port", "0", "--model", str(tmp_path / "none")]
+    batched = CliRunner().invoke(app, argv).stderr
+    alone = CliRunner().invoke(app, [*argv, "--max-batch", "1"]).stderr
+    assert "--kv-bits needs --max-batch 1" in batched
+    assert alone.startswith("error: ") and "kv-bits" not in alone  # on to the model's own error
