@@ -1,10 +1,10 @@
 """``dflash serve`` on two ranks (``mlx.launch -n 2 --backend ring``, loopback), in one
 launch, on a tiny thinking pair: a streamed and a whole request sent together get the same
 greedy text, and agents' requests sent together (a JSON schema, a forced and a ``required``
-tool call, a thinking budget, a stop string: logits processors that each rank rebuilds) get,
-greedily, the answers of one process; then rank 1 is killed mid-answer, and rank 0 answers
-the stream's client an error event in the API's shape and exits within 30 s with one line
-naming rank 1."""
+tool call, a thinking budget, a stop string: logits processors that each rank rebuilds) get
+the answers of one process, greedily and sampled with a seed; then rank 1 is killed
+mid-answer, and rank 0 answers the stream's client an error event in the API's shape and
+exits within 30 s with one line naming rank 1."""
 
 import json
 import os
@@ -40,13 +40,16 @@ WEATHER = {
 }
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 FORCED = {"type": "function", "function": {"name": "get_weather"}}
-AGENTS = {  # greedy chat requests of agents; the random model never closes its reasoning
+AGENTS = {  # agents' chat requests (greedy but one); the random model never ends a reasoning
     "schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "r",
                "schema": SCHEMA}}, "thinking_budget": 3, "max_tokens": 60},
     "forced": {"tools": [WEATHER], "tool_choice": FORCED, "thinking_budget": 2, "max_tokens": 80},
     "required": {"tools": [WEATHER], "tool_choice": "required", "thinking_budget": 1,
                  "max_tokens": 80},
     "budget": {"thinking_budget": 5, "logit_bias": {"3": -100}, "max_tokens": 14},
+    "sampled": {"response_format": {"type": "json_object"}, "thinking_budget": 2,
+                "temperature": 1.0, "seed": 7, "block_size": 4,  # auto: blocks from timings
+                "max_tokens": 40},
 }  # fmt: skip
 
 
@@ -71,7 +74,7 @@ def _text(port: int, stream: bool, max_tokens: int, **kw) -> str:
 def _answer(port: int, name: str) -> dict:
     """An agent's request's choice: its message (tool calls without their random ids)."""
     body = {"messages": ASK, "temperature": 0, **AGENTS[name]}
-    with _post(port, body, path="chat/completions") as r:
+    with _post(port, body, timeout=300, path="chat/completions") as r:
         choice = json.loads(r.read())["choices"][0]
     for call in choice["message"].get("tool_calls") or []:
         call.pop("id")
@@ -79,14 +82,20 @@ def _answer(port: int, name: str) -> dict:
 
 
 def _together(port: int) -> dict:
-    """Every agent's answer, the requests sent at once (the rows batch together), and a
-    completion cut by a stop string taken from the middle of its free text."""
-    got = {}
-    runs = [threading.Thread(target=lambda n=n: got.update({n: _answer(port, n)})) for n in AGENTS]
+    """Every agent's answer: the greedy requests sent at once (their rows batch together),
+    the sampled one alone (a row's drafts, and so its draws, follow the batch's longest
+    block); and a completion cut by a stop string taken from the middle of its free text."""
+    got, alone = {}, "sampled"
+    runs = [
+        threading.Thread(target=lambda n=n: got.update({n: _answer(port, n)}))
+        for n in AGENTS
+        if n != alone
+    ]
     for t in runs:
         t.start()
     for t in runs:
         t.join(300)
+    got[alone] = _answer(port, alone)
     free = _text(port, False, 24, prompt=FOX)
     word = re.findall(r"[a-z]{3,}", free)[1]  # the random model writes few words
     got["stop"] = (word, free, _text(port, False, 24, prompt=FOX, stop=[word]))
