@@ -105,13 +105,23 @@ class BatchGenerator:
         max_batch: rows decoding at once; more requests wait, in arrival order.
         prefill_step_size: prompt tokens per prefill chunk (a joining prompt stalls the
             running rows for one chunk per cycle).
+        solo: decode one request at a time through ``stream_generate``, as a hybrid target
+            does (its requests may then set ``kv_bits``: a shared batch cache is not
+            quantized).
     """
 
-    def __init__(self, model: DFlashModel, tokenizer, max_batch: int = 8, prefill_step_size=2048):
+    def __init__(
+        self,
+        model: DFlashModel,
+        tokenizer,
+        max_batch: int = 8,
+        prefill_step_size=2048,
+        solo: bool = False,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = inputs.check_count(max_batch, "max_batch")
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
-        self.hybrid = one_at_a_time(model)
+        self.hybrid = solo or one_at_a_time(model)  # (solo: a one-row batch across ranks)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
         # under mlx.launch rank 0's choices (its clock), so every rank steps alike
         self.chooser = across.follow_blocks(BlockChooser(model.block_size), model.group)

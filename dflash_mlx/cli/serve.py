@@ -93,10 +93,8 @@ def serve(
     from .. import distributed, server
 
     group = distributed.group()  # under mlx.launch every request is batched
-    if cfg.kv_bits is not None and (max_batch > 1 or group is not None):
-        raise DFlashError(
-            "--kv-bits needs --max-batch 1 (batched requests share one cache), in one process"
-        )
+    if cfg.kv_bits is not None and max_batch > 1:
+        raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
     sock = _listen(host, port, api_key, group)
     batched = max_batch > 1 or group is not None
     m, tok, prompt_cache_gb, cfg = _load(src, quiet, verbose, cfg, prompt_cache_gb, sock, batched)
@@ -182,17 +180,17 @@ def follow_server(channel, dog, m, tok, cache_dir: str | None) -> None:
     and repeat its calls until it stops (its Ctrl-C or SIGTERM is sent as a quit)."""
     import signal
 
-    from ..batching import BatchGenerator
     from ..distributed import follow
     from ..server.prompt_cache import PromptPool
     from ..server.prompt_cache_disk import DiskTier
+    from ..server.worker import batch_generator
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches rank 0 too
     hello = channel.recv()
     disk = None if cache_dir is None else DiskTier.open(cache_dir, m)
     pool = PromptPool(m, hello["cache_bytes"], disk)
     try:
-        follow.follow_batches(channel, pool, lambda: BatchGenerator(m, tok, hello["max_batch"]))
+        follow.follow_batches(channel, pool, lambda: batch_generator(m, tok, hello["max_batch"]))
     except RuntimeError as e:  # MLX's ring: a peer's connection was lost
         dog.broke(e)
     except Exception as e:  # noqa: BLE001 - this rank's stderr is muted: the watchdog says it

@@ -234,5 +234,10 @@ def make_processor(tokenizer, vocab_size: int, grammar: str, eos=None) -> Gramma
     Args:
         tokenizer: the model's tokenizer. vocab_size: the model's logits width.
         grammar: an llguidance grammar. eos: ids that may end the answer (see ``ll_tokenizer``).
+
+    Its ``made`` (with ``grammar``) is what another rank rebuilds it from
+    (``distributed.follow.recipe``).
     """
-    return GrammarProcessor(ll_tokenizer(tokenizer, vocab_size, eos), grammar)
+    proc = GrammarProcessor(ll_tokenizer(tokenizer, vocab_size, eos), grammar)
+    proc.made = {"vocab": vocab_size, "eos": None if eos is None else sorted(eos)}
+    return proc

@@ -88,6 +88,43 @@ def seeded(cfg, seed: int):
     return cfg if cfg.seed is not None else replace(cfg, seed=seed % 2**31)
 
 
+def recipe(proc) -> dict:
+    """What another rank rebuilds a logits processor from (``rebuilt``): a grammar's text,
+    its vocabulary and end ids; a thinking gate's markers, budget and inner grammar. Every
+    rank then masks the same rows alike (each sees the same tokens and logits), so nothing
+    is sent per cycle: a request's few KB once, against a vocabulary-wide mask per verify
+    row (and a round trip per cycle) if rank 0 sent its masks.
+
+    Raises:
+        DFlashError: a processor of another kind (it cannot be sent).
+    """
+    from ..decoding.grammar import GrammarProcessor
+    from ..decoding.thinking import ThinkingGate
+
+    if isinstance(proc, ThinkingGate):
+        inner = None if proc.inner is None else recipe(proc.inner)
+        gate = [proc.open_id, proc.close_id, bool(proc.started_open), proc.budget]
+        return {"gate": gate, "inner": inner}
+    if isinstance(proc, GrammarProcessor) and getattr(proc, "made", None) is not None:
+        return {"grammar": proc.grammar, **proc.made}
+    raise DFlashError(
+        f"a logits processor of type {type(proc).__name__} cannot run across several "
+        "processes (those of grammar.make_processor and ThinkingGate can); run it in one"
+    )
+
+
+def rebuilt(r: dict, tokenizer):
+    """The logits processor of ``recipe``'s ``r``, fresh, for this rank's ``tokenizer``."""
+    from ..decoding.grammar import make_processor
+    from ..decoding.thinking import ThinkingGate
+
+    if "gate" in r:
+        opened, closed, started_open, budget = r["gate"]
+        inner = None if r["inner"] is None else rebuilt(r["inner"], tokenizer)
+        return ThinkingGate(opened, closed, started_open, inner, budget)
+    return make_processor(tokenizer, r["vocab"], r["grammar"], r["eos"])
+
+
 def start(group):
     """(channel, watchdog) of a command run across ranks: every rank calls it at the same
     point, after loading. Rank 0's normal exit tells the others it was no fault. The
@@ -213,25 +250,21 @@ class LeadBatch:
 
     def insert(self, ids: list[int], config, *, cache=None, processors=(), images=None) -> int:
         """As ``BatchGenerator.insert`` with rank 0's seed (``seeded``); ``auto`` follows
-        rank 0's blocks in the batch itself (``policy.FollowBlocks``).
+        rank 0's blocks in the batch itself (``policy.FollowBlocks``); each logits
+        processor goes as its ``recipe``, from which every rank builds its own.
 
         Raises:
-            DFlashError: logits processors (a grammar, a thinking budget), which cannot be
-                sent to the other ranks yet; images (``IMAGES_ACROSS``); or what
+            DFlashError: a processor without a recipe; images (``IMAGES_ACROSS``); or what
                 ``insert`` refuses.
         """
-        if processors:
-            raise DFlashError(
-                "structured output (response_format, a forced tool call) and thinking "
-                "budgets do not run across several processes yet; send the request without them"
-            )
         if images is not None:
             raise DFlashError(IMAGES_ACROSS)
+        recipes = [recipe(p) for p in processors]
         seed = int.from_bytes(os.urandom(4), "little")
         cfg = seeded(config, seed)
-        uid = self._gen.insert(ids, cfg, cache=cache)
+        uid = self._gen.insert(ids, cfg, cache=cache, processors=processors)
         h = None if cache is None else self._lead.handles[id(cache)]
-        self._lead.ops.append(["insert", list(ids), config_dict(cfg), h])
+        self._lead.ops.append(["insert", list(ids), config_dict(cfg), h, recipes])
         return uid
 
     def remove(self, uid: int) -> None:
@@ -321,8 +354,10 @@ def follow_batches(channel: Channel, pool, make_batch) -> None:
             elif op == "give":
                 pool.give(caches.pop(args[0]), args[1])
             elif op == "insert":
-                ids, fields, h = args
-                gen.insert(ids, config_of(fields), cache=None if h is None else caches[h])
+                ids, fields, h, recipes = args
+                procs = [rebuilt(r, gen.tokenizer) for r in recipes]
+                cache = None if h is None else caches[h]
+                gen.insert(ids, config_of(fields), cache=cache, processors=procs)
             elif op == "remove":
                 gen.remove(args[0])
             elif op == "step":

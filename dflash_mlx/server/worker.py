@@ -31,6 +31,15 @@ from .schema import APIError, bad, shutting_down
 logger = logging.getLogger("dflash_mlx.server")
 
 
+def batch_generator(model, tokenizer, max_batch: int):
+    """The engine's ``BatchGenerator`` (every rank's under ``mlx.launch``, where every
+    request is batched): one of a single row decodes alone, through ``stream_generate``,
+    so that ``--kv-bits`` runs there as in one process's ``--max-batch 1``."""
+    from ..batching import BatchGenerator
+
+    return BatchGenerator(model, tokenizer, max_batch, solo=max_batch == 1)
+
+
 @dataclass
 class Job:
     """One queued generation. ``out`` receives ("data", GenerationResponse), ("error",
@@ -269,9 +278,7 @@ class Engine:
         self.close()  # what was queued meanwhile gets its 503
 
     def _batch(self):
-        from ..batching import BatchGenerator
-
-        gen = BatchGenerator(self.model, self.tokenizer, self.max_batch)
+        gen = batch_generator(self.model, self.tokenizer, self.max_batch)
         return gen if self.lockstep is None else self.lockstep.batch(gen)
 
     def abandon(self, why: str, settle: float = 2.0) -> None:

@@ -20,7 +20,14 @@ needs_launch = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch 
 def ring(n: int = 2) -> list[str]:
     """``mlx.launch``'s command for ``n`` ranks on loopback, on ports of their own: its
     default starting port is fixed, so two launches at once (two test workers) would join
-    one ring (the start-up handshake then refuses them)."""
+    one ring (the start-up handshake then refuses them). The CPU kernels are built here
+    first, into the run's cache the ranks share: ranks building them at once on a loaded
+    machine could end one with them and one without (a compile past its time limit), whose
+    drafts would differ and whose collectives would no longer pair (the suspected cause of
+    a hang seen here at load 40)."""
+    from dflash_mlx.cpu import exact_ops
+
+    exact_ops.load()
     for _ in range(50):
         port = random.randrange(20000, 60000)
         try:

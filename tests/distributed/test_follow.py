@@ -118,13 +118,62 @@ def test_settings_cross_as_json_with_a_seed_pinned_and_auto_kept():
     assert follow.seeded(GenerationConfig(seed=1), 5).seed == 1
 
 
+SCHEMA = {"type": "object", "properties": {"n": {"enum": [1, 22]}}, "required": ["n"]}
+
+
+def _agents(model, tok):
+    """(ids, settings, processors) of three agents' rows: a JSON schema (greedy), a thinking
+    budget of 3 before the schema (sampled, no seed: pinned), a free one with a stop."""
+    from dflash_mlx.decoding.grammar import json_schema_grammar, make_processor
+    from dflash_mlx.decoding.thinking import ThinkingGate
+
+    vocab, grammar = model.adapter.vocab_size, json_schema_grammar(SCHEMA)
+    opened, closed = tok.encode("(")[0], tok.encode(")")[0]  # any two ids mark the reasoning
+    gate = ThinkingGate(opened, closed, True, make_processor(tok, vocab, grammar), budget=3)
+    return [
+        (tok.encode("def parse_args(argv):"), GenerationConfig(max_tokens=12, temperature=0.0),
+         [make_processor(tok, vocab, grammar, eos=[3])]),
+        (tok.encode("import os"), GenerationConfig(max_tokens=12, temperature=1.0), [gate]),
+        (tok.encode("class Foo:"), GenerationConfig(max_tokens=12, temperature=0.0,
+                                                    stop=["The"]), []),
+    ]  # fmt: skip
+
+
+def test_a_follower_rebuilds_rank_zeros_grammars_and_thinking_gates_and_decodes_alike(pairs):
+    from dflash_mlx.batching import BatchGenerator
+
+    model, tok = pairs("qwen3", "d2")
+    wire, lead_out, seen = _Wire(), {}, {}
+    gen = follow.Lead(wire).batch(BatchGenerator(model, tok, 4))
+    for ids, cfg, procs in _agents(model, tok):
+        gen.insert(ids, cfg, processors=procs)
+    while len(gen._gen):
+        for uid, r in gen.step():
+            lead_out.setdefault(uid, []).append(r)
+    follow.Lead(wire).quit()
+    texts = ["".join(r.text for r in lead_out[u]) for u in range(3)]
+    assert json.loads(texts[0])["n"] in (1, 22) and ")" in texts[1]  # the budget closed it
+    assert lead_out[2][-1].finish_reason == "stop" and "The" not in texts[2], texts
+
+    class Recorded(BatchGenerator):
+        def step(self):
+            got = super().step()
+            for uid, r in got:
+                seen.setdefault(uid, []).extend(r.tokens)
+            return got
+
+    follow.follow_batches(wire, None, lambda: Recorded(model, tok, 4))
+    assert seen == {u: [t for r in rs for t in r.tokens] for u, rs in lead_out.items()}
+
+
 def test_rank_zero_refuses_logits_processors_it_cannot_send(pairs):
     from dflash_mlx.batching import BatchGenerator
 
     model, tok = pairs("qwen3", "d2")
     gen = follow.Lead(_Wire()).batch(BatchGenerator(model, tok, 2))
-    with pytest.raises(DFlashError, match="structured output .* do not run across several"):
+    with pytest.raises(DFlashError, match="type function cannot run across several processes"):
         gen.insert([1, 2], GenerationConfig(), processors=[lambda toks, logits: logits])
+    assert not gen._lead.ops[1:]  # nothing logged: the other ranks never see it
 
 
 def test_rank_zero_refuses_images_it_cannot_send_in_one_line(pairs):
