@@ -123,7 +123,7 @@ def test_decoding_drafts_the_same_with_the_append_in_the_draft_pass(
             tok,
             "def parse_args(argv):",
             raw=True,
-            max_tokens=40,
+            max_tokens=24,
             block_size=block,
             temperature=temp,
             seed=3,
