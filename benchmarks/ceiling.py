@@ -15,10 +15,13 @@ import sys
 import time
 from pathlib import Path
 
+# The package before MLX: MLX then binds the system OpenBLAS and the few-row kernel
+# (imported after MLX, MLX keeps its wheel's reference BLAS).
+import dflash_mlx  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-
-import dflash_mlx  # noqa: F401  (first: it loads the system BLAS before MLX)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 

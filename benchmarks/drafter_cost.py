@@ -1,10 +1,16 @@
 """What the drafter's side of a cycle costs against one plain target step, stage by stage
 (docs/algorithm.md §2.4), with and without a draft vocabulary.
 
-    python benchmarks/drafter_cost.py [--model demo] [--block 8] [--vocab 0 4096 8192 16384]
+    python benchmarks/drafter_cost.py [--model demo] [--block 8] [--kept 2] [--vocab 0 8192]
 
-Each stage is timed alone (evaluated on its own), interleaved with plain target steps on the
+Each stage is timed alone (evaluated on its own), round-robin with plain target steps on the
 same cache, median of ``--reps``; ratios are to the plain step measured in the same run.
+``append`` is the context append of ``--kept`` rows (a verify's kept rows) projected on its
+own, as a cycle did before; ``layers+kept`` the draft's layers with those rows projected in
+the same pass (``cpu/draft_step.py``), as a cycle does now. ``drafter`` is the whole cost per
+cycle now (layers with the kept rows, head, selector), ``before`` the same with the append
+on its own. ``--cpu-time`` times process CPU seconds instead of wall time (steadier on a
+shared machine; run with ``OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1`` to count one thread).
 """
 
 from __future__ import annotations
@@ -14,53 +20,82 @@ import json
 import statistics
 import time
 
+# The package before MLX: MLX then binds the system OpenBLAS and the few-row kernel
+# (imported after MLX, MLX keeps its wheel's reference BLAS).
+import dflash_mlx  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 
-import dflash_mlx  # noqa: F401  (loads the system BLAS before mlx)
+
+def timed_round_robin(fns: dict, reps: int, clock=time.perf_counter) -> dict:
+    """Median seconds of each fn() (which must evaluate what it builds), the fns taking
+    turns so that a shared machine's drift hits them alike; the first two rounds are warm-up."""
+    out = {name: [] for name in fns}
+    for _ in range(reps + 2):
+        for name, fn in fns.items():
+            t = clock()
+            fn()
+            out[name].append(clock() - t)
+    return {name: statistics.median(v[2:]) for name, v in out.items()}
 
 
-def timed(fn, reps: int) -> float:
-    """Median seconds of fn() (which must evaluate what it builds)."""
-    out = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
-
-
-def stages(model, cache, block: int, reps: int) -> dict:
-    """Seconds of each drafter stage for one block after the cached context."""
+def stage_fns(model, cache, block: int, kept: int) -> dict:
+    """The drafter's stages for one block after the cached context, each leaving the cache
+    as it found it; ``kept`` rows of target features stand for a verify's kept rows."""
     from dflash_mlx.cpu import draft_step
     from dflash_mlx.decoding.acceptance import SamplingParams
     from dflash_mlx.decoding.propose import propose
 
-    d = model.drafter
+    d, ctx = model.drafter, cache.drafter
     anchor = mx.array([17], mx.uint32)
     emb = model.embed_block(anchor, block)
-    mx.eval(emb)
-    hidden = draft_step.step(d, emb, cache.drafter)
+    feats = mx.random.normal((1, kept, d.feature_size)).astype(d.fc.weight.dtype)
+    mx.eval(emb, feats)
+    hidden = draft_step.step(d, emb, ctx)
     mx.eval(hidden)
     logits = model.draft_logits(hidden[:, 1:])
     mx.eval(logits)
     params = SamplingParams()
-    out = {
-        "embed": timed(lambda: mx.eval(model.embed_block(anchor, block)), reps),
-        "layers": timed(lambda: mx.eval(draft_step.step(d, emb, cache.drafter)), reps),
-        "head": timed(lambda: mx.eval(model.draft_logits(hidden[:, 1:])), reps),
-        "selector": timed(
-            lambda: mx.eval(propose(model, logits, hidden[:, 1:], anchor, params, True, None)[0]),
-            reps,
-        ),
-    }
 
-    def whole():
-        h = draft_step.step(d, model.embed_block(anchor, block), cache.drafter)
+    def undo():
+        for c in ctx:
+            c.trim(kept)
+
+    def draft():
+        h = draft_step.step(d, model.embed_block(anchor, block), ctx)
         lg = model.draft_logits(h[:, 1:])
         mx.eval(propose(model, lg, h[:, 1:], anchor, params, True, None)[0])
 
-    out["drafter_total"] = timed(whole, reps)
-    return out
+    def appended(lazy):
+        def run():
+            if lazy:  # pending: the next draft projects them in its pass
+                draft_step.append_context(d, feats, ctx)
+            else:  # projected now; the cycle's async evaluation, waited for
+                d.append_context(feats, ctx, lazy=False)
+                mx.eval([c.state for c in ctx])
+
+        return run
+
+    def then(*fns):
+        def run():
+            for fn in fns:
+                fn()
+
+        return run
+
+    return {
+        "embed": lambda: mx.eval(model.embed_block(anchor, block)),
+        "layers": lambda: mx.eval(draft_step.step(d, emb, ctx)),
+        "append": then(appended(False), undo),
+        "layers+kept": then(appended(True), lambda: mx.eval(draft_step.step(d, emb, ctx)), undo),
+        "head": lambda: mx.eval(model.draft_logits(hidden[:, 1:])),
+        "selector": lambda: mx.eval(
+            propose(model, logits, hidden[:, 1:], anchor, params, True, None)[0]
+        ),
+        "before": then(appended(False), draft, undo),
+        "drafter": then(appended(True), draft, undo),
+    }
 
 
 def main(argv=None) -> None:
@@ -75,13 +110,16 @@ def main(argv=None) -> None:
     p.add_argument("--block", type=int, default=8)
     p.add_argument("--context", type=int, default=200)
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--vocab", type=int, nargs="+", default=[0, 4096, 8192, 16384])
+    p.add_argument("--kept", type=int, default=2, help="context rows appended per cycle")
+    p.add_argument("--vocab", type=int, nargs="*", default=[], help="draft vocabularies too")
+    p.add_argument("--cpu-time", action="store_true", help="process CPU time, not wall time")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     model, tok = load(a.model, drafter=a.drafter, warmup=False)
     cache = model.make_cache()
     ids = [(i * 7919) % 30000 + 100 for i in range(a.context)]
     prefill(model, ids, cache, SamplingParams(), mx.random.key(0))
+    model.drafter.flush_context(cache.drafter)
     tok_arr = mx.array([[ids[-1]]])
 
     def plain():
@@ -90,6 +128,7 @@ def main(argv=None) -> None:
         model.adapter.rollback(cache.target, 1, 0, None)
 
     own = model.draft_head
+    clock = time.process_time if a.cpu_time else time.perf_counter
     rows = []
     for n in ["own"] + a.vocab:
         if n == "own":
@@ -98,21 +137,17 @@ def main(argv=None) -> None:
             model.draft_head = own
         else:
             set_draft_vocab(model, tok, n)
-        plain_s = timed(plain, a.reps)
-        st = stages(model, cache, a.block, a.reps)
+        fns = {"plain": plain, **stage_fns(model, cache, a.block, a.kept)}
+        st = timed_round_robin(fns, a.reps, clock)
         size = model.draft_head.size if model.draft_head is not None else "full"
-        rows.append(
-            {"vocab": size, "plain_ms": 1e3 * plain_s, **{k: 1e3 * v for k, v in st.items()}}
-        )
-    print(
-        f"{'vocab':>8} {'plain':>7} {'embed':>7} {'layers':>7} {'head':>7} {'select':>7} "
-        f"{'drafter':>8} {'share':>6}"
-    )
+        rows.append({"vocab": size, "kept": a.kept, **{k: 1e3 * v for k, v in st.items()}})
+    cols = ["embed", "layers", "append", "layers+kept", "head", "selector", "before", "drafter"]
+    print(f"{'vocab':>6} {'plain':>7}" + "".join(f" {c:>11}" for c in cols) + "  share before/now")
     for r in rows:
         print(
-            f"{r['vocab']!s:>8} {r['plain_ms']:7.1f} {r['embed']:7.2f} {r['layers']:7.2f} "
-            f"{r['head']:7.2f} {r['selector']:7.2f} {r['drafter_total']:8.2f} "
-            f"{r['drafter_total'] / r['plain_ms']:6.1%}"
+            f"{r['vocab']!s:>6} {r['plain']:7.2f}"
+            + "".join(f" {r[c]:11.2f}" for c in cols)
+            + f"  {r['before'] / r['plain']:6.1%} {r['drafter'] / r['plain']:6.1%}"
         )
     if a.json:
         with open(a.json, "w") as f:

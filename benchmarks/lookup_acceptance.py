@@ -16,10 +16,13 @@ import argparse
 import json
 from collections import defaultdict
 
+# The package before MLX: MLX then binds the system OpenBLAS and the few-row kernel
+# (imported after MLX, MLX keeps its wheel's reference BLAS).
+import dflash_mlx  # noqa: F401
+
+# isort: split
 import mlx.core as mx
 import numpy as np
-
-import dflash_mlx  # noqa: F401  (loads the system BLAS before mlx)
 
 
 def drafter_top1(model, ids, cont, block):

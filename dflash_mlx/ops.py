@@ -34,6 +34,14 @@ def draft_step(drafter, block_embeds: mx.array, cache: list) -> mx.array:
     return drafter.step(block_embeds, cache)
 
 
+def append_context(drafter, features: mx.array, cache: list) -> None:
+    """Add the kept rows' target features [1, n, nT*H] to the drafter's context after a
+    verify. Plain MLX projects them now, so the device does it while the host builds the
+    next cycle; the CPU twin leaves them pending for the next draft to project in its own
+    pass (``cpu/draft_step.py``)."""
+    drafter.append_context(features, cache, lazy=False)
+
+
 def host_selector(top_k: int, rank: int, codebook_dtype) -> Callable | None:
     """A whole path selector that runs on the host for these sizes, or None (the selector
     then runs as MLX ops or its Metal kernel). Its signature is ``select_host.select``'s."""
@@ -79,6 +87,7 @@ _NAMES = (
     "logsumexp",
     "attention",
     "draft_step",
+    "append_context",
     "host_selector",
     "prepare_target",
     "describe",

@@ -88,6 +88,7 @@ def _install_ops() -> None:
         logsumexp=fastmath.logsumexp,
         attention=fastmath.attention,
         draft_step=draft_step.step,
+        append_context=draft_step.append_context,
         host_selector=select_host.selector_for,
         prepare_target=target.compile_layers,
         describe=describe,

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..model.conv import TwoTapConv
 from ..model.drafter import ContextCache, DecoderLayer, DFlashDrafter
-from . import fastmath
+from . import fastmath, small_gemm
 from .fastmath import attention
 
 
@@ -44,8 +44,12 @@ def _prepare(conv: TwoTapConv, u: mx.array):
     return _conv(conv, u, 0, d[:, :, 0]), d[:, :, 1]
 
 
-def _pre(layer: DecoderLayer, x: mx.array, offset: mx.array):
-    """Block rows x [1, L, H] -> (q [1, Hq, L, hd], k, v [1, Hkv, L, hd][, side-1 taps])."""
+def _pre(layer: DecoderLayer, x: mx.array, offset: mx.array, ctx: mx.array | None = None):
+    """Block rows x [1, L, H] -> (q [1, Hq, L, hd], k, v [1, Hkv, L, hd][, side-1 taps]).
+
+    With ``ctx`` [1, n, H] (new context rows, projected) k and v are those n rows' then the
+    block's [1, Hkv, n + L, hd], from one projection, at positions offset..; q at offset + n.
+    """
     attn = layer.self_attn
     N, L, _ = x.shape
     u = layer.input_layernorm(x)
@@ -54,8 +58,10 @@ def _pre(layer: DecoderLayer, x: mx.array, offset: mx.array):
         u, d1 = _prepare(layer.attention_conv, u)
         taps = (d1,)
     q = attn.q_norm(attn.q_proj(u).reshape(N, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-    k, v = attn.kv(u, offset)
-    return (attn.rope(q, offset=offset), k, v) + taps
+    if ctx is None:
+        return (attn.rope(q, offset=offset), *attn.kv(u, offset)) + taps
+    k, v = attn.kv(mx.concatenate([ctx, u], axis=1), offset)
+    return (attn.rope(q, offset=offset + ctx.shape[1]), k, v) + taps
 
 
 def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
@@ -72,8 +78,19 @@ def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
     return h if final_norm is None else final_norm(h)
 
 
+def _project(drafter: DFlashDrafter, features: mx.array) -> mx.array:
+    return drafter.project_context(features)
+
+
 class CompiledStep:
     """``drafter.step`` with each layer's block-only work compiled.
+
+    The context rows appended since the last step (``append_context``'s pending features,
+    e.g. the kept rows of the last verify) are projected in the same pass: their keys and
+    values come from the block's own projection, one product of n + L rows instead of two
+    calls, when the few-row kernel takes n + L rows (then a row's bits do not depend on the
+    rows beside it, so they are the bits ``flush_context`` gives); else they are flushed
+    first, as on a GPU.
 
     The weights are compiled as inputs, not constants, so a later update of the same
     modules (new weights loaded into them) is seen.
@@ -92,16 +109,33 @@ class CompiledStep:
             pre = mx.compile(partial(_pre, layer), inputs=state)
             post = mx.compile(partial(_post, layer, norm), inputs=state)
             self._fns.append((pre, post))
+        state = [drafter.fc.state, drafter.hidden_norm.state]
+        self._project = mx.compile(partial(_project, drafter), inputs=state)
+
+    def _new_rows(self, cache: list[ContextCache], block: int) -> mx.array | None:
+        """The pending context rows projected [1, n, H] to go with a block of ``block``
+        rows, or None (nothing pending, or flushed now: too many rows for one product)."""
+        pending = cache[0].pending
+        if not pending:
+            return None
+        if cache[0].pending_rows + block > small_gemm.max_rows():
+            self.drafter.flush_context(cache)
+            return None
+        feats = pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
+        for c in cache:
+            c.pending = []
+        return self._project(feats)
 
     def __call__(self, block_embeds: mx.array, cache: list[ContextCache]) -> mx.array:
         """One block [1, L, H] after the cached context -> final hidden [1, L, H]."""
         d = self.drafter
-        d.flush_context(cache)
-        offset = mx.array(cache[0].offset, dtype=mx.int32)
+        ctx = self._new_rows(cache, block_embeds.shape[1])
+        keep = 0 if ctx is None else ctx.shape[1]
+        offset = mx.array(cache[0].offset, dtype=mx.int32)  # of the new rows, then the block
         x = block_embeds
         for layer, c, (pre, post) in zip(d.layers, cache, self._fns):
-            q, k, v, *taps = pre(x, offset)
-            k, v = c.with_block(k, v)
+            q, k, v, *taps = pre(x, offset) if ctx is None else pre(x, offset, ctx)
+            k, v = c.with_block(k, v, keep)
             x = post(x, attention(q, k, v, layer.self_attn.scale), *taps)
         return x
 
@@ -127,3 +161,15 @@ def step(
     if fn is None:
         fn = drafter._compiled_step = CompiledStep(drafter)
     return fn(block_embeds, cache)
+
+
+def append_context(drafter: DFlashDrafter, features: mx.array, cache: list[ContextCache]) -> None:
+    """``ops.append_context``: leave the kept rows' features pending, so the next ``step``
+    projects them in its own pass (``CompiledStep``); a wrapper or the GPU path flushes
+    them there too (``DFlashDrafter.step``).
+
+    Args:
+        drafter: the drafter. features: [1, n, nT*H] target features of committed tokens.
+        cache: its per-layer context caches.
+    """
+    drafter.append_context(features, cache)

@@ -125,7 +125,7 @@ def load(
     lib.dflash_small_gemm_counter.restype = ctypes.c_long
     lib.dflash_small_gemm_half_calls.restype = ctypes.c_long
     lib.dflash_small_gemm_set_split(int(split))
-    _state.update(path=str(path), lib=lib, error=None, split=bool(split))
+    _state.update(path=str(path), lib=lib, error=None, split=bool(split), rows=int(max_rows))
     return str(path)
 
 
@@ -166,6 +166,13 @@ def set_max_rows(rows: int) -> None:
     """Send products with more than ``rows`` rows to OpenBLAS (0: all of them)."""
     if _state["lib"] is not None:
         _state["lib"].dflash_small_gemm_set_rows(int(rows))
+        _state["rows"] = int(rows)
+
+
+def max_rows() -> int:
+    """The most rows of an ``A @ B^T`` product the kernel takes itself (0: no kernel);
+    up to there a row's bits do not depend on the rows multiplied with it."""
+    return _state.get("rows", 0) if _state["lib"] is not None else 0
 
 
 BF16, F16 = 1, 2  # kinds of 16-bit words (cpu/small_gemm.c)

@@ -229,7 +229,7 @@ def cycle(
             model, cache, params, history, a_arr, drafts, q_full, keys[1], clock
         )
     clock.lap("rollback", [c.state for c in cache.target])  # the target holds the kept rows
-    model.drafter.append_context(feats, cache.drafter, lazy=False)
+    ops.append_context(model.drafter, feats, cache.drafter)
     cache.tokens += [anchor] + committed[:-1]
     cache.quantize()
     # Roll back / append on the device while the host builds the next cycle.

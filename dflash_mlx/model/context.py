@@ -29,10 +29,11 @@ class GrowingRows:
         """Keep rows [1, n_kv, n, head_dim] after the held ones."""
         self._kv.update_and_fetch(keys, values)
 
-    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """The held rows then a block's [1, n_kv, L, head_dim]; the block is not kept."""
+    def with_block(self, keys: mx.array, values: mx.array, keep: int = 0) -> tuple:
+        """The held rows then a block's [1, n_kv, L, head_dim]; its first ``keep`` rows
+        are kept (context rows projected with the block), the rest not."""
         out = self._kv.update_and_fetch(keys, values)
-        self._kv.trim(keys.shape[2])
+        self._kv.trim(keys.shape[2] - keep)
         return out
 
     def trim(self, n: int) -> None:
@@ -108,11 +109,14 @@ class WindowRows:
         self._end += n
         self._start = max(self._start, self._end - self.window)
 
-    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def with_block(self, keys: mx.array, values: mx.array, keep: int = 0) -> tuple:
         """The held rows then a block's [1, n_kv, L, head_dim] (views of the buffer); the
-        block is written past the held rows and not kept."""
+        block is written past the held rows, its first ``keep`` rows kept (the window's
+        start moves past rows it drops, as ``append`` does), the rest not."""
         n = self._write(keys, values)  # may move the held rows to the buffer's front
         stop = self._end + n
+        self._end += keep
+        self._start = max(self._start, self._end - self.window)
         return self._k[:, :, self._start : stop], self._v[:, :, self._start : stop]
 
     def trim(self, n: int) -> None:
@@ -169,11 +173,14 @@ class ContextCache:
         self.offset += keys.shape[2]
         self._rows.append(keys, values)
 
-    def with_block(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def with_block(self, keys: mx.array, values: mx.array, keep: int = 0) -> tuple:
         """The held rows followed by a block's rows [1, n_kv, L, head_dim], for one
         attention call; the block rows are not kept (they are written past the held rows
-        of the buffer and forgotten, so nothing is copied)."""
-        return self._rows.with_block(keys, values)
+        of the buffer and forgotten, so nothing is copied), except its first ``keep``:
+        new context rows projected in the block's pass (``cpu/draft_step.py``), which then
+        count as appended."""
+        self.offset += keep
+        return self._rows.with_block(keys, values, keep)
 
     def trim(self, n: int) -> None:
         """Drop the last n rows (pending ones first, then positions offset-n ..). Rows the

@@ -67,3 +67,75 @@ def test_only_the_cpu_backend_compiles_by_default(monkeypatch):
     monkeypatch.setattr(draft_step.fastmath, "on_cpu", lambda: True)
     draft_step.step(d, emb, cache)
     assert isinstance(d._compiled_step, draft_step.CompiledStep)
+
+
+def held(cache):
+    return [(c.offset, c.size, *c.held()) for c in cache]
+
+
+@pytest.mark.parametrize("dflash2,window", [(True, 6), (True, None), (False, 6)])
+def test_new_context_rows_projected_with_the_block_give_the_flushed_bits(dflash2, window):
+    # n pending rows go through the block's projection when n + L fit the few-row kernel
+    # (n + L > 16 flushes first); the hidden states and the rows kept are the eager bits
+    with mx.stream(mx.cpu):
+        for n, L in ((1, 8), (3, 4), (8, 8), (12, 8)):
+            d, folded = make(dflash2, window)
+            _, eager = make(dflash2, window)
+            f = mx.random.normal((1, n, NT * H), key=mx.random.key(n))
+            emb = mx.random.normal((1, L, H), key=mx.random.key(L))
+            d.append_context(f, folded)
+            d.append_context(f, eager, lazy=False)
+            out = draft_step.step(d, emb, folded, compiled=True)
+            ref = draft_step.step(d, emb, eager, compiled=True)
+            assert mx.array_equal(out, ref).item(), (n, L, mx.abs(out - ref).max().item())
+            assert not folded[0].pending and folded[0].offset == 30 + n
+            for a, b in zip(held(folded), held(eager)):
+                assert a[:2] == b[:2] and all(mx.array_equal(x, y).item() for x, y in zip(a, b))
+            again = mx.random.normal((1, L, H), key=mx.random.key(99))  # the next draft too
+            out = draft_step.step(d, again, folded, compiled=True)
+            assert mx.array_equal(out, draft_step.step(d, again, eager, compiled=True)).item()
+
+
+@pytest.mark.parametrize(
+    "kind,block,temp", [("qwen3", 8, 0.0), ("qwen3_5", 6, 0.0), ("qwen3", 8, 1.0)]
+)
+def test_decoding_drafts_the_same_with_the_append_in_the_draft_pass(
+    pairs, monkeypatch, kind, block, temp
+):
+    # every draft's hidden states (so every drafted token) and the text, with the kept rows'
+    # K/V projected in the next draft's pass against appending them right after the verify
+    from dflash_mlx import ops, stream_generate
+
+    model, tok = pairs(kind)
+    real = ops.draft_step
+
+    def run(append):
+        monkeypatch.setattr(ops, "append_context", append)
+        seen = []
+
+        def record(drafter, emb, cache):
+            seen.append((cache[0].offset, cache[0].pending_rows, real(drafter, emb, cache)))
+            return seen[-1][2]
+
+        monkeypatch.setattr(ops, "draft_step", record)
+        rs = stream_generate(
+            model,
+            tok,
+            "def parse_args(argv):",
+            raw=True,
+            max_tokens=24,
+            block_size=block,
+            temperature=temp,
+            seed=3,
+            lookup=False,
+        )
+        toks = [t for r in rs for t in r.tokens]
+        return toks, seen
+
+    toks, folded = run(draft_step.append_context)
+    ref_toks, eager = run(lambda d, f, c: d.append_context(f, c, lazy=False))
+    assert toks == ref_toks and len(folded) == len(eager) > 3
+    # the prefill leaves the prompt's rows pending either way; then only the fold does
+    assert sum(p > 0 for _, p, _ in folded) > sum(p > 0 for _, p, _ in eager) == 1
+    for (o, p, h), (o2, p2, h2) in zip(folded, eager):
+        assert o + p == o2 + p2 and mx.array_equal(h, h2).item()
