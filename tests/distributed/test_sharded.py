@@ -78,7 +78,10 @@ def test_serve_takes_kv_bits_with_max_batch_1_under_mlx_launch(monkeypatch, tmp_
     from dflash_mlx import distributed
     from dflash_mlx.cli import app
 
+    from dflash_mlx.distributed import handshake
+
     monkeypatch.setattr(distributed, "group", lambda given=None: _Group())
+    monkeypatch.setattr(handshake, "gather", lambda row, group: [row])  # one rank's row
     argv = ["serve", "--kv-bits", "8", "--port", "0", "--model", str(tmp_path / "none")]
     batched = CliRunner().invoke(app, argv).stderr
     alone = CliRunner().invoke(app, [*argv, "--max-batch", "1"]).stderr
