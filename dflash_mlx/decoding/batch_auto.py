@@ -106,7 +106,7 @@ class BatchPlanner:
     def __init__(self, costs: BatchCosts, max_block: int):
         self.costs, self.max_block = costs, max_block
         self.since_spec, self.probe_after = 0, PROBE_START
-        self.last = ""  # the last plan, said in the rows' schedule notes when it changes
+        self._matches: list[int] = []  # each row's lookup match, this cycle
 
     def plan(self, rows: list) -> list[Option]:
         """Each row's Option for the next cycle.
@@ -117,6 +117,7 @@ class BatchPlanner:
         """
         fixed = [r.block for r in rows if r.sched is None]
         low = max([1, *fixed])
+        self._matches = [0 if r.index is None else r.index.match()[0] for r in rows]
         mean = self._best(rows, max(low, 2), optimistic=False)
         plain = self._evaluate(rows, 1, optimistic=False) if low == 1 else None
         spec = mean if any(o.block > 1 for o in mean[2]) else None
@@ -149,7 +150,7 @@ class BatchPlanner:
                 opts.append(Option(min(r.block, b), False, 1.0 + (b > 1)))
                 continue
             drafted = expected_tokens(r.sched.acc.rates(optimistic), b)
-            copied = _copied(r, b, optimistic)
+            copied = _copied(r, self._matches[i], b, optimistic)
             if b > 1 and copied >= drafted:
                 opts.append(Option(b, True, copied))
             else:
@@ -187,9 +188,8 @@ class BatchPlanner:
         return f"batch of {len(rows)}: width {width}, rows {kinds} (d drafted, c copied, p plain)"
 
 
-def _copied(row, b: int, optimistic: bool) -> float:
-    """Expected tokens of the row's context-lookup draft of block b (0: none)."""
-    if row.index is None:
-        return 0.0
-    acc = row.sched.lookup_acc.get(lookup.match_class(row.index.match()[0]))
+def _copied(row, match: int, b: int, optimistic: bool) -> float:
+    """Expected tokens of the row's context-lookup draft of block b after a match of
+    ``match`` tokens (0: none)."""
+    acc = row.sched.lookup_acc.get(lookup.match_class(match))
     return 0.0 if acc is None else expected_tokens(acc.rates(optimistic), b)
