@@ -128,10 +128,8 @@ class BatchGenerator:
                 row.sched = _scheduler(self.model, cfg, params, len(ids))
             self.planner = self.planner or _planner(self.model)
         stats = RequestStats(len(ids), block or self.model.block_size)
-        req = _Request(
-            row, _TextStream(self.tokenizer.detokenizer, cfg.stop), stats, cfg.max_tokens
-        )
-        self.waiting.append((row, cache, req))
+        text = _TextStream(self.tokenizer.detokenizer, cfg.stop)
+        self.waiting.append((row, cache, _Request(row, text, stats, cfg.max_tokens)))
         return uid
 
     def remove(self, uid: int) -> None:
