@@ -120,6 +120,7 @@ class BatchDecoder:
         self.context: list | None = None  # BatchKVCache per drafter layer
         self.joining: list[tuple[Row, PromptCache]] = []
         self.cycles = 0
+        self.drafting: list[int] = []  # the rows the drafter drafts for this cycle
         args = model.drafter.args
         windows = {args.window(i) for i in range(args.num_hidden_layers)}
         # One mask serves every drafter layer: a window only when all layers share it.
@@ -247,6 +248,7 @@ class BatchDecoder:
         head, most of its cost, reads only the drafting rows' positions."""
         out = [c[:2] if c else (mx.array([], dtype=mx.uint32), None) for c in copies]
         todo = [i for i, (c, b) in enumerate(zip(copies, blocks)) if c is None and b >= 2]
+        self.drafting = todo
         model, drafter = self.model, self.model.drafter
         if todo:
             args = drafter.args
