@@ -29,16 +29,21 @@ QUESTIONS = [
 
 
 class Fixed:
-    """A BlockChooser stand-in that always picks one block."""
+    """A BatchPlanner stand-in: every row drafts one block (1: plain), every cycle."""
 
     def __init__(self, block: int):
         self.block = block
 
-    def choose(self) -> int:
-        return self.block
+    def plan(self, rows):
+        from dflash_mlx.decoding.batch_auto import Option
+
+        return [Option(self.block, False, 0.0) for _ in rows]
 
     def record(self, *_):
         pass
+
+    def describe(self, *_):
+        return f"fixed block {self.block}"
 
 
 def batched(model, tok, chats, max_tokens, mode):
@@ -46,10 +51,10 @@ def batched(model, tok, chats, max_tokens, mode):
     from dflash_mlx.batching import BatchGenerator
 
     gen = BatchGenerator(model, tok, max_batch=len(chats))
-    if mode != "auto":
-        gen.chooser = Fixed(1 if mode == "plain" else model.block_size)
     tic = time.perf_counter()
     uids = [gen.insert(c, max_tokens=max_tokens, block_size="auto") for c in chats]
+    if mode != "auto":
+        gen.planner = Fixed(1 if mode == "plain" else model.block_size)
     texts, n = {u: "" for u in uids}, 0
     while len(gen):
         for uid, r in gen.step():

@@ -1,14 +1,19 @@
-"""Batching as a client sees it (issue 45): ``dflash serve`` with its defaults, N greedy chat
-requests sent at once against the same N sent one after another, on prompts the project
-never tuned to (``unseen_prompts.jsonl``: code and chat alternating).
+"""Batching as a client sees it (issues 45, 52): ``dflash serve`` with its defaults, N greedy
+chat requests sent at once against the same N sent one after another, on prompts the project
+never tuned to (``unseen_prompts.jsonl``: code and chat alternating; ``--prompts`` another
+JSONL file, e.g. ``unseen_prompts_batch.jsonl``, taken in its order).
 
     python benchmarks/batching_server.py                      # demo, 4 clients, 48 tokens
-    python benchmarks/batching_server.py --clients 4 8 --max-tokens 48 256 --json out.json
+    python benchmarks/batching_server.py --prompts benchmarks/unseen_prompts_batch.jsonl \
+        --clients 4 8 --max-tokens 48 256 --json out.json
 
 Per (clients, max tokens): wall time of the sequential and the concurrent round (after one
 warm-up request), generated tokens / wall time, their ratio, and whether every concurrent
 text equals its sequential text. The rounds alternate (sequential, concurrent, ...) and
-the median of ``--rounds`` is reported.
+the median of ``--rounds`` is reported, then each row's tau (tokens per cycle, from the
+responses' ``dflash`` stats) alone and in the batch, and the block sizes the batch used.
+Last, the roofline's Mac estimate (``--chip``) of a batched verify: a plain step of N rows
+against a verify of N rows x the drafter's block, and the tau per row that breaks even.
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ def prompts(n: int, path: str | None = None) -> list[str]:
 STREAM = False  # --stream: every request streamed (server-sent events), as chat UIs do
 
 
-def ask(url: str, text: str, max_tokens: int) -> tuple[str, int]:
-    """One greedy chat completion, whole or streamed: (text, completion tokens)."""
+def ask(url: str, text: str, max_tokens: int) -> tuple[str, int, dict]:
+    """One greedy chat completion, whole or streamed: (text, completion tokens, its
+    ``dflash`` stats)."""
     body = {
         "model": "default_model",
         "messages": [{"role": "user", "content": text}],
@@ -60,8 +66,9 @@ def ask(url: str, text: str, max_tokens: int) -> tuple[str, int]:
     with urllib.request.urlopen(req, timeout=900) as r:
         if not STREAM:
             out = json.loads(r.read())
-            return out["choices"][0]["message"]["content"], out["usage"]["completion_tokens"]
-        text, tokens = "", 0
+            msg, use = out["choices"][0]["message"]["content"], out["usage"]
+            return msg, use["completion_tokens"], out.get("dflash", {})
+        text, tokens, stats = "", 0, {}
         for line in r:
             line = line.decode().strip()
             if not line.startswith("data: {"):
@@ -70,7 +77,8 @@ def ask(url: str, text: str, max_tokens: int) -> tuple[str, int]:
             for choice in event.get("choices", []):
                 text += choice.get("delta", {}).get("content") or ""
             tokens = (event.get("usage") or {}).get("completion_tokens", tokens)
-        return text, tokens
+            stats = event.get("dflash", stats)
+        return text, tokens, stats
 
 
 def sequential(url: str, texts: list[str], max_tokens: int):
@@ -94,6 +102,66 @@ def concurrent(url: str, texts: list[str], max_tokens: int):
     return time.perf_counter() - tic, got
 
 
+def mac_estimate(model: str, rows: int, chip: str) -> dict | None:
+    """The roofline's batched verify of ``rows`` rows on ``chip`` (estimated; None when the
+    model's configs are not at hand offline)."""
+    from dflash_mlx.bench import roofline as rl
+    from dflash_mlx.bench import roofline_data as data
+    from dflash_mlx.cli.roofline import _configs, _inputs
+    from dflash_mlx.errors import DFlashError
+
+    try:
+        _, tcfg, dcfg, stored = _configs(model, None)
+    except DFlashError:
+        return None
+    inp = _inputs(tcfg, dcfg, (stored or "4bit").lower(), None, None, None)
+    name, bandwidth, _ = data.chip(chip)
+    return rl.batched(rl.estimate(inp), inp, name, bandwidth, rows) | {"chip": name}
+
+
+def taus(got) -> list[float]:
+    """Each response's tau (tokens per cycle)."""
+    return [round(st.get("tau", 0.0), 2) for _, _, st in got]
+
+
+def blocks(got) -> dict[str, int]:
+    """Cycles per block size over all responses ("1": plain steps)."""
+    out: dict[str, int] = {}
+    for _, _, st in got:
+        for b, n in st.get("blocks", {}).items():
+            out[b] = out.get(b, 0) + n
+    return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+
+def measure(url: str, texts: list[str], m: int, rounds: int, cold: bool) -> dict:
+    """Alternating rounds of one (clients, max tokens) cell; medians and the last round's
+    per-row tau and blocks."""
+    seq, con, same = [], [], True
+    for _ in range(rounds):
+        if cold:
+            t_c, got = concurrent(url, texts, m)
+        t_s, ref = sequential(url, texts, m)
+        if not cold:
+            t_c, got = concurrent(url, texts, m)
+        seq.append(sum(k for _, k, _ in ref) / t_s)
+        con.append(sum(k for _, k, _ in got) / t_c)
+        same &= [t for t, _, _ in got] == [t for t, _, _ in ref]
+    s, c = statistics.median(seq), statistics.median(con)
+    return {
+        "clients": len(texts),
+        "max_tokens": m,
+        "sequential": s,
+        "concurrent": c,
+        "ratio": c / s,
+        "same_text": same,
+        "runs": [seq, con],
+        "tau_alone": taus(ref),
+        "tau_batched": taus(got),
+        "blocks_alone": blocks(ref),
+        "blocks_batched": blocks(got),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="demo")
@@ -103,6 +171,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--serve-args", default="", help="extra `dflash serve` flags")
     ap.add_argument("--prompts", default=None, help="a JSONL file of {'prompt': ...} rows")
+    ap.add_argument("--chip", default="M4 Pro", help="the Mac of the roofline's estimate")
     ap.add_argument(
         "--cold",
         action="store_true",
@@ -121,35 +190,30 @@ def main() -> None:
         print("clients | tokens | sequential tok/s | concurrent tok/s | ratio | same text")
         for n in args.clients:
             for m in args.max_tokens:
-                texts, seq, con, same = prompts(n, args.prompts), [], [], True
-                for _ in range(args.rounds):
-                    if args.cold:
-                        t_c, got = concurrent(url, texts, m)
-                    t_s, ref = sequential(url, texts, m)
-                    if not args.cold:
-                        t_c, got = concurrent(url, texts, m)
-                    tokens = sum(k for _, k in ref)
-                    seq.append(tokens / t_s)
-                    con.append(sum(k for _, k in got) / t_c)
-                    same &= [t for t, _ in got] == [t for t, _ in ref]
-                s, c = statistics.median(seq), statistics.median(con)
-                rows.append(
-                    {
-                        "clients": n,
-                        "max_tokens": m,
-                        "sequential": s,
-                        "concurrent": c,
-                        "ratio": c / s,
-                        "same_text": same,
-                        "runs": [seq, con],
-                    }
-                )
+                row = measure(url, prompts(n, args.prompts), m, args.rounds, args.cold)
+                rows.append(row)
+                s, c = row["sequential"], row["concurrent"]
                 print(
-                    f"{n:7d} | {m:6d} | {s:16.1f} | {c:16.1f} | {c / s:4.2f}x | {same}", flush=True
+                    f"{n:7d} | {m:6d} | {s:16.1f} | {c:16.1f} | {c / s:4.2f}x | {row['same_text']}",
+                    flush=True,
                 )
+                print(f"    tau alone {row['tau_alone']}  batched {row['tau_batched']}")
+                print(f"    blocks alone {row['blocks_alone']}  batched {row['blocks_batched']}")
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    for n in args.clients:
+        est = mac_estimate(args.model, n, args.chip)
+        if est is not None:
+            print(
+                f"Mac estimate ({est['chip']}, estimated): {n} rows, plain step "
+                f"{est['plain_step_seconds'] * 1e3:.2f} ms, verify of {n} x {est['block']} "
+                f"{est['verify_cycle_seconds'] * 1e3:.2f} ms: break-even tau per row "
+                f"{est['break_even_tau']:.2f}"
+            )
+            for r in rows:
+                if r["clients"] == n:
+                    r["mac_estimate"] = est
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

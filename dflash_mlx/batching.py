@@ -17,8 +17,7 @@ import mlx.core as mx
 
 from . import inputs
 from .decoding.batch import BatchDecoder, Row, check_kv
-from .decoding.costs import EMA
-from .decoding.probe import PROBE_MAX, PROBE_START
+from .decoding.batch_auto import BatchCosts, BatchPlanner
 from .decoding.state import DFlashModel, PromptCache
 from .decoding.stats import RequestStats
 from .decoding.steps import generation_stream
@@ -27,6 +26,7 @@ from .errors import DFlashError
 from .generation import (
     GenerationResponse,
     Prompt,
+    _scheduler,
     _TextStream,
     eos_ids,
     request_ids,
@@ -45,48 +45,6 @@ def one_at_a_time(model: DFlashModel) -> bool:
     return model.adapter.is_hybrid or vision_language(model)
 
 
-class BlockChooser:
-    """``block_size="auto"`` for a batch: of a plain step (1) and the checkpoint's block, the
-    one whose recent cycles committed the most tokens per second. It starts plain and tries
-    the block after 8 cycles; the losing one is re-tried after 8, 16, 32 ... cycles (a probe
-    of the slow block is expensive: a batch's block verify costs rows x block tokens), back
-    to 8 when it wins. Only past cycles are used: every choice is lossless. The rates are
-    smoothed, and the probes spaced, with the per-request scheduler's constants
-    (``costs.EMA``, ``probe.PROBE_START``, ``PROBE_MAX``): one set of ``auto`` constants.
-
-    Args:
-        block: the checkpoint's block size.
-    """
-
-    def __init__(self, block: int):
-        self.options = sorted({1, block})
-        self.rate: dict[int, float] = {}
-        self.n, self.gap, self.probe_at, self.probing = 0, PROBE_START, PROBE_START, None
-
-    def best(self) -> int:
-        """The block with the higher measured rate (plain before anything is measured)."""
-        tried = [b for b in self.options if b in self.rate]
-        return max(tried, key=self.rate.get) if tried else self.options[0]
-
-    def choose(self) -> int:
-        """The block for the next cycle."""
-        self.n += 1
-        if self.n >= self.probe_at:
-            self.probing = next((b for b in self.options if b != self.best()), None)
-            if self.probing is not None:
-                return self.probing
-        return self.best()
-
-    def record(self, block: int, tokens: int, seconds: float) -> None:
-        """Fold in one cycle: tokens committed by all rows in seconds of wall time."""
-        r, old = tokens / max(seconds, 1e-9), self.rate.get(block)
-        self.rate[block] = r if old is None else (1 - EMA) * old + EMA * r
-        if self.probing is not None and block == self.probing:
-            won = self.best() == block
-            self.gap = PROBE_START if won else min(2 * self.gap, PROBE_MAX)
-            self.probe_at, self.probing = self.n + self.gap, None
-
-
 @dataclass
 class _Request:
     """A request's per-row bookkeeping around its decoder row."""
@@ -95,6 +53,7 @@ class _Request:
     text: _TextStream
     stats: RequestStats
     max_tokens: int
+    plain: bool | None = None  # the kind of its last planned cycle (auto rows)
 
 
 class BatchGenerator:
@@ -123,8 +82,7 @@ class BatchGenerator:
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
         self.hybrid = solo or one_at_a_time(model)  # (solo: a one-row batch across ranks)
         self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
-        # under mlx.launch rank 0's choices (its clock), so every rank steps alike
-        self.chooser = across.follow_blocks(BlockChooser(model.block_size), model.group)
+        self.planner: BatchPlanner | None = None  # made with the first auto row
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
         self.requests: dict[int, _Request] = {}
         self.solo: dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time
@@ -183,11 +141,13 @@ class BatchGenerator:
         params = sampling_params(cfg, processors)
         key = mx.random.key(seed)
         row = Row(uid, ids, params, cfg.max_tokens, block, cfg.use_selector, key, cfg.lookup)
+        if block is None:  # auto: the row's acceptance, learnt as a request alone learns it
+            with self.model.lock:
+                row.sched = _scheduler(self.model, cfg, params, len(ids))
+            self.planner = self.planner or _planner(self.model)  # rank 0's under a group
         stats = RequestStats(len(ids), block or self.model.block_size)
-        req = _Request(
-            row, _TextStream(self.tokenizer.detokenizer, cfg.stop), stats, cfg.max_tokens
-        )
-        self.waiting.append((row, cache, req))
+        text = _TextStream(self.tokenizer.detokenizer, cfg.stop)
+        self.waiting.append((row, cache, _Request(row, text, stats, cfg.max_tokens)))
         return uid
 
     def remove(self, uid: int) -> None:
@@ -232,16 +192,30 @@ class BatchGenerator:
             got = dec.prefill_step()
             if got is not None:
                 out += self._emit(*got)
-            auto = any(r.block is None for r in dec.rows)
-            block = self.chooser.choose() if auto else None
+            rows = list(dec.rows)
+            plan = self._plan(rows)
             tic = time.perf_counter()
-            cycles = dec.step(block)
-            if auto and cycles:
-                n = sum(len(c.tokens) for _, c in cycles)
-                self.chooser.record(block, n, time.perf_counter() - tic)
+            cycles = dec.step(plan)
+            if plan and cycles:
+                self.planner.record(rows, plan, cycles, time.perf_counter() - tic)
             for row, cyc in cycles:
                 out += self._emit(row, cyc)
         return out
+
+    def _plan(self, rows: list[Row]):
+        """The planner's per-row options when a row is auto (None: fixed blocks only); a
+        row's schedule notes say the plan when its kind (plain or not) changes."""
+        if not any(r.sched is not None for r in rows):
+            return None
+        plan = self.planner.plan(rows)
+        said = self.planner.describe(rows, plan)
+        for r, o in zip(rows, plan):
+            req = self.requests.get(r.uid)
+            plain = o.block == 1
+            if req is not None and req.plain != plain and len(req.stats.notes) < 20:
+                req.stats.notes.append(f"step {r.generated}: {said}")
+                req.plain = plain
+        return plan
 
     def _emit(self, row: Row, cyc) -> list[tuple[int, GenerationResponse]]:
         req = self.requests.get(row.uid)
@@ -249,6 +223,8 @@ class BatchGenerator:
             return []
         r = respond(req.stats, req.text, cyc, self.eos, req.max_tokens)
         if r.finish_reason:
+            if row.sched is not None:  # its acceptance: the next request's prior
+                self.model.tuning.finish(row.sched)
             self.remove(row.uid)
         return [(row.uid, r)]
 
@@ -262,6 +238,14 @@ class BatchGenerator:
         if r is None or r.finish_reason:
             self.solo.pop(uid).close()
         return [] if r is None else [(uid, r)]
+
+
+def _planner(model: DFlashModel) -> BatchPlanner:
+    """The batch's auto planner, its costs seeded by the pair's warm-up tables."""
+    tables = model.tuning.tables()
+    costs = BatchCosts(tables["seconds"], tables.get("lookup_seconds"))
+    # under mlx.launch rank 0's plans (its clock), so every rank steps alike
+    return across.follow_plans(BatchPlanner(costs, model.block_size), model.group)
 
 
 @dataclass

@@ -82,11 +82,12 @@ class BatchOracle:
         L = hidden.shape[1]
         real = self.real.logits(hidden, lm_head)
         onehot = mx.zeros(real.shape)
-        for b, row in enumerate(self.decoder.rows):
+        for b, r in enumerate(self.decoder.drafting):  # the head reads the drafting rows
+            row = self.decoder.rows[r]
             seq, wrong = self.sequences[row.uid], self.wrong_at.get(row.uid, ())
             toks = []
             for t in range(1, L + 1):
-                i = self.pos[b] + t
+                i = self.pos[r] + t
                 tok = seq[i] if i < len(seq) else 0
                 toks.append((tok + 1) % real.shape[-1] if t in wrong else tok)
             onehot = onehot.at[b, mx.arange(L), mx.array(toks)].add(200.0)

@@ -1,13 +1,18 @@
 """batch_generate / BatchGenerator: each completion equals its completion alone (greedy),
 with its own settings, stop strings and statistics; aborted rows leave the others intact."""
 
+import random
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 
 import dflash_mlx
 from dflash_mlx import generate, load
-from dflash_mlx.batching import BatchGenerator, BlockChooser, batch_generate
+from dflash_mlx.batching import BatchGenerator, batch_generate
+from dflash_mlx.decoding.batch_auto import BatchCosts, BatchPlanner, Option
+from dflash_mlx.decoding.costs import CostTable
+from dflash_mlx.decoding.schedule import Scheduler
 from dflash_mlx.errors import DFlashError
 from dflash_mlx.settings import GenerationConfig
 
@@ -72,19 +77,99 @@ def test_a_bad_setting_is_refused_before_anything_runs(pairs):
         batch_generate(model, tok, PROMPTS[:2], temperature=-1)
 
 
-@pytest.mark.parametrize("fast", [1, 8])
-def test_block_chooser_keeps_the_faster_block_and_reprobes_less_often(fast):
-    ch, picks = BlockChooser(8), []
-    for _ in range(120):
-        b = ch.choose()
-        picks.append(b)
-        ch.record(b, 12 if b == fast else 4, 1.0)
-    assert picks[:7] == [1] * 7 and picks[7] == 8  # plain first, the block tried at cycle 8
-    slow = 8 if fast == 1 else 1
-    probes = [i for i, b in enumerate(picks) if b == slow and i > 7]
-    assert len(probes) >= 2 and picks[8:].count(fast) > 100
+def _rows(rates, budget=100):
+    """Auto rows whose acceptance per position is ``rate`` (no context lookup)."""
+    out = []
+    for i, rate in enumerate(rates):
+        sched = Scheduler(CostTable(8), [rate] * 7)
+        sched.acc.weight = 1e6  # the rate, held firmly
+        out.append(
+            SimpleNamespace(
+                uid=i, sched=sched, block=None, index=None, max_tokens=budget, generated=0
+            )
+        )
+    return out
+
+
+def _costs(head):
+    """A batch whose verify costs 10 ms + 0.2 ms per row and token, and each drafting row's
+    drafter head ``head`` seconds per draft position."""
+    costs = BatchCosts({1: 0.011})
+    for _ in range(60):  # observations of every kind teach the fit its four terms
+        for rows, width, drafting in [(1, 1, 0), (4, 1, 0), (4, 8, 0), (4, 8, 4), (2, 4, 1)]:
+            secs = 0.01 + 0.0002 * rows * width + head * drafting * (width - 1)
+            costs.observe(rows, width, drafting, secs)
+    return costs
+
+
+def test_batch_costs_learn_a_verify_of_b_rows_by_k_tokens_is_not_b_verifies():
+    costs = _costs(0.002)
+    assert costs(8, 4, 8) == pytest.approx(0.01 + 0.0064 + 0.002 * 24, rel=0.05)  # unseen
+    assert costs(4, 8, 4) < 4 * costs(1, 8, 1)
+
+
+def test_planner_drafts_for_rows_that_accept_and_leaves_the_others_plain():
+    planner = BatchPlanner(_costs(0.0005), 8)
+    plan = planner.plan(_rows([0.9, 0.02, 0.9, 0.02]))
+    assert [o.block > 1 for o in plan] == [True, False, True, False]
+    assert max(o.block for o in plan) > 2  # the accepting rows use a deep block
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.2])
+def test_planner_falls_back_to_plain_and_reprobes_ever_more_rarely(rate):
+    """Drafting loses at either rate; at 0.2 it might win given the benefit of the doubt
+    (probes, ever rarer), at 0.05 not even then (no probe)."""
+    planner, rows = BatchPlanner(_costs(0.0005), 8), _rows([rate] * 4)
+    widths = []
+    for r in rows:
+        r.sched.acc.weight = 8.0  # a prior's usual weight: doubt left to probe
+    for _ in range(200):
+        widths.append(max(o.block for o in planner.plan(rows)))
+        planner.since_spec = 0 if widths[-1] > 1 else planner.since_spec + 1
+    probes = [i for i, w in enumerate(widths) if w > 1]
+    assert widths[:7] == [1] * 7 and (len(probes) >= 3) == (rate > 0.1)
     gaps = [q - p for p, q in pairwise(probes)]
     assert all(g2 > g1 for g1, g2 in pairwise(gaps))  # probes ever rarer
+
+
+class _RandomPlanner:
+    """Any plan at all: per row a random block 1..8 and copy flag, each cycle."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+
+    def plan(self, rows):
+        return [Option(self.rng.randint(1, 8), self.rng.random() < 0.5, 0.0) for _ in rows]
+
+    def record(self, *_):
+        pass
+
+    def describe(self, *_):
+        return "random"
+
+
+def test_auto_rows_of_any_plan_equal_their_text_alone(pairs):
+    """Rows plain, drafted and copied side by side at ragged widths, joining mid-batch
+    (max_batch 3 of 4) with different budgets: each text is its text alone."""
+    model, tok = pairs("qwen3", "d2")
+    gen = BatchGenerator(model, tok, max_batch=3)
+    budgets = [30, 12, 25, 30]
+    uids = [gen.insert(p, max_tokens=m, raw=True) for p, m in zip(PROMPTS, budgets)]
+    gen.planner = _RandomPlanner(0)
+    texts = {u: "" for u in uids}
+    while len(gen):
+        for uid, r in gen.step():
+            texts[uid] += r.text
+    for u, p, m in zip(uids, PROMPTS, budgets):
+        assert texts[u] == generate(model, tok, p, max_tokens=m, raw=True)
+
+
+def test_an_auto_rows_response_says_its_batch_plan(pairs):
+    model, tok = pairs("qwen3", "d2")
+    out = batch_generate(model, tok, PROMPTS[:2], max_tokens=12, raw=True)
+    for r in out.responses:
+        assert r.schedule and r.schedule[0].startswith("step ")
+        assert "batch of" in r.schedule[0] and sum(r.blocks.values()) == r.cycles
 
 
 @pytest.fixture(scope="module")

@@ -289,3 +289,43 @@ def by_block(inp: Inputs, chip_name: str, bandwidth: float) -> list[dict]:
             row[name] = {k: c[col][k] for k in keep}
         rows.append(row)
     return rows
+
+
+def batched(rep: Report, inp: Inputs, chip_name: str, bandwidth: float, rows: int) -> dict:
+    """A batch of ``rows`` requests on a Mac (estimated): one plain step of all rows (rows x
+    1 tokens) against one verify of all rows' blocks (rows x ``inp.block`` tokens). The
+    target's and the drafter's quantized weights are read once for all rows at MLX's
+    quantized-matmul row ratio (``roofline_data.mlx_qmm_ratio``; a batched verify turns
+    compute-bound sooner than one row's); each row reads its own KV and context.
+
+    Args:
+        rep: ``estimate``'s report. inp: its inputs. chip_name: a ``CHIPS`` key.
+        bandwidth: GB/s. rows: requests in the batch.
+
+    Returns:
+        {"rows", "block", "plain_step_seconds", "verify_cycle_seconds", "break_even_tau"
+        (tokens each row must commit per cycle for the verify to match plain steps)}.
+    """
+    sec = 1e9 * bandwidth
+    weights = rep.parts["target weights (verify)"]
+    layers = rep.group("drafter layers")
+    parts = ("target KV", "target recurrent", "drafter context", "rollback")
+    per_row = sum(rep.group(p) for p in parts)  # each row's own caches
+    once = rep.group("drafter") - layers - rep.group("drafter context")  # dense, read once
+    plain_row = rep.plain - weights
+
+    def qmm(m: int) -> float:
+        return 1.0 if inp.quant == "bf16" else data.mlx_qmm_ratio(chip_name, m)
+
+    plain = (weights * qmm(rows) + rows * plain_row) / sec
+    tokens = rows * inp.block
+    draft = layers * data.mlx_qmm_ratio(chip_name, tokens) + once
+    cycle = (weights * qmm(tokens) + draft + rows * per_row) / sec
+    return {
+        "rows": rows,
+        "block": inp.block,
+        "plain_step_seconds": plain,
+        "verify_cycle_seconds": cycle,
+        "break_even_tau": cycle / plain,
+        "estimated": True,
+    }

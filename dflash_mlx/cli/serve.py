@@ -92,12 +92,11 @@ def serve(
     config = config.validate(flags=True)
     from .. import distributed, server
 
-    group = distributed.group()  # under mlx.launch every request is batched
+    group = distributed.group()
     if cfg.kv_bits is not None and max_batch > 1:
         raise DFlashError("--kv-bits needs --max-batch 1 (batched requests share one cache)")
     sock = _listen(host, port, api_key, group)
-    batched = max_batch > 1 or group is not None
-    m, tok, prompt_cache_gb, cfg = _load(src, quiet, verbose, cfg, prompt_cache_gb, sock, batched)
+    m, tok, prompt_cache_gb, cfg = _load(src, quiet, verbose, cfg, prompt_cache_gb, sock)
     ranks = _across_ranks(group, m, tok, prompt_cache_dir)
     if ranks is None:
         return  # another rank than 0: it followed rank 0 to its end
@@ -151,20 +150,16 @@ def _across_ranks(group, m, tok, cache_dir: str | None):
     return follow.Lead(channel, dog), cache_dir
 
 
-def _load(
-    src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb, sock=None, batched=True
-):
+def _load(src, quiet: bool, verbose: bool, cfg: GenerationConfig, cache_gb, sock=None):
     """(model, tokenizer, the prompt caches' GB inside the memory budget, the default
-    settings) for ``serve``. ``auto``'s cost tables are measured now (not under the first
-    request's lock) where requests will read them: served one at a time (``batched``
-    False), or on a target a batch decodes one at a time; a batch's own ``auto`` times its
-    cycles instead. A load that fails closes ``sock`` (the listening socket, if any)."""
-    from ..batching import one_at_a_time
+    settings) for ``serve``. ``auto``'s cost tables are measured now, not under the first
+    request's lock (a batch's planner starts from them too: ``batching._planner``). A load
+    that fails closes ``sock`` (the listening socket, if any)."""
     from ..server.prompt_cache import pool_gb
 
     try:
         m, tok = c.load_pair(src, quiet, verbose, cfg, sharded=True)
-        if cfg.block_size == "auto" and (not batched or one_at_a_time(m)):
+        if cfg.block_size == "auto":
             from ..distributed.policy import ensure
 
             ensure(m, m.group)  # under mlx.launch on every rank, rank 0's tables

@@ -24,6 +24,7 @@ from ..model.drafter import embed_block
 from .acceptance import SamplingParams
 from .lookup import FIXED_MIN_MATCH, Lookup
 from .propose import accept, copied_drafts, propose
+from .schedule import Scheduler
 from .state import DFlashModel, PromptCache
 from .steps import Cycle, prefill, prefill_chunk
 
@@ -36,7 +37,8 @@ class Row:
 
     Args:
         uid: the caller's id. prompt: token ids. params: its sampling law.
-        max_tokens: its budget. block: its largest block (None: the batch's choice).
+        max_tokens: its budget. block: its largest block (None: ``auto``, planned per cycle
+            by ``batch_auto.BatchPlanner`` from ``sched``).
         use_selector: walk the DFlash 2 lattice. key: its own PRNG key.
         lookup: verify drafts copied from its context (``lookup.py``) when its committed
             tokens have a match of at least ``FIXED_MIN_MATCH`` tokens.
@@ -50,6 +52,7 @@ class Row:
     use_selector: bool
     key: mx.array
     lookup: bool = True
+    sched: Scheduler | None = None  # block=None rows: their acceptance (``batch_auto``)
     history: list[int] = field(default_factory=list)
     generated: int = 0
     prefilled: int = -1  # prompt tokens in the joining cache; -1 before the first chunk
@@ -103,7 +106,7 @@ class BatchDecoder:
 
     Args:
         model: the loaded pair (attention-only targets; hybrids are served one at a time).
-        block_size: the batch's block when a row asks for ``auto`` (``choose`` may change it).
+        block_size: an auto row's block when ``step`` is given no plan.
         prefill_step_size: prompt tokens per prefill chunk.
     """
 
@@ -117,6 +120,7 @@ class BatchDecoder:
         self.context: list | None = None  # BatchKVCache per drafter layer
         self.joining: list[tuple[Row, PromptCache]] = []
         self.cycles = 0
+        self.drafting: list[int] = []  # the rows the drafter drafts for this cycle
         args = model.drafter.args
         windows = {args.window(i) for i in range(args.num_hidden_layers)}
         # One mask serves every drafter layer: a window only when all layers share it.
@@ -177,11 +181,13 @@ class BatchDecoder:
         return len(self.rows)
 
     # -- one cycle for every decoding row --------------------------------------------
-    def step(self, block: int | None = None) -> list[tuple[Row, Cycle]]:
+    def step(self, plan: list | None = None) -> list[tuple[Row, Cycle]]:
         """One draft - verify - accept cycle for all decoding rows (one host sync).
 
         Args:
-            block: the batch's block for rows without their own (default: ``block_size``).
+            plan: per row, its ``batch_auto.Option`` (block; copy: verify its context's
+                lookup draft on any match); None: each row's own block (``block_size`` for
+                an auto row), copied where a match of ``FIXED_MIN_MATCH`` tokens rests.
 
         Returns:
             (row, Cycle) per decoding row, in batch order.
@@ -189,16 +195,18 @@ class BatchDecoder:
         rows = self.rows
         if not rows:
             return []
-        blocks = [
-            max(1, min(r.block or block or self.block, r.max_tokens - r.generated)) for r in rows
-        ]
+        want = [o.block for o in plan] if plan else [r.block or self.block for r in rows]
+        blocks = [max(1, min(b, r.max_tokens - r.generated)) for r, b in zip(rows, want)]
+        least = [FIXED_MIN_MATCH] * len(rows)  # a fixed block copies on this long a match
+        for i, (r, o) in enumerate(zip(rows, plan or [])):
+            least[i] = least[i] if r.sched is None else int(o.copy)  # auto: as planned
         L = max(blocks)
         keys = []
         for r in rows:
             r.key, k_draft, k_acc = mx.random.split(r.key, 3)
             keys.append((k_draft, k_acc))
         anchors = mx.array([r.history[-1] for r in rows], dtype=mx.uint32)
-        copies = [self._copy(r, b) for r, b in zip(rows, blocks)]  # (drafts, q, match) / None
+        copies = [self._copy(r, b, m) for r, b, m in zip(rows, blocks, least)]
         drafts, q_full = self._draft(anchors, L, blocks, keys, copies)
         ids = mx.concatenate([anchors[:, None], _pad(drafts, L - 1)], axis=1)  # [B, L]
         v_logits, feats = self.model.adapter(ids, self.target)
@@ -224,22 +232,23 @@ class BatchDecoder:
             self._compact()
         return result
 
-    def _copy(self, row: Row, b: int):
+    def _copy(self, row: Row, b: int, least: int):
         """(copied drafts [b - 1], their proposal rows or None, match length) when the
-        row's context has a match of at least FIXED_MIN_MATCH tokens, as for a fixed
-        block (decode.decode), else None."""
-        if row.index is None or b < 2:
+        row's context has a match of at least ``least`` tokens (0: never), else None."""
+        if row.index is None or b < 2 or least < 1:
             return None
         tokens, match = row.index.propose(b - 1)
-        if match < FIXED_MIN_MATCH:
+        if match < least:
             return None
         return (*copied_drafts(tokens, self.model.adapter.vocab_size, row.params), match)
 
     def _draft(self, anchors, L, blocks, keys, copies):
         """Drafts [b_i - 1] and proposal rows (or None) per row: copied ones where given,
-        the rest from one drafter pass (none when every drafting row copies)."""
+        the rest from one drafter pass (none when every drafting row copies). The drafter's
+        head, most of its cost, reads only the drafting rows' positions."""
         out = [c[:2] if c else (mx.array([], dtype=mx.uint32), None) for c in copies]
         todo = [i for i, (c, b) in enumerate(zip(copies, blocks)) if c is None and b >= 2]
+        self.drafting = todo
         model, drafter = self.model, self.model.drafter
         if todo:
             args = drafter.args
@@ -249,13 +258,15 @@ class BatchDecoder:
             ctx = self.context
             kv = [c.keys_and_values() if c.keys is not None else (None, None) for c in ctx]
             hidden = drafter(emb, kv, ctx[0].offset, L, self._context_mask(L))
-            d_logits = model.draft_logits(hidden[:, 1:])  # [B, L-1, V'] (the draft vocabulary)
-        for i in todo:
+            width = max(blocks[i] for i in todo)
+            hidden = hidden[mx.array(todo), :width]  # [D, width, H]: the drafting rows
+            d_logits = model.draft_logits(hidden[:, 1:])  # [D, width-1, V'] (draft vocabulary)
+        for j, i in enumerate(todo):
             r, b = self.rows[i], blocks[i]
             out[i] = propose(
                 model,
-                d_logits[i : i + 1, : b - 1],
-                hidden[i : i + 1, 1:b],
+                d_logits[j : j + 1, : b - 1],
+                hidden[j : j + 1, 1:b],
                 anchors[i],
                 r.params,
                 r.use_selector,

@@ -250,7 +250,7 @@ class LeadBatch:
 
     def insert(self, ids: list[int], config, *, cache=None, processors=(), images=None) -> int:
         """As ``BatchGenerator.insert`` with rank 0's seed (``seeded``); ``auto`` follows
-        rank 0's blocks in the batch itself (``policy.FollowBlocks``); each logits
+        rank 0's plans in the batch itself (``policy.FollowPlans``); each logits
         processor goes as its ``recipe``, from which every rank builds its own.
 
         Raises:

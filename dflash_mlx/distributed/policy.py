@@ -92,30 +92,35 @@ def follow(policy, group):
     return policy if group is None or policy is None else Follow(policy, group)
 
 
-class FollowBlocks:
-    """A batch's block chooser (``batching.BlockChooser``) whose choices are rank 0's: the
-    batch of ``dflash serve`` times its cycles as a request's scheduler does.
+class FollowPlans:
+    """A batch's ``auto`` planner (``decoding/batch_auto.BatchPlanner``) whose plans are rank
+    0's: the planner times the batch's cycles, so each rank's own would part from rank 0's.
+    One small ``all_sum`` per cycle carries each row's block and whether it copies.
 
     Args:
-        chooser: the rank's own ``BlockChooser``. group: the group.
+        planner: the rank's own planner. group: the group.
     """
 
-    def __init__(self, chooser, group):
-        self.chooser, self.group = chooser, group
+    def __init__(self, planner, group):
+        self.planner, self.group = planner, group
 
-    def choose(self) -> int:
-        """Rank 0's block for the batch's next cycle."""
+    def plan(self, rows: list) -> list:
+        """Rank 0's plan for the batch's next cycle (the rows are alike on every rank)."""
+        from ..decoding.batch_auto import Option
+
         lead = self.group.rank() == 0
-        return broadcast([self.chooser.choose() if lead else 0], self.group)[0]
+        mine = self.planner.plan(rows) if lead else [Option(1, False, 0.0) for _ in rows]
+        got = broadcast([v for o in mine for v in (o.block, int(o.copy))], self.group)
+        return [Option(int(b), bool(c), o.tokens) for b, c, o in zip(got[::2], got[1::2], mine)]
 
-    def record(self, block: int, tokens: int, seconds: float) -> None:
-        self.chooser.record(block, tokens, seconds)
+    def __getattr__(self, name):
+        return getattr(self.planner, name)
 
 
-def follow_blocks(chooser, group):
-    """``chooser`` as every rank must run it: itself without a group, else
-    :class:`FollowBlocks`."""
-    return chooser if group is None else FollowBlocks(chooser, group)
+def follow_plans(planner, group):
+    """``planner`` as every rank must run it: itself without a group, else
+    :class:`FollowPlans`."""
+    return planner if group is None else FollowPlans(planner, group)
 
 
 def ensure(model, group=None):

@@ -30,7 +30,9 @@ def dflash_stats(last, accepted: int, block_size) -> dict:
     ``blocks`` counts the steps of each block size ("1" = a plain step), ``copied_cycles``
     the verify cycles whose drafts were copied from the context, ``sibling_cycles`` those
     that committed a sibling of the first draft (a greedy tree); ``notes``, only when there
-    are any, what the request ran without and why (``vision/notes.py``)."""
+    are any, what the request ran without and why (``vision/notes.py``); ``schedule``, only
+    when there is any, what ``auto`` chose when it switched between plain and speculative
+    cycles (in a batch: the verify width and each row's kind, ``decoding/batch_auto.py``)."""
     out = {
         "tau": round(last.tau, 4),
         "accepted_tokens": accepted,
@@ -47,6 +49,8 @@ def dflash_stats(last, accepted: int, block_size) -> dict:
     }
     if getattr(last, "notes", None):
         out["notes"] = list(last.notes)
+    if getattr(last, "schedule", None):
+        out["schedule"] = list(last.schedule)
     return out
 
 

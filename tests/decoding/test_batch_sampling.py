@@ -9,6 +9,9 @@ from mlx_lm.sample_utils import make_logits_processors
 
 from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.batch import BatchDecoder, Row
+from dflash_mlx.decoding.batch_auto import Option
+from dflash_mlx.decoding.costs import CostTable
+from dflash_mlx.decoding.schedule import Scheduler
 
 # (prompt, temperature, top_p, top_k, presence, selector, block) per row
 ROWS = [
@@ -21,11 +24,18 @@ ROWS = [
 COPYING = [(r[0][-2:] + [4] + r[0][-2:] if len(r[0]) > 1 else [6, 6, 6],) + r[1:] for r in ROWS]
 
 
-def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None):
+def random_plan(rng, rows):
+    """Per row a random block 1..4 (plain rows beside drafting ones) and copy flag: what
+    an ``auto`` batch may plan, drawn so that every mix is verified."""
+    return [Option(int(rng.integers(1, 5)), bool(rng.integers(0, 2)), 0.0) for _ in rows]
+
+
+def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None, planned=False):
     """trials batches of all rows; per row the n-token sequences and the drafts accepted
-    (``copied`` counts the cycles that verified copied drafts)."""
+    (``copied`` counts the cycles that verified copied drafts; ``planned``: every cycle
+    decodes a random plan, the rows being auto rows)."""
     samples, accepted = [[] for _ in rows], [0] * len(rows)
-    key = mx.random.key(seed)
+    key, rng = mx.random.key(seed), np.random.default_rng(seed)
     for _ in range(trials):
         dec = BatchDecoder(model, 4)
         out = {}
@@ -33,13 +43,14 @@ def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None):
             procs = make_logits_processors(presence_penalty=pres or None)
             key, sub = mx.random.split(key)
             params = SamplingParams(temp, top_p, 0.0, top_k, procs)
-            dec.join(Row(i, prompt, params, n, block, sel, sub, lookup))
+            sched = Scheduler(CostTable(4), [0.25] * 3) if planned else None
+            dec.join(Row(i, prompt, params, n, block, sel, sub, lookup, sched))
             out[i] = []
         while dec.joining or len(dec):
             got = dec.prefill_step()
             if got:
                 out[got[0].uid] += got[1].tokens
-            for row, cyc in dec.step():
+            for row, cyc in dec.step(random_plan(rng, dec.rows) if planned else None):
                 out[row.uid] += cyc.tokens
                 accepted[row.uid] += cyc.accepted
                 if copied is not None:
@@ -51,14 +62,17 @@ def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None):
     return samples, accepted
 
 
-@pytest.mark.parametrize("lookup", [False, True])
-def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, lookup):
-    """Drafted rows, and (lookup) rows verifying drafts copied from their context."""
+@pytest.mark.parametrize("mode", ["drafted", "lookup", "planned"])
+def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, mode):
+    """Drafted rows, rows verifying drafts copied from their context (lookup), and auto
+    rows decoding random per-row plans (planned: each cycle some rows plain, some drafted,
+    some copied, of different widths, padded to the widest)."""
     model = small_vocab_pair
     n, trials = 4, 1000
+    lookup = mode != "drafted"
     rows = COPYING if lookup else ROWS
     copied = [0] * len(rows)
-    samples, accepted = sample_batches(model, rows, n, trials, 3, lookup, copied)
+    samples, accepted = sample_batches(model, rows, n, trials, 3, lookup, copied, mode == "planned")
     assert (sum(copied) > trials // 4) == lookup, copied  # rows did verify copies
     for i, (prompt, temp, top_p, top_k, pres, _, block) in enumerate(rows):
         law = exact_law(model, prompt, n, temp, top_p, top_k, pres)

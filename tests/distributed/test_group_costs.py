@@ -1,7 +1,7 @@
 """Without a launch: ``auto``'s warm-up costs under a group are stored under a key of their
 own (ranks, shard mode, backend, link; ``distributed.describe``) and read back by rank 0 at
 the next launch, so no rank warms up again; every rank ends with rank 0's tables; a batch's
-block chooser follows rank 0 (``policy.FollowBlocks``)."""
+batch planner follows rank 0 (``policy.FollowPlans``)."""
 
 import dataclasses
 
@@ -86,23 +86,34 @@ def test_a_groups_costs_are_stored_under_its_key_and_the_next_launch_skips_the_w
     assert checked == [1, 1] and warmed == [0, 1, 0, 1, 0, 1]
 
 
-def test_the_batch_block_chooser_of_every_rank_takes_rank_zeros_choice(monkeypatch):
-    from dflash_mlx.batching import BlockChooser
+def test_the_batch_planner_of_every_rank_takes_rank_zeros_plan(monkeypatch):
+    from dflash_mlx.decoding.batch_auto import Option
 
     monkeypatch.setattr(policy, "broadcast", _Wire())
 
-    class NeverChooses(BlockChooser):
-        def choose(self):
-            raise AssertionError("a rank other than 0 chose for itself")
+    class Planner:
+        def __init__(self, lead: bool):
+            self.lead, self.recorded = lead, []
 
-    lead = policy.follow_blocks(BlockChooser(8), FakeGroup(rank=0))
-    other = policy.follow_blocks(NeverChooses(8), FakeGroup(rank=1))
-    said = [lead.choose() for _ in range(10)]  # plain, then the block probed at cycle 8
-    assert [other.choose() for _ in range(10)] == said and 8 in said and 1 in said
-    other.record(8, 5, 0.1)
-    assert other.chooser.rate == {8: 50.0}  # its own timings still reach it
-    own = BlockChooser(8)
-    assert policy.follow_blocks(own, None) is own  # one process: as is
+        def plan(self, rows):
+            if not self.lead:
+                raise AssertionError("a rank other than 0 planned for itself")
+            return [Option(1 + (i + len(self.recorded)) % 3, i == 2, 0.5) for i in rows]
+
+        def record(self, rows, opts, cycles, seconds):
+            self.recorded.append(seconds)
+
+    lead = policy.follow_plans(Planner(True), FakeGroup(rank=0))
+    other = policy.follow_plans(Planner(False), FakeGroup(rank=1))
+    for cycle in range(3):
+        said = lead.plan([0, 1, 2])
+        got = other.plan([0, 1, 2])
+        assert [(o.block, o.copy) for o in got] == [(o.block, o.copy) for o in said]
+        lead.record([0, 1, 2], said, [], 0.1)
+        other.record([0, 1, 2], got, [], 0.2)  # its own timings still reach its planner
+    assert other.planner.recorded == [0.2] * 3 and said[2].copy
+    own = Planner(True)
+    assert policy.follow_plans(own, None) is own  # one process: as is
 
 
 def test_the_group_is_described_by_its_backend_and_link(tmp_path, monkeypatch):

@@ -1,8 +1,8 @@
 """``dflash serve`` on two ranks (``mlx.launch -n 2 --backend ring``, loopback), in one
 launch, on a tiny thinking pair: a streamed and a whole request sent together get the same
-greedy text under ``auto`` (the default), with rank 1's own block chooser rigged to choose
-plain steps while rank 0's probes the block at its 8th cycle, so the ranks stay paired only
-by taking rank 0's blocks; the same prompt again gets it too, although rank 0 restores it
+greedy text under ``auto`` (the default), with rank 1's own batch planner rigged to draft
+every row at block 2 each cycle while rank 0's plans plain steps where the tiny random
+drafter does not pay, so the ranks stay paired only by taking rank 0's plans; the same prompt again gets it too, although rank 0 restores it
 from its prompt-cache folder and rank 1 cannot write its own (the ranks agree to restore
 nothing, never part); agents' requests sent together (a JSON schema, a forced and a
 ``required`` tool call, a thinking budget, a stop string: logits processors that each rank

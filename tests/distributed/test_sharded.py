@@ -77,7 +77,6 @@ def test_serve_takes_kv_bits_with_max_batch_1_under_mlx_launch(monkeypatch, tmp_
 
     from dflash_mlx import distributed
     from dflash_mlx.cli import app
-
     from dflash_mlx.distributed import handshake
 
     monkeypatch.setattr(distributed, "group", lambda given=None: _Group())
