@@ -98,13 +98,13 @@ def test_serve_no_tree_is_the_default_of_requests(monkeypatch):
     assert calls[0][0]["defaults"] == GenerationConfig(max_tokens=512, tree=False, lookup=False)
 
 
-def test_serve_sets_step_costs_before_serving_where_requests_read_them(monkeypatch):
+def test_serve_sets_step_costs_before_serving_under_auto(monkeypatch):
     calls, warmed = _fake_serve(monkeypatch, ["--max-batch", "1"])  # each via stream_generate
     assert len(warmed) == 1 and calls[0][1] == warmed  # before run_server
     calls, warmed = _fake_serve(monkeypatch, [], hybrid=True)  # a batch runs it one at a time
     assert len(warmed) == 1
-    calls, warmed = _fake_serve(monkeypatch, [])  # a batch's auto times its own cycles
-    assert warmed == [] and len(calls) == 1
+    calls, warmed = _fake_serve(monkeypatch, [])  # a batch's planner starts from the tables
+    assert len(warmed) == 1 and calls[0][1] == warmed
     calls, warmed = _fake_serve(monkeypatch, ["--block-size", "4", "--max-batch", "1"])
     assert warmed == [] and len(calls) == 1
 

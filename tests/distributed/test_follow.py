@@ -42,7 +42,7 @@ def _lead_serving(model, tok, wire):
     a, b = tok.encode("def parse_args(argv):"), tok.encode("import os")
     lent, out = {}, {}
     for ids, cfg in ((a, GenerationConfig(max_tokens=10, temperature=0.0)),
-                     (b, GenerationConfig(max_tokens=10, temperature=1.0))):  # fmt: skip
+                     (b, GenerationConfig(max_tokens=10, temperature=1.0, block_size=4))):  # fmt: skip
         cache = pool.take(ids)
         lent[gen.insert(ids, cfg, cache=cache)] = cache
     for n in range(30):

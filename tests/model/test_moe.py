@@ -278,11 +278,11 @@ def test_bench_and_run_report_experts_per_verify_against_a_plain_step(moe_pair):
 def test_a_dense_target_reports_no_experts(pairs, tiny_dir):
     from typer.testing import CliRunner
 
-    from dflash_mlx.bench.runner import _experts_row
+    from dflash_mlx.bench import experts
     from dflash_mlx.cli import app
 
     model, _ = pairs("qwen3", "d2")
-    assert model.adapter.experts is None and _experts_row(model, [], "dflash2") is None
+    assert model.adapter.experts is None and experts.row(model, [], "dflash2") is None
     pair = ["--model", str(tiny_dir / "qwen3"), "--drafter", str(tiny_dir / "d2_qwen3")]
     res = CliRunner().invoke(app, ["run", *pair, "-m", "4", "--block-size", "4", "--json", "x"])
     assert res.exit_code == 0 and json.loads(res.stdout)["experts"] is None
