@@ -50,7 +50,9 @@ def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None, plan
             got = dec.prefill_step()
             if got:
                 out[got[0].uid] += got[1].tokens
-            for row, cyc in dec.step(random_plan(rng, dec.rows) if planned else None):
+            # planned: a random plan, or (every other cycle or so) each row's own block
+            plan = random_plan(rng, dec.rows) if planned and rng.integers(0, 3) else None
+            for row, cyc in dec.step(plan):
                 out[row.uid] += cyc.tokens
                 accepted[row.uid] += cyc.accepted
                 if copied is not None:
@@ -62,15 +64,16 @@ def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None, plan
     return samples, accepted
 
 
-@pytest.mark.parametrize("mode", ["drafted", "lookup", "planned"])
+@pytest.mark.parametrize("mode", ["lookup", "planned"])
 def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, mode):
-    """Drafted rows, rows verifying drafts copied from their context (lookup), and auto
-    rows decoding random per-row plans (planned: each cycle some rows plain, some drafted,
-    some copied, of different widths, padded to the widest)."""
+    """Rows of fixed blocks drafting or verifying drafts copied from their context (lookup),
+    and auto rows decoding random per-row plans (planned: a third of the cycles each row's
+    own block, the others some rows plain, some drafted, some copied, of different widths,
+    padded to the widest). Rows without lookup draft as these do where nothing matches."""
     model = small_vocab_pair
     n, trials = 4, 1000
-    lookup = mode != "drafted"
-    rows = COPYING if lookup else ROWS
+    lookup = True
+    rows = COPYING
     copied = [0] * len(rows)
     samples, accepted = sample_batches(model, rows, n, trials, 3, lookup, copied, mode == "planned")
     assert (sum(copied) > trials // 4) == lookup, copied  # rows did verify copies
