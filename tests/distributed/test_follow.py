@@ -133,7 +133,9 @@ def _agents(model, tok):
     return [
         (tok.encode("def parse_args(argv):"), GenerationConfig(max_tokens=12, temperature=0.0),
          [make_processor(tok, vocab, grammar, eos=[3])]),
-        (tok.encode("import os"), GenerationConfig(max_tokens=12, temperature=1.0), [gate]),
+        # sampled: a fixed block (a batch's auto plans by its clock; across ranks rank 0's)
+        (tok.encode("import os"), GenerationConfig(max_tokens=12, temperature=1.0,
+                                                   block_size=4), [gate]),
         (tok.encode("class Foo:"), GenerationConfig(max_tokens=12, temperature=0.0,
                                                     stop=["The"]), []),
     ]  # fmt: skip
