@@ -63,8 +63,22 @@ def _lead_serving(model, tok, wire):
     return out
 
 
-def test_a_follower_replaying_rank_zeros_calls_decodes_the_same_tokens(pairs):
+def _recorded(model, tok, seen: dict):
+    """A follower's batch generator (4 rows) that keeps each request's tokens in ``seen``
+    (a follower's replay discards them)."""
     from dflash_mlx.batching import BatchGenerator
+
+    class Recorded(BatchGenerator):
+        def step(self):
+            got = super().step()
+            for uid, r in got:
+                seen.setdefault(uid, []).extend(r.tokens)
+            return got
+
+    return Recorded(model, tok, 4)
+
+
+def test_a_follower_replaying_rank_zeros_calls_decodes_the_same_tokens(pairs):
     from dflash_mlx.server.prompt_cache import PromptPool
 
     model, tok = pairs("qwen3", "d2")
@@ -78,14 +92,7 @@ def test_a_follower_replaying_rank_zeros_calls_decodes_the_same_tokens(pairs):
 
     seen = {}
 
-    class Recorded(BatchGenerator):
-        def step(self):
-            got = super().step()
-            for uid, r in got:
-                seen.setdefault(uid, []).extend(r.tokens)
-            return got
-
-    follow.follow_batches(wire, PromptPool(model, 10**9), lambda: Recorded(model, tok, 4))
+    follow.follow_batches(wire, PromptPool(model, 10**9), lambda: _recorded(model, tok, seen))
     assert seen == lead_tokens and not wire.sent
 
 
@@ -157,14 +164,7 @@ def test_a_follower_rebuilds_rank_zeros_grammars_and_thinking_gates_and_decodes_
     assert json.loads(texts[0])["n"] in (1, 22) and ")" in texts[1]  # the budget closed it
     assert lead_out[2][-1].finish_reason == "stop" and "The" not in texts[2], texts
 
-    class Recorded(BatchGenerator):
-        def step(self):
-            got = super().step()
-            for uid, r in got:
-                seen.setdefault(uid, []).extend(r.tokens)
-            return got
-
-    follow.follow_batches(wire, None, lambda: Recorded(model, tok, 4))
+    follow.follow_batches(wire, None, lambda: _recorded(model, tok, seen))
     assert seen == {u: [t for r in rs for t in r.tokens] for u, rs in lead_out.items()}
 
 
