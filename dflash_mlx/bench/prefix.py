@@ -103,16 +103,27 @@ def speeds(model, context: int, steps: int = 4) -> tuple[tuple, tuple]:
 
 
 def expected_seconds(model, lengths: list[int], max_tokens: int, methods: int) -> float:
-    """A rough forecast of a bench's time: each prompt prefilled once in chunks, and every
-    method decoding ``max_tokens`` plainly, with both costs linear in the context between
-    the two timings of ``speeds``.
+    """A rough forecast of a bench's time, from ``speeds`` timed once (see ``forecast``).
 
     Args:
         model: the pair. lengths: the prompts' token counts. max_tokens: per method.
         methods: how many methods decode each prompt.
     """
+    return forecast(speeds(model, max(lengths)), lengths, max_tokens, methods)
+
+
+def forecast(
+    timed: tuple[tuple, tuple], lengths: list[int], max_tokens: int, methods: int
+) -> float:
+    """Seconds for each prompt prefilled once in chunks and every method decoding
+    ``max_tokens`` plainly, both costs linear in the context between ``timed``'s two
+    (chunk, step) timings: after no context and after the longest prompt.
+
+    Args:
+        timed: ``speeds``' result. lengths, max_tokens, methods: as ``expected_seconds``.
+    """
     top = max(lengths)
-    (c0, s0), (c1, s1) = speeds(model, top)
+    (c0, s0), (c1, s1) = timed
     n = prefill_chunk(2048)
     total = 0.0
     for length in lengths:
