@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,51 +46,48 @@ def bench_args(max_tokens: int, block: int | None, samples: int) -> list[str]:
     return args + ([] if block is None else ["--block-size", str(block)])
 
 
-def _launch(mode: str, ranks: int, delay: str, args: list[str]) -> dict:
-    """One row: rank 0's bench report (``--json``), or the one process for mode "none"."""
+def _launch(mode: str, ranks: int, delay: str, args: list[str], launcher: str) -> dict:
+    """One row: rank 0's bench report (``--json``), or the one process for mode "none".
+    ``launcher`` "mlx" starts the ranks with ``mlx.launch``, "direct" with the same ring
+    environment and no launcher process (``distributed.local``)."""
+    from dflash_mlx.distributed.local import free_port, run_ranks
+
     out = Path(tempfile.mkdtemp(prefix="dflash-dist-bench-")) / "bench.json"
     me = [sys.executable, "-m", "dflash_mlx.cli", *args, "--json", str(out)]
     if mode != "none":
         me += ["--shard", mode]
-    ring = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", _port(ranks)]
-    cmd = me if mode == "none" else [*ring, "--", *me]
+    ring = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port(ranks))]
+    cmd = me if mode == "none" or launcher == "direct" else [*ring, "--", *me]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("DFLASH_TEST_LINK_DELAY_MS", None)
     if delay != "off":
         env["DFLASH_TEST_LINK_DELAY_MS"] = delay
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
     shown = shlex.join(["dflash" if a == sys.executable else a for a in cmd])
     shown = shown.replace("dflash -m dflash_mlx.cli", "dflash").replace(LAUNCH, "mlx.launch")
+    if mode != "none" and launcher == "direct":
+        shown = f"{ranks} ranks started directly (MLX_RANK, MLX_HOSTFILE): {shown}"
     if delay != "off":
         shown = f"DFLASH_TEST_LINK_DELAY_MS={delay} {shown}"
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+    if mode != "none" and launcher == "direct":
+        res = run_ranks(cmd, ranks, timeout=TIMEOUT, env=env)
+        timed_out, log = res.timed_out, res.output
+    else:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            log, timed_out = proc.communicate(timeout=TIMEOUT)[0].decode(errors="replace"), False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
+            log, timed_out = "", True
+    if timed_out:
         return {"failed": f"no answer in {TIMEOUT} s", "command": shown}
     try:  # mlx.launch exits 0 even when a rank fails: rank 0's report is the answer
         return {"report": json.loads(out.read_text()), "command": shown}
     except (OSError, ValueError):
-        lines = log.decode(errors="replace").strip().splitlines()
+        lines = log.strip().splitlines()
         said = [ln for ln in lines if ln.startswith("error:")] or lines[-1:]
         return {"refused": said[0] if said else "no output", "command": shown}
-
-
-def _port(n: int) -> str:
-    """A starting port with ``n`` free ports: ``mlx.launch``'s default is fixed, and two
-    launches on one machine at once would join one ring."""
-    for _ in range(50):
-        port = random.randrange(20000, 60000)
-        try:
-            for p in range(port, port + n):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-        except OSError:
-            continue
-        return str(port)
-    raise RuntimeError("no free ports for mlx.launch")
 
 
 def figures(rep: dict) -> dict:
@@ -114,11 +109,13 @@ def figures(rep: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The rows as text: tok/s plain and DFlash 2, their ratio, tau, auto, collectives."""
-    head = f"{'mode':<10}{'ranks':>6}{'link':>6}{'plain tok/s':>12}{'DFlash tok/s':>13}"
+    head = f"{'mode':<10}{'ranks':>6}{'launcher':>9}{'link':>6}{'plain tok/s':>12}"
+    head += f"{'DFlash tok/s':>13}"
     head += f"{'DFlash/plain':>13}{'tau':>6}{'auto/plain':>11}{'coll/token plain':>17}{'DFlash':>8}"
     lines = [head]
     for r in rows:
-        lead = f"{r['mode']:<10}{r['ranks']:>6}{r['delay']:>6}"
+        launcher = r.get("launcher", "mlx") if r["ranks"] > 1 else "-"
+        lead = f"{r['mode']:<10}{r['ranks']:>6}{launcher:>9}{r['delay']:>6}"
         if "figures" not in r:
             lines.append(f"{lead}  {r.get('refused') or r.get('failed')}")
             continue
@@ -143,15 +140,20 @@ def main() -> None:
     ap.add_argument("--max-samples", type=int, default=2, help="built-in prompts")
     ap.add_argument("--block-size", type=int, help="default: the checkpoint's")
     ap.add_argument("--json", help="also write the rows (with each bench report) here")
+    ap.add_argument(
+        "--launcher", nargs="+", default=["mlx"], choices=["mlx", "direct"],
+        help="mlx.launch (what users run), or ranks started directly: mlx.launch 0.32's "
+        "relay spins a core while the ranks run, a third of a 2-core machine",
+    )  # fmt: skip
     a = ap.parse_args()
     args = bench_args(a.max_tokens, a.block_size, a.max_samples)
     runs = [("unsharded", "none", 1, "off")]
     for mode in a.modes:
-        runs += [(mode, mode, a.ranks or RANKS[mode], d) for d in a.delays]
+        runs += [(mode, mode, a.ranks or RANKS[mode], d, k) for k in a.launcher for d in a.delays]
     rows = []
-    for name, mode, ranks, delay in runs:
-        got = _launch(mode, ranks, delay, args)
-        row = {"mode": name, "ranks": ranks, "delay": delay, **got}
+    for name, mode, ranks, delay, launcher in [(*runs[0], "mlx"), *runs[1:]]:
+        got = _launch(mode, ranks, delay, args, launcher)
+        row = {"mode": name, "ranks": ranks, "delay": delay, "launcher": launcher, **got}
         if "report" in got:
             row["figures"] = figures(got["report"])
         rows.append(row)

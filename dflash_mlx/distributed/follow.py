@@ -39,13 +39,9 @@ class Channel:
         self.sending_since: float | None = None  # rank 0 in ``send`` since (``faults``)
 
     def _sum(self, a: mx.array) -> mx.array:
-        from ..decoding.steps import generation_stream
+        from .link import agreed_sum
 
-        # the decode's own stream: collectives of two streams could pair differently per rank
-        with mx.stream(generation_stream()):
-            s = mx.distributed.all_sum(a, group=self.group)
-        mx.eval(s)
-        return s
+        return agreed_sum(a, self.group)
 
     def _exchange(self, data: bytes) -> bytes:
         n = int(self._sum(mx.array([len(data)], dtype=mx.int32)).item())

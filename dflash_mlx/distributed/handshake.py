@@ -109,6 +109,8 @@ def gather(row: dict, group) -> list[dict]:
     its own line, summed over the group (a gather made of one ``all_sum``)."""
     import mlx.core as mx
 
+    from .link import agreed_sum
+
     raw = json.dumps(row, separators=(",", ":")).encode()
     while len(raw) > WIDTH and row.get("error"):  # an error line too long for its row
         row = {**row, "error": row["error"][: len(row["error"]) - (len(raw) - WIDTH) - 8]}
@@ -116,7 +118,7 @@ def gather(row: dict, group) -> list[dict]:
     raw = raw[:WIDTH]
     lines = [[0] * WIDTH for _ in range(group.size())]
     lines[group.rank()][: len(raw)] = list(raw)
-    got = mx.distributed.all_sum(mx.array(lines, mx.int32), group=group)
+    got = agreed_sum(mx.array(lines, mx.int32), group)
     return [json.loads(bytes(v for v in line if v).decode()) for line in got.tolist()]
 
 

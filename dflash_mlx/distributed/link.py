@@ -97,3 +97,21 @@ def from_env(group) -> None:
 def total() -> int | None:
     """Collectives issued since the hook was installed; None when it is not."""
     return sum(counts.values()) if _state["original"] else None
+
+
+def agreed_sum(a, group):
+    """``all_sum`` of ``a`` over ``group``, evaluated, on the decode's own stream: collectives
+    queued on two streams can pair differently on each rank (one rank's handshake meeting
+    the other's verify still in flight), and every one of ours goes on that stream.
+
+    Args:
+        a: this rank's part (an ``mx.array``). group: the ``mx.distributed.Group``.
+    """
+    import mlx.core as mx
+
+    from ..decoding.steps import generation_stream
+
+    with mx.stream(generation_stream()):
+        s = mx.distributed.all_sum(a, group=group)
+    mx.eval(s)
+    return s

@@ -130,10 +130,12 @@ def connect(adapter, group) -> None:
     """
     import mlx.core as mx
 
+    from .link import agreed_sum
+
     emb = adapter.embed(mx.array([[0]]))
     adapter.share = TapShare(group, emb.shape[-1], emb.dtype)
     votes = mx.array([adapter.is_hybrid, not adapter.tree_ok], mx.int32)
-    hybrid, no_tree = mx.distributed.all_sum(votes, group=group, stream=mx.cpu).tolist()
+    hybrid, no_tree = agreed_sum(votes, group).tolist()
     # A rank whose stage holds no recurrent layer still snapshots like the others: the
     # decode loop then takes the same path on every rank.
     adapter.is_hybrid, adapter.tree_ok = hybrid > 0, adapter.tree_ok and no_tree == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from launch import FakeGroup, launch, needs_launch
+from launch import FakeGroup, launch_with_mlx, needs_launch
 from tiny_models import build_target
 
 from dflash_mlx import DFlashError, load
@@ -245,7 +245,7 @@ def test_two_ranks_with_other_weights_of_the_same_files_are_refused_in_one_line(
     per-rank lines are how to tell: docs/distributed.md)."""
     worker = Path(__file__).with_name("cli_rank.py")
     args = ["run", "--drafter", str(tiny_dir / "d2_qwen3"), "--block-size", "4", "-m", "4", "hi"]
-    r = launch([str(worker), str(twins[0]), str(twins[1]), "--", *args], twins[0].parent)
+    r = launch_with_mlx([str(worker), str(twins[0]), str(twins[1]), "--", *args], twins[0].parent)
     lines = [ln for ln in r.stdout.splitlines() if "error" in ln.lower()]
     want = (
         "error: the ranks were started differently than rank 0: rank 1 "

@@ -1,5 +1,5 @@
-"""``dflash serve`` on two ranks (``mlx.launch -n 2 --backend ring``, loopback), in one
-launch, on a tiny thinking pair: a streamed and a whole request sent together get the same
+"""``dflash serve`` on two ring ranks on loopback (``distributed.local``: what ``mlx.launch
+-n 2 --backend ring`` starts, without its launcher), in one launch, on a tiny thinking pair: a streamed and a whole request sent together get the same
 greedy text under ``auto`` (the default), with rank 1's own batch planner rigged to draft
 every row at block 2 each cycle while rank 0's plans plain steps where the tiny random
 drafter does not pay, so the ranks stay paired only by taking rank 0's plans; the same prompt again gets it too, although rank 0 restores it
@@ -14,16 +14,16 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-from launch import LAUNCH, ring
+from launch import kernels_built, needs_launch
 from tiny_models import thinking_pair
+
+from dflash_mlx.distributed.local import start_ranks, stop
 
 START = 300  # seconds for both ranks to load and listen (a loaded 2-core box took 180+)
 WORKER = Path(__file__).with_name("cli_worker.py")
@@ -126,64 +126,34 @@ def _one_process(dirs) -> dict:
         httpd.server_close()
 
 
-def _ranks(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the processes mlx.launch started (Linux /proc)."""
-    out = {}
-    for d in Path("/proc").iterdir():
-        try:
-            if d.name.isdigit() and int((d / "stat").read_text().split()[3]) == launcher:
-                env = (d / "environ").read_bytes().split(b"\0")
-                rank = [e for e in env if e.startswith(b"MLX_RANK=")]
-                if rank:
-                    out[int(rank[0][9:])] = int(d.name)
-        except OSError:
-            continue
-    return out
+def _port(log: Path) -> int | None:
+    for line in log.read_text(errors="replace").splitlines():
+        if "listening on http://127.0.0.1:" in line:
+            return int(line.split("127.0.0.1:")[1].split("/")[0])
+    return None
 
 
-class _Reader(threading.Thread):
-    def __init__(self, proc):
-        super().__init__(daemon=True)
-        self.proc, self.lines = proc, []
-
-    def run(self):
-        for line in self.proc.stdout:
-            self.lines.append(line.decode(errors="replace"))
-
-    def port(self) -> int | None:
-        for line in self.lines:
-            if "listening on http://127.0.0.1:" in line:
-                return int(line.split("127.0.0.1:")[1].split("/")[0])
-        return None
-
-
-@pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch is not installed")
-@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds ranks in /proc")
+@needs_launch
 def test_two_ranks_serve_agents_as_one_process_and_a_killed_rank_ends_the_other_with_its_name(
     tmp_path,
 ):
     dirs = thinking_pair(tmp_path / "pair")  # 4 query, 2 key/value heads: split over 2
     expected = _one_process(dirs)
     model = ["--model", str(dirs[0]), "--drafter", str(dirs[1])]
-    cmd = [*ring(2), "--", sys.executable, str(WORKER)]  # rank 1 rigged to choose plain
+    cmd = [sys.executable, str(WORKER)]  # rank 1 rigged to choose plain
     (tmp_path / "pc").mkdir()
     (tmp_path / "pc" / "rank1").write_text("a file: rank 1 cannot write its folder")
     disk = ["--prompt-cache-dir", str(tmp_path / "pc"), "--prompt-cache-gb", "0"]  # all to disk
-    proc = subprocess.Popen(
-        [*cmd, "serve", *model, "--port", "0", "--max-batch", "2", *disk],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    reader = _Reader(proc)
-    reader.start()
+    kernels_built()
+    serve = [*cmd, "serve", *model, "--port", "0", "--max-batch", "2", *disk]
+    ranks, logs = start_ranks(serve, 2, cwd=tmp_path)
+    log0 = logs / "rank0.log"
     try:
         deadline = time.monotonic() + START
-        while reader.port() is None and proc.poll() is None and time.monotonic() < deadline:
+        while _port(log0) is None and ranks[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
-        port = reader.port()
-        assert port is not None, "".join(reader.lines)[-3000:]
+        port = _port(log0)
+        assert port is not None, log0.read_text()[-3000:]
         got = {}
         both = [
             threading.Thread(target=lambda s=s: got.update({s: _text(port, s, 24)}))
@@ -204,23 +174,18 @@ def test_two_ranks_serve_agents_as_one_process_and_a_killed_rank_ends_the_other_
         ]  # fmt: skip
         word, free, cut = agents["stop"]
         assert free.startswith(cut) and word in free[len(cut) :] and word not in cut
-        ranks = _ranks(proc.pid)
-        assert sorted(ranks) == [0, 1], "".join(reader.lines)[-2000:]
 
         with _post(port, {"prompt": "import os", "max_tokens": 4000, "stream": True}) as r:
             first = r.readline()  # the answer has begun
             assert first.startswith(b"data: "), first
-            os.kill(ranks[1], signal.SIGKILL)
+            os.killpg(ranks[1].pid, signal.SIGKILL)
             killed = time.monotonic()
             rest = r.read().decode()
-        proc.wait(BOUND)
+        ranks[0].wait(BOUND)  # its own watchdog ends it (no launcher here to)
         took = time.monotonic() - killed
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and the ranks it started
-        proc.wait()
-        reader.join(5)
-    log = "".join(reader.lines)
+        stop(ranks)
+    log = log0.read_text(errors="replace")
     errors = [ln for ln in rest.splitlines() if '"error"' in ln]
     assert len(errors) == 1 and "rank 1 of 2 exited" in errors[0], rest[-1500:]
     assert json.loads(errors[0][6:])["error"]["code"] == "server_group_broken"
