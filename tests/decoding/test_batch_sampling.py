@@ -30,16 +30,19 @@ def random_plan(rng, rows):
     return [Option(int(rng.integers(1, 5)), bool(rng.integers(0, 2)), 0.0) for _ in rows]
 
 
-def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None, planned=False):
-    """trials batches of all rows; per row the n-token sequences and the drafts accepted
-    (``copied`` counts the cycles that verified copied drafts; ``planned``: every cycle
-    decodes a random plan, the rows being auto rows)."""
+def sample_batches(
+    model, rows, n, trials, seed, lookup=False, copied=None, planned=False, copies=1
+):
+    """trials batches of ``copies`` rows of each setting in ``rows``; per setting the n-token
+    sequences (``trials * copies``: each row its own key, so independent draws) and the
+    drafts accepted (``copied`` counts the cycles that verified copied drafts; ``planned``:
+    every cycle decodes a random plan, the rows being auto rows)."""
     samples, accepted = [[] for _ in rows], [0] * len(rows)
     key, rng = mx.random.key(seed), np.random.default_rng(seed)
     for _ in range(trials):
         dec = BatchDecoder(model, 4)
         out = {}
-        for i, (prompt, temp, top_p, top_k, pres, sel, block) in enumerate(rows):
+        for i, (prompt, temp, top_p, top_k, pres, sel, block) in enumerate(rows * copies):
             procs = make_logits_processors(presence_penalty=pres or None)
             key, sub = mx.random.split(key)
             params = SamplingParams(temp, top_p, 0.0, top_k, procs)
@@ -47,20 +50,21 @@ def sample_batches(model, rows, n, trials, seed, lookup=False, copied=None, plan
             dec.join(Row(i, prompt, params, n, block, sel, sub, lookup, sched))
             out[i] = []
         while dec.joining or len(dec):
-            got = dec.prefill_step()
-            if got:
-                out[got[0].uid] += got[1].tokens
+            for _ in range(len(rows)):  # a setting's worth of rows joins each cycle
+                got = dec.prefill_step()
+                if got:
+                    out[got[0].uid] += got[1].tokens
             # planned: a random plan, or (every other cycle or so) each row's own block
             plan = random_plan(rng, dec.rows) if planned and rng.integers(0, 3) else None
             for row, cyc in dec.step(plan):
                 out[row.uid] += cyc.tokens
-                accepted[row.uid] += cyc.accepted
+                accepted[row.uid % len(rows)] += cyc.accepted
                 if copied is not None:
-                    copied[row.uid] += cyc.lookup > 0
+                    copied[row.uid % len(rows)] += cyc.lookup > 0
                 if row.generated >= n:
                     dec.remove(row.uid)
         for i in out:
-            samples[i].append(tuple(out[i][:n]))
+            samples[i % len(rows)].append(tuple(out[i][:n]))
     return samples, accepted
 
 
@@ -71,11 +75,15 @@ def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, mode):
     own block, the others some rows plain, some drafted, some copied, of different widths,
     padded to the widest). Rows without lookup draft as these do where nothing matches."""
     model = small_vocab_pair
-    n, trials = 4, 1000
+    n, trials, copies = 4, 1000, 5  # 200 batches of 5 rows of each setting: 1000 draws each
     lookup = True
     rows = COPYING
     copied = [0] * len(rows)
-    samples, accepted = sample_batches(model, rows, n, trials, 3, lookup, copied, mode == "planned")
+    planned = mode == "planned"
+    samples, accepted = sample_batches(
+        model, rows, n, trials // copies, 3, lookup, copied, planned, copies
+    )
+    assert all(len(s) == trials for s in samples)
     assert (sum(copied) > trials // 4) == lookup, copied  # rows did verify copies
     for i, (prompt, temp, top_p, top_k, pres, _, block) in enumerate(rows):
         law = exact_law(model, prompt, n, temp, top_p, top_k, pres)
