@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..model.conv import TwoTapConv
 from ..model.drafter import ContextCache, DecoderLayer, DFlashDrafter
-from . import fastmath, small_gemm
+from . import exact_ops, fastmath, small_gemm
 from .fastmath import attention
 
 
@@ -68,6 +68,12 @@ def _pre(layer: DecoderLayer, x: mx.array, offset: mx.array, ctx: mx.array | Non
     return (attn.rope(q, offset=offset + ctx.shape[1]), k, v) + taps
 
 
+def _mlp(mlp, u: mx.array) -> mx.array:
+    """``mlp(u)`` whose SiLU is the exact vectorised kernel (``exact_ops.silu_mul``, MLX's
+    bits): MLX's scalar exp made the SiLU ~0.25 ms of each layer's ~2.5 ms here."""
+    return mlp.down_proj(exact_ops.silu_mul(mlp.gate_proj(u), mlp.up_proj(u)))
+
+
 def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
     """The rest of the layer after attention o [1, Hq, L, hd]; the final norm on the last."""
     N, L, _ = x.shape
@@ -75,10 +81,10 @@ def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
     if layer.has_conv:
         h = x + _conv(layer.attention_conv, r, 1, taps[0])
         u, d2 = _prepare(layer.mlp_conv, layer.post_attention_layernorm(h))
-        h = h + _conv(layer.mlp_conv, layer.mlp(u), 1, d2)
+        h = h + _conv(layer.mlp_conv, _mlp(layer.mlp, u), 1, d2)
     else:
         h = x + r
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
     return h if final_norm is None else final_norm(h)
 
 
@@ -105,6 +111,7 @@ class CompiledStep:
 
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
+        exact_ops.load()  # the MLP's exact SiLU (built once; MLX's ops without it)
         last = len(drafter.layers) - 1
         self._fns = []
         for i, layer in enumerate(drafter.layers):
