@@ -41,6 +41,7 @@ def test_compiled_step_gives_the_uncompiled_bits_at_every_width(dflash2, window,
             emb = mx.random.normal((1, L, H), key=mx.random.key(L))
             ref = d.step(emb, cache)
             out = draft_step.step(d, emb, cache, compiled=True)
+            assert d._compiled_step._table.rope is not None  # the shared RoPE table's path
             assert out.shape == (1, L, H)
             assert mx.array_equal(out, ref).item(), (L, mx.abs(out - ref).max().item())
             assert cache[0].offset == 30 and cache[0].size == 30  # block rows not kept
