@@ -14,6 +14,7 @@ two give the same bits on the CPU (tested).
 from __future__ import annotations
 
 from functools import partial
+from itertools import pairwise
 
 import mlx.core as mx
 from mlx import nn
@@ -105,8 +106,26 @@ def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
     return h if final_norm is None else final_norm(h)
 
 
-def _project(drafter: DFlashDrafter, features: mx.array) -> mx.array:
-    return drafter.project_context(features)
+def _first(drafter: DFlashDrafter, tabled: bool, x, offset, *rest):
+    """The projection of the pending rows (``rest``'s last, when given), the RoPE table
+    (from the probe ``rest[0]`` when ``tabled``) and the first layer's ``_pre``: returns
+    [table][, ctx], q, k, v[, taps]."""
+    probe = rest[0] if tabled else None
+    ctx = drafter.project_context(rest[-1]) if len(rest) > tabled else None
+    table = None if probe is None else drafter.layers[0].self_attn.rope(probe, offset=offset)
+    out = _pre(drafter.layers[0], x, offset, table, ctx)
+    return [a for a in (table, ctx) if a is not None] + list(out)
+
+
+def _between(done: DecoderLayer, layer: DecoderLayer, tabled: bool, x, o, *rest):
+    """One layer's ``_post`` then the next one's ``_pre`` (one compiled call, not two):
+    ``rest`` is the taps, offset[, table][, ctx]; returns h, q, k, v[, taps]."""
+    n = 1 if done.has_conv else 0
+    taps, (offset, *extra) = rest[:n], rest[n:]
+    table = extra[0] if tabled else None
+    ctx = extra[-1] if len(extra) > tabled else None
+    h = _post(done, None, x, o, *taps)
+    return [h, *_pre(layer, h, offset, table, ctx)]
 
 
 class _RopeTable:
@@ -116,7 +135,7 @@ class _RopeTable:
     They are read from the layers' own ``nn.RoPE`` applied to ones then zeros: its fallback
     gives 1 * cos - 0 * sin = cos and 1 * sin + 0 * cos = sin exactly, so ``_rope`` with them
     repeats MLX's products. Used only where every layer has the same plain ``nn.RoPE`` over
-    the whole head and that gives the layer's bits on a probe; else ``__call__`` is None.
+    the whole head and that gives the layer's bits on a probe; else ``rope`` is None.
     """
 
     def __init__(self, drafter: DFlashDrafter):
@@ -125,7 +144,6 @@ class _RopeTable:
         hd = drafter.args.head_dim
         plain = all(type(o) is nn.RoPE and vars(o) == vars(r) for o in ropes)
         self.rope = r if plain and not r.traditional and r.dims == hd else None
-        self._fn = mx.compile(lambda probe, offset: self.rope(probe, offset=offset))
         self._probes: dict[int, mx.array] = {}
         if self.rope is not None and not self._agrees(hd):
             self.rope = None
@@ -134,9 +152,11 @@ class _RopeTable:
         """Whether ``_rope`` from a table gives the RoPE's bits on a probe."""
         x = mx.random.normal((1, 3, 5, hd), key=mx.random.key(5)) * 4.0
         off = mx.array(1000, mx.int32)
-        return mx.array_equal(_rope(x, self(off, 5)), self.rope(x, offset=off)).item()
+        table = self.rope(self.probe(5), offset=off)
+        return mx.array_equal(_rope(x, table), self.rope(x, offset=off)).item()
 
-    def __call__(self, offset: mx.array, rows: int) -> mx.array | None:
+    def probe(self, rows: int) -> mx.array | None:
+        """Ones then zeros [1, 1, rows, hd], whose RoPE is the table; None when unused."""
         if self.rope is None:
             return None
         probe = self._probes.get(rows)
@@ -144,7 +164,7 @@ class _RopeTable:
             half = self.rope.dims // 2
             one = mx.concatenate([mx.ones((half,)), mx.zeros((half,))])
             probe = self._probes[rows] = mx.broadcast_to(one, (1, 1, rows, 2 * half))
-        return self._fn(probe, offset)
+        return probe
 
 
 class CompiledStep:
@@ -167,21 +187,23 @@ class CompiledStep:
     def __init__(self, drafter: DFlashDrafter):
         self.drafter = drafter
         exact_ops.load()  # the MLP's exact SiLU (built once; MLX's ops without it)
-        last = len(drafter.layers) - 1
-        self._fns = []
-        for i, layer in enumerate(drafter.layers):
-            norm = drafter.norm if i == last else None
-            state = [layer.state] + ([norm.state] if norm is not None else [])
-            pre = mx.compile(partial(_pre, layer), inputs=state)
-            post = mx.compile(partial(_post, layer, norm), inputs=state)
-            self._fns.append((pre, post))
-        state = [drafter.fc.state, drafter.hidden_norm.state]
-        self._project = mx.compile(partial(_project, drafter), inputs=state)
         self._table = _RopeTable(drafter)
+        tabled = self._table.rope is not None
+        layers = drafter.layers
+        # Each layer's post-attention work and the next one's pre-attention work are one
+        # compiled call: each call costs ~40 us of host time before any op runs.
+        state = [drafter.fc.state, drafter.hidden_norm.state, layers[0].state]
+        self._stages = [mx.compile(partial(_first, drafter, tabled), inputs=state)]
+        for done, layer in pairwise(layers):
+            fn = partial(_between, done, layer, tabled)
+            self._stages.append(mx.compile(fn, inputs=[done.state, layer.state]))
+        fn = partial(_post, layers[-1], drafter.norm)
+        self._stages.append(mx.compile(fn, inputs=[layers[-1].state, drafter.norm.state]))
 
     def _new_rows(self, cache: list[ContextCache], block: int) -> mx.array | None:
-        """The pending context rows projected [1, n, H] to go with a block of ``block``
-        rows, or None (nothing pending, or flushed now: too many rows for one product)."""
+        """The pending context rows' features [1, n, nT*H] to project with a block of
+        ``block`` rows, or None (nothing pending, or flushed now: too many rows for one
+        product)."""
         pending = cache[0].pending
         if not pending:
             return None
@@ -191,22 +213,27 @@ class CompiledStep:
         feats = pending[0] if len(pending) == 1 else mx.concatenate(pending, axis=1)
         for c in cache:
             c.pending = []
-        return self._project(feats)
+        return feats
 
     def __call__(self, block_embeds: mx.array, cache: list[ContextCache]) -> mx.array:
         """One block [1, L, H] after the cached context -> final hidden [1, L, H]."""
         d = self.drafter
-        ctx = self._new_rows(cache, block_embeds.shape[1])
-        keep = 0 if ctx is None else ctx.shape[1]
+        L = block_embeds.shape[1]
+        feats = self._new_rows(cache, L)
+        keep = 0 if feats is None else feats.shape[1]
         offset = mx.array(cache[0].offset, dtype=mx.int32)  # of the new rows, then the block
-        table = self._table(offset, keep + block_embeds.shape[1])
-        x = block_embeds
-        for layer, c, (pre, post) in zip(d.layers, cache, self._fns):
-            args = (x, offset, table) if ctx is None else (x, offset, table, ctx)
-            q, k, v, *taps = pre(*args)
+        probe = self._table.probe(keep + L)
+        shared = [a for a in (probe, feats) if a is not None]
+        out = self._stages[0](block_embeds, offset, *shared)
+        shared = out[: len(shared)]  # (table, ctx) as the next stages take them
+        x, (q, k, v, *taps) = block_embeds, out[len(shared) :]
+        for i, (layer, c) in enumerate(zip(d.layers, cache)):
             k, v = c.with_block(k, v, keep)
-            x = post(x, attention(q, k, v, layer.self_attn.scale), *taps)
-        return x
+            o = attention(q, k, v, layer.self_attn.scale)
+            if i + 1 == len(d.layers):
+                return self._stages[-1](x, o, *taps)
+            x, q, k, v, *taps = self._stages[i + 1](x, o, *taps, offset, *shared)
+
 
 def step(
     drafter: DFlashDrafter, block_embeds: mx.array, cache: list[ContextCache], compiled=None
