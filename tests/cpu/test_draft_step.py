@@ -10,14 +10,14 @@ from dflash_mlx.model.checkpoint import drafter_config, random_drafter
 H, NT = 64, 2
 
 
-def make(dflash2=True, window=2048, taps=2):
+def make(dflash2=True, window=2048, taps=2, layers=2, rope_scaling=None):
     cfg = drafter_config(
         hidden_size=H,
         vocab_size=300,
         num_target_layers=4,
         target_layer_ids=[0, 2],
         mask_token_id=1,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         dflash2=dflash2,
@@ -25,6 +25,7 @@ def make(dflash2=True, window=2048, taps=2):
         conv_kernel_size=taps,
         selector_rank=8,
     )
+    cfg["rope_scaling"] = rope_scaling
     d = random_drafter(cfg, seed=3)
     cache = d.make_cache()
     d.append_context(mx.random.normal((1, 30, NT * H), key=mx.random.key(0)), cache)
@@ -41,10 +42,31 @@ def test_compiled_step_gives_the_uncompiled_bits_at_every_width(dflash2, window,
             emb = mx.random.normal((1, L, H), key=mx.random.key(L))
             ref = d.step(emb, cache)
             out = draft_step.step(d, emb, cache, compiled=True)
-            assert d._compiled_step._table.rope is not None  # the shared RoPE table's path
             assert out.shape == (1, L, H)
             assert mx.array_equal(out, ref).item(), (L, mx.abs(out - ref).max().item())
             assert cache[0].offset == 30 and cache[0].size == 30  # block rows not kept
+    assert d._compiled_step._table.rope is not None  # the shared RoPE table's path
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+LLAMA3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("layers,scaling", [(1, None), (3, LLAMA3)])
+def test_compiled_step_gives_the_uncompiled_bits_for_any_depth_and_rope(layers, scaling):
+    # one layer (no stage between two), three (two between), and a RoPE that is not
+    # nn.RoPE (no shared table: each layer's own RoPE), with new rows projected in the pass
+    d, cache = make(layers=layers, rope_scaling=scaling)
+    _, eager = make(layers=layers, rope_scaling=scaling)
+    f = mx.random.normal((1, 2, NT * H), key=mx.random.key(2))
+    d.append_context(f, cache)
+    d.append_context(f, eager, lazy=False)
+    with mx.stream(mx.cpu):
+        for L in (8, 3):
+            emb = mx.random.normal((1, L, H), key=mx.random.key(L))
+            out = draft_step.step(d, emb, cache, compiled=True)
+            assert mx.array_equal(out, d.step(emb, eager)).item(), L
+    assert (d._compiled_step._table.rope is None) == (scaling is not None)
 
 
 def test_compiled_step_sees_new_weights():
