@@ -22,6 +22,7 @@ from mlx import nn
 from ..model.conv import TwoTapConv
 from ..model.drafter import ContextCache, DecoderLayer, DFlashDrafter
 from . import exact_ops, fastmath, small_gemm
+from .exact_ops import rms_norm as _norm
 from .fastmath import attention
 
 
@@ -69,18 +70,18 @@ def _pre(layer: DecoderLayer, x: mx.array, offset: mx.array, table, ctx: mx.arra
     """
     attn = layer.self_attn
     N, L, _ = x.shape
-    u = layer.input_layernorm(x)
+    u = _norm(layer.input_layernorm, x)
     taps = ()
     if layer.has_conv:
         u, d1 = _prepare(layer.attention_conv, u)
         taps = (d1,)
-    q = attn.q_norm(attn.q_proj(u).reshape(N, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    q = _norm(attn.q_norm, attn.q_proj(u).reshape(N, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
     n = 0 if ctx is None else ctx.shape[1]
     rows = u if ctx is None else mx.concatenate([ctx, u], axis=1)
     if table is None:
         k, v = attn.kv(rows, offset)
         return (attn.rope(q, offset=offset + n if n else offset), k, v) + taps
-    k = attn.k_norm(attn.k_proj(rows).reshape(N, n + L, attn.n_kv_heads, -1))
+    k = _norm(attn.k_norm, attn.k_proj(rows).reshape(N, n + L, attn.n_kv_heads, -1))
     v = attn.v_proj(rows).reshape(N, n + L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     k = _rope(k.transpose(0, 2, 1, 3), table)
     return (_rope(q, table[:, :, n:] if n else table), k, v) + taps
@@ -98,12 +99,12 @@ def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
     r = layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(N, L, -1))
     if layer.has_conv:
         h = x + _conv(layer.attention_conv, r, 1, taps[0])
-        u, d2 = _prepare(layer.mlp_conv, layer.post_attention_layernorm(h))
+        u, d2 = _prepare(layer.mlp_conv, _norm(layer.post_attention_layernorm, h))
         h = h + _conv(layer.mlp_conv, _mlp(layer.mlp, u), 1, d2)
     else:
         h = x + r
-        h = h + _mlp(layer.mlp, layer.post_attention_layernorm(h))
-    return h if final_norm is None else final_norm(h)
+        h = h + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, h))
+    return h if final_norm is None else _norm(final_norm, h)
 
 
 def _first(drafter: DFlashDrafter, tabled: bool, x, offset, *rest):
@@ -111,7 +112,7 @@ def _first(drafter: DFlashDrafter, tabled: bool, x, offset, *rest):
     (from the probe ``rest[0]`` when ``tabled``) and the first layer's ``_pre``: returns
     [table][, ctx], q, k, v[, taps]."""
     probe = rest[0] if tabled else None
-    ctx = drafter.project_context(rest[-1]) if len(rest) > tabled else None
+    ctx = _norm(drafter.hidden_norm, drafter.fc(rest[-1])) if len(rest) > tabled else None
     table = None if probe is None else drafter.layers[0].self_attn.rope(probe, offset=offset)
     out = _pre(drafter.layers[0], x, offset, table, ctx)
     return [a for a in (table, ctx) if a is not None] + list(out)

@@ -34,6 +34,7 @@ import sysconfig
 from pathlib import Path
 
 import mlx.core as mx
+from mlx import nn
 
 from .. import env
 from . import builder
@@ -133,6 +134,20 @@ def _self_check(module) -> str | None:
     return None
 
 
+def _rms_norm_agrees(module) -> bool:
+    """Whether the kernel's RMSNorm gives ``mx.fast.rms_norm``'s bits here (rows of 64 and
+    576 as the drafter normalises, an odd width, large and tiny values); if not, only the
+    RMSNorm stays MLX's."""
+    with mx.stream(mx.cpu):
+        for i, shape in enumerate([(1, 8, 9, 64), (1, 10, 576), (3, 37), (40, 576)]):
+            x = mx.random.normal(shape, key=mx.random.key(20 + i)) * 10.0 ** (i - 2)
+            w = mx.random.normal(shape[-1:], key=mx.random.key(30 + i))
+            for eps in (1e-6, 1e-5):
+                if not mx.array_equal(module.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps)):
+                    return False
+    return True
+
+
 def load():
     """Build, import and check the extension once; returns it, or None (see :func:`status`)."""
     if _state["tried"]:
@@ -153,7 +168,7 @@ def load():
     if why:
         _state["error"] = f"not used: {why}"
         return None
-    _state.update(module=module, path=str(path))
+    _state.update(module=module, path=str(path), rms_norm=_rms_norm_agrees(module))
     return module
 
 
@@ -176,6 +191,15 @@ def silu_mul(g: mx.array, u: mx.array) -> mx.array:
     """``silu(g) * u`` with MLX's bits: the kernel when loaded, else MLX's ops."""
     m = _state["module"]
     return m.silu_mul(g, u) if m is not None else mx.sigmoid(g) * g * u
+
+
+def rms_norm(norm, x: mx.array) -> mx.array:
+    """``norm(x)`` for an ``nn.RMSNorm`` with MLX's bits, one kernel instead of three ops
+    (square, sum, the rest) on the CPU when loaded and checked (``_rms_norm_agrees``)."""
+    m = _state["module"]
+    if m is None or not _state.get("rms_norm") or type(norm) is not nn.RMSNorm:
+        return norm(x)
+    return m.rms_norm(x, norm.weight, norm.eps)
 
 
 def softmax(x: mx.array) -> mx.array:

@@ -21,6 +21,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
@@ -59,6 +60,33 @@ void softmax_rows(const float* __restrict in, float* __restrict out, size_t rows
     for (size_t i = 0; i < m; i++) sum += out[i];
     float inv = 1.0f / sum;
     for (size_t i = 0; i < m; i++) out[i] = out[i] * inv;
+  }
+}
+
+// MLX's mx.fast.rms_norm fallback on the CPU (mlx/fast.cpp; its wheel reduces one element at
+// a time): per row, sum of the rounded squares in order from 0, times (float)(1.0 / d), plus
+// eps, 1 / sqrt, then (x * r) * w. RB rows at once, one independent sum each: the order
+// within a row is MLX's, the rows only interleave.
+void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* __restrict out,
+                   size_t rows, size_t d, float eps) {
+  constexpr size_t RB = 16;
+  const float inv_d = static_cast<float>(1.0 / static_cast<double>(d));
+  for (size_t r0 = 0; r0 < rows; r0 += RB) {
+    const size_t nb = rows - r0 < RB ? rows - r0 : RB;
+    float acc[RB] = {0.0f};
+    for (size_t i = 0; i < d; i++)
+      for (size_t j = 0; j < nb; j++) {
+        const float v = x[(r0 + j) * d + i];
+        const float sq = v * v;
+        acc[j] = acc[j] + sq;
+      }
+    for (size_t j = 0; j < nb; j++) {
+      const float mean = (0.0f + acc[j]) * inv_d;
+      const float r = 1.0f / std::sqrt(mean + eps);
+      const float* xr = x + (r0 + j) * d;
+      float* o = out + (r0 + j) * d;
+      for (size_t i = 0; i < d; i++) o[i] = (xr[i] * r) * w[i];
+    }
   }
 }
 
@@ -146,6 +174,28 @@ class Softmax : public CpuElementwise {
   const char* name() const override { return "DflashSoftmax"; }
 };
 
+class RmsNorm : public CpuElementwise {
+ public:
+  RmsNorm(mx::Stream s, float eps) : CpuElementwise(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    size_t d = in[0].shape().back();
+    prepare(in, out).dispatch(
+        [x = Dense(in[0]), w = Dense(in[1]), o = out.data<float>(), n = out.size(), d, eps = eps_]() {
+          std::vector<float> xb, wb;
+          rms_norm_rows(x.get(xb, n), w.get(wb, d), o, n / d, d, eps);
+        });
+  }
+  const char* name() const override { return "DflashRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const RmsNorm*>(&other);
+    return o && o->eps_ == eps_;
+  }
+
+ private:
+  float eps_;
+};
+
 // Keys or values as the kernel reads them: in place when each row's d is contiguous (a KV
 // cache's slice), else gathered row-major.
 struct Rows {
@@ -215,6 +265,18 @@ mx::array exact_silu_mul(const mx::array& g, const mx::array& u) {
   auto st = mx::to_stream(s);
   std::vector<mx::array> in = {g, u};
   return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(st), std::move(in));
+}
+
+// mx.fast.rms_norm(x, w, eps) over the last axis; MLX's own op where the kernel does not apply.
+mx::array exact_rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  mx::StreamOrDevice s = {};
+  if (!on_cpu_f32(x, s) || w.dtype() != mx::float32 || x.ndim() == 0 || x.size() == 0 ||
+      w.ndim() != 1 || w.shape(0) != x.shape().back()) {
+    return mx::fast::rms_norm(x, w, eps, s);
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> in = {x, w};
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(st, eps), std::move(in));
 }
 
 // mx.softmax(x, axis=-1, precise=True); MLX's own op where the kernel does not apply.
@@ -315,6 +377,7 @@ void exp_buffer(uintptr_t src, uintptr_t dst, size_t n) {
 NB_MODULE(_dflash_exact_ops, m) {
   m.def("silu_mul", &exact_silu_mul, "silu(g) * u with MLX's bits");
   m.def("softmax", &exact_softmax, "softmax over the last axis with MLX's bits");
+  m.def("rms_norm", &exact_rms_norm, "mx.fast.rms_norm over the last axis with MLX's bits");
   m.def("attention", &exact_attention, "scaled dot-product attention with MLX's CPU bits");
   m.def("exp_buffer", &exp_buffer, "exp over n float32 values at src into dst");
 }
