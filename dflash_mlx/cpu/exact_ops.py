@@ -202,6 +202,13 @@ def rms_norm(norm, x: mx.array) -> mx.array:
     return m.rms_norm(x, norm.weight, norm.eps)
 
 
+def two_tap():
+    """The kernel of one side of the two-tap conv over one block (``cpu/draft_step.py``'s
+    ``_conv``, which checks it against its ops), or None when not loaded."""
+    m = _state["module"]
+    return None if m is None else m.two_tap
+
+
 def softmax(x: mx.array) -> mx.array:
     """``mx.softmax(x, axis=-1, precise=True)`` with MLX's bits (kernel or MLX's op)."""
     m = _state["module"]

@@ -1,10 +1,12 @@
 """The compiled drafter step (CPU backend) gives the bits of the uncompiled one, for every
 block width, with and without DFlash 2's conv, windowed or not, and sees weight updates."""
 
+import io
+
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.cpu import draft_step
+from dflash_mlx.cpu import draft_step, exact_ops
 from dflash_mlx.model.checkpoint import drafter_config, random_drafter
 
 H, NT = 64, 2
@@ -46,6 +48,10 @@ def test_compiled_step_gives_the_uncompiled_bits_at_every_width(dflash2, window,
             assert mx.array_equal(out, ref).item(), (L, mx.abs(out - ref).max().item())
             assert cache[0].offset == 30 and cache[0].size == 30  # block rows not kept
     assert d._compiled_step._table.rope is not None  # the shared RoPE table's path
+    if dflash2 and taps == 2 and exact_ops.load() is not None:  # the exact kernels ran
+        graph = io.StringIO()
+        mx.export_to_dot(graph, draft_step.step(d, emb, cache, compiled=True))
+        assert all(n in graph.getvalue() for n in ("DflashTwoTap", "DflashRmsNorm"))
 
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}

@@ -108,6 +108,23 @@ def test_rms_norm_stands_in_for_an_rmsnorm_module_only(ops):
     assert same_bits(exact_ops.rms_norm(layer, x), layer(x))  # not an RMSNorm: its own call
 
 
+@pytest.mark.parametrize("B,L,H,G", [(1, 8, 576, 36), (1, 1, 64, 4), (2, 5, 48, 3)])
+def test_two_tap_conv_has_the_bits_of_the_drafter_ops(ops, B, L, H, G):
+    from dflash_mlx.cpu import draft_step
+    from dflash_mlx.model.conv import TwoTapConv
+
+    conv = TwoTapConv(H, 2, H // G)
+    conv.base_kernel = mx.random.normal((2, 2, H), key=mx.random.key(4))
+    x = mx.random.normal((B, L, H), key=mx.random.key(5)) * 7.0
+    dyn = mx.random.normal((B, L, 2, 2, G), key=mx.random.key(6))[:, :, 1]  # a strided slice
+    for side in (0, 1):
+        want = draft_step._conv_ops(conv, x, side, dyn)
+        assert same_bits(ops.two_tap(x, conv.base_kernel[side], dyn), want)
+    assert not same_bits(ops.two_tap(x, conv.base_kernel[0], dyn), want)  # sides differ
+    with pytest.raises(ValueError, match="two_tap"):
+        ops.two_tap(x, conv.base_kernel[0], dyn[:, :, :1])  # one tap: not the kernel's
+
+
 @pytest.mark.parametrize("m", [1, 2, 7, 128, 301])
 def test_softmax_has_mlx_bits(ops, m):
     x = mx.random.normal((2, 9, 8, m), key=mx.random.key(m)) * 15.0

@@ -90,6 +90,28 @@ void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* 
   }
 }
 
+// One side of DFlash 2's two-tap conv over one block (cpu/draft_step.py's _conv, op for op):
+// out[t, h] = (b0[h] + d0[t, g]) * x[t, h] + (b1[h] + d1[t, g]) * x[t - 1, h], with x[-1] = 0
+// and g = h / gs. x [B, L, H], b [2, H], d [B, L, 2, G].
+void two_tap_rows(const float* __restrict x, const float* __restrict b, const float* __restrict d,
+                  float* __restrict out, size_t B, size_t L, size_t H, size_t G) {
+  const size_t gs = H / G;
+  for (size_t n = 0; n < B * L; n++) {
+    const float* xt = x + n * H;
+    const float* dt = d + n * 2 * G;
+    const bool first = n % L == 0;
+    for (size_t g = 0; g < G; g++) {
+      const float d0 = dt[g], d1 = dt[G + g];
+      for (size_t c = 0; c < gs; c++) {
+        const size_t h = g * gs + c;
+        const float prev = first ? 0.0f : xt[h - H];
+        const float k0 = b[h] + d0, k1 = b[H + h] + d1;
+        out[n * H + h] = k0 * xt[h] + k1 * prev;
+      }
+    }
+  }
+}
+
 bool on_cpu_f32(const mx::array& a, const mx::StreamOrDevice& s) {
   return a.dtype() == mx::float32 && mx::to_stream(s).device.type == mx::Device::DeviceType::cpu;
 }
@@ -196,6 +218,23 @@ class RmsNorm : public CpuElementwise {
   float eps_;
 };
 
+class TwoTap : public CpuElementwise {
+ public:
+  using CpuElementwise::CpuElementwise;
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    const size_t B = in[0].shape(0), L = in[0].shape(1), H = in[0].shape(2);
+    const size_t G = in[2].shape(3);
+    prepare(in, out).dispatch([x = Dense(in[0]), b = Dense(in[1]), d = Dense(in[2]),
+                               o = out.data<float>(), B, L, H, G]() {
+      std::vector<float> xb, bb, db;
+      two_tap_rows(x.get(xb, B * L * H), b.get(bb, 2 * H), d.get(db, B * L * 2 * G), o, B, L,
+                   H, G);
+    });
+  }
+  const char* name() const override { return "DflashTwoTap"; }
+};
+
 // Keys or values as the kernel reads them: in place when each row's d is contiguous (a KV
 // cache's slice), else gathered row-major.
 struct Rows {
@@ -277,6 +316,21 @@ mx::array exact_rms_norm(const mx::array& x, const mx::array& w, float eps) {
   auto st = mx::to_stream(s);
   std::vector<mx::array> in = {x, w};
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(st, eps), std::move(in));
+}
+
+// One side of the two-tap conv over one block: x [B, L, H], b [2, H], d [B, L, 2, G]; raises
+// where the kernel does not apply (the caller then runs its ops).
+mx::array exact_two_tap(const mx::array& x, const mx::array& b, const mx::array& d) {
+  mx::StreamOrDevice s = {};
+  const bool f32 = on_cpu_f32(x, s) && b.dtype() == mx::float32 && d.dtype() == mx::float32;
+  if (!f32 || x.ndim() != 3 || b.ndim() != 2 || d.ndim() != 4 || b.shape(0) != 2 ||
+      b.shape(1) != x.shape(2) || d.shape(0) != x.shape(0) || d.shape(1) != x.shape(1) ||
+      d.shape(2) != 2 || d.shape(3) < 1 || x.shape(2) % d.shape(3) != 0 || x.size() == 0) {
+    throw std::invalid_argument("two_tap: shapes or dtypes the kernel does not take");
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> in = {x, b, d};
+  return mx::array(x.shape(), mx::float32, std::make_shared<TwoTap>(st), std::move(in));
 }
 
 // mx.softmax(x, axis=-1, precise=True); MLX's own op where the kernel does not apply.
@@ -378,6 +432,7 @@ NB_MODULE(_dflash_exact_ops, m) {
   m.def("silu_mul", &exact_silu_mul, "silu(g) * u with MLX's bits");
   m.def("softmax", &exact_softmax, "softmax over the last axis with MLX's bits");
   m.def("rms_norm", &exact_rms_norm, "mx.fast.rms_norm over the last axis with MLX's bits");
+  m.def("two_tap", &exact_two_tap, "one side of the two-tap conv over one block");
   m.def("attention", &exact_attention, "scaled dot-product attention with MLX's CPU bits");
   m.def("exp_buffer", &exp_buffer, "exp over n float32 values at src into dst");
 }
