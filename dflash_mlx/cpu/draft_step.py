@@ -23,7 +23,7 @@ from ..model.conv import TwoTapConv
 from ..model.drafter import ContextCache, DecoderLayer, DFlashDrafter
 from . import exact_ops, fastmath, small_gemm
 from .exact_ops import rms_norm as _norm
-from .fastmath import attention
+from .fastmath import LOG2E
 
 
 def _conv_ops(conv: TwoTapConv, x: mx.array, side: int, dyn: mx.array) -> mx.array:
@@ -42,22 +42,33 @@ def _conv_ops(conv: TwoTapConv, x: mx.array, side: int, dyn: mx.array) -> mx.arr
     return (k0 * x4 + k1 * prev).reshape(B, L, H)
 
 
-_KERNEL = {"conv": None}  # exact_ops' conv kernel once it gave _conv_ops' bits on a probe
+_KERNELS: dict = {}  # exact_ops' kernels once they gave our ops' bits on a probe (or False)
 
 
-def _conv_kernel():
-    """exact_ops' two-tap kernel when it gives ``_conv_ops``' bits on a probe, else None."""
-    if _KERNEL["conv"] is None:
-        kernel, ok = exact_ops.two_tap(), False
-        if kernel is not None:
-            conv = TwoTapConv(48, 2, 16)
-            conv.base_kernel = mx.random.normal((2, 2, 48), key=mx.random.key(1))
-            x = mx.random.normal((1, 5, 48), key=mx.random.key(2)) * 3.0
-            dyn = mx.random.normal((1, 5, 2, 3), key=mx.random.key(3))
-            got = kernel(x, conv.base_kernel[1], dyn)
-            ok = mx.array_equal(got, _conv_ops(conv, x, 1, dyn)).item()
-        _KERNEL["conv"] = kernel if ok else False
-    return _KERNEL["conv"] or None
+def _conv_probe(kernel) -> bool:
+    conv = TwoTapConv(48, 2, 16)
+    conv.base_kernel = mx.random.normal((2, 2, 48), key=mx.random.key(1))
+    x = mx.random.normal((1, 5, 48), key=mx.random.key(2)) * 3.0
+    dyn = mx.random.normal((1, 5, 2, 3), key=mx.random.key(3))
+    return mx.array_equal(kernel(x, conv.base_kernel[1], dyn), _conv_ops(conv, x, 1, dyn)).item()
+
+
+def _softmax_probe(kernel) -> bool:
+    s = mx.random.normal((1, 3, 24, 213), key=mx.random.key(4)) * 30.0
+    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
+    return mx.array_equal(kernel(s), p / p.sum(axis=-1, keepdims=True)).item()
+
+
+def _kernel(name: str):
+    """exact_ops' ``conv`` (``two_tap``) or ``softmax`` (``pow2_softmax``) kernel when it
+    gives the bits of our ops on a probe, else None (not built, or it differs here)."""
+    if name not in _KERNELS:
+        getter = exact_ops.two_tap if name == "conv" else exact_ops.pow2_softmax
+        probe = _conv_probe if name == "conv" else _softmax_probe
+        kernel = getter()
+        with mx.stream(mx.cpu):
+            _KERNELS[name] = kernel if kernel is not None and probe(kernel) else False
+    return _KERNELS[name] or None
 
 
 def _conv(conv: TwoTapConv, x: mx.array, side: int, dyn: mx.array) -> mx.array:
@@ -66,7 +77,7 @@ def _conv(conv: TwoTapConv, x: mx.array, side: int, dyn: mx.array) -> mx.array:
     ``_conv_ops``; more taps: the module's own conv."""
     if conv.taps != 2:
         return conv.conv(x, side, dyn, x.shape[1])
-    kernel = _conv_kernel()
+    kernel = _kernel("conv")
     if kernel is None or x.dtype != mx.float32:
         return _conv_ops(conv, x, side, dyn)
     return kernel(x, conv.base_kernel[side], dyn)
@@ -108,11 +119,33 @@ def _pre(layer: DecoderLayer, x: mx.array, offset: mx.array, table, ctx: mx.arra
     rows = u if ctx is None else mx.concatenate([ctx, u], axis=1)
     if table is None:
         k, v = attn.kv(rows, offset)
-        return (attn.rope(q, offset=offset + n if n else offset), k, v) + taps
+        return (_grouped(attn, attn.rope(q, offset=offset + n if n else offset)), k, v) + taps
     k = _norm(attn.k_norm, attn.k_proj(rows).reshape(N, n + L, attn.n_kv_heads, -1))
     v = attn.v_proj(rows).reshape(N, n + L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     k = _rope(k.transpose(0, 2, 1, 3), table)
-    return (_rope(q, table[:, :, n:] if n else table), k, v) + taps
+    return (_grouped(attn, _rope(q, table[:, :, n:] if n else table)), k, v) + taps
+
+
+def _grouped(attn, q: mx.array) -> mx.array:
+    """q [N, Hq, L, hd] scaled and grouped as ``fastmath.attention`` does (its first op),
+    here inside the compiled call: [N, Hkv, (Hq / Hkv) * L, hd]."""
+    N, Hq, L, hd = q.shape
+    return (q * (attn.scale * LOG2E)).reshape(N, attn.n_kv_heads, (Hq // attn.n_kv_heads) * L, hd)
+
+
+def _attention(qg: mx.array, k: mx.array, v: mx.array, heads: int) -> mx.array:
+    """``fastmath.attention`` from its grouped, scaled queries qg [N, Hkv, g * L, hd] over
+    k, v [N, Hkv, S, hd] -> [N, heads, L, hd]: the same matmuls, and its softmax of powers
+    of 2 as one exact_ops kernel where checked (five ops and their broadcasts otherwise)."""
+    N, _, GL, hd = qg.shape
+    s = qg @ k.swapaxes(-1, -2)  # [N, Hkv, g * L, S], in units of log2
+    kernel = _kernel("softmax")
+    if kernel is None:
+        p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
+        p = p / p.sum(axis=-1, keepdims=True)
+    else:
+        p = kernel(s)
+    return (p @ v).reshape(N, heads, GL * k.shape[1] // heads, hd)
 
 
 def _mlp(mlp, u: mx.array) -> mx.array:
@@ -258,7 +291,7 @@ class CompiledStep:
         x, (q, k, v, *taps) = block_embeds, out[len(shared) :]
         for i, (layer, c) in enumerate(zip(d.layers, cache)):
             k, v = c.with_block(k, v, keep)
-            o = attention(q, k, v, layer.self_attn.scale)
+            o = _attention(q, k, v, layer.self_attn.n_heads)
             if i + 1 == len(d.layers):
                 return self._stages[-1](x, o, *taps)
             x, q, k, v, *taps = self._stages[i + 1](x, o, *taps, offset, *shared)

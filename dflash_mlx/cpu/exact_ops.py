@@ -209,6 +209,13 @@ def two_tap():
     return None if m is None else m.two_tap
 
 
+def pow2_softmax():
+    """The kernel of the drafter's softmax of log2 scores (``cpu/draft_step.py`` checks it
+    against ``fastmath.attention``'s ops), or None when not loaded."""
+    m = _state["module"]
+    return None if m is None else m.pow2_softmax
+
+
 def softmax(x: mx.array) -> mx.array:
     """``mx.softmax(x, axis=-1, precise=True)`` with MLX's bits (kernel or MLX's op)."""
     m = _state["module"]

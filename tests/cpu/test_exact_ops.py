@@ -125,6 +125,26 @@ def test_two_tap_conv_has_the_bits_of_the_drafter_ops(ops, B, L, H, G):
         ops.two_tap(x, conv.base_kernel[0], dyn[:, :, :1])  # one tap: not the kernel's
 
 
+def pow2_softmax_ops(s):
+    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))  # cpu/fastmath.py's attention
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 24, 210), (2, 1, 7, 1), (1, 1, 3, 4097)])
+def test_pow2_softmax_has_the_bits_of_the_drafter_ops(ops, shape):
+    for scale in (1.0, 40.0, 400.0):  # 2^(x - max) from ~1 down to underflow
+        s = mx.random.normal(shape, key=mx.random.key(int(scale))) * scale
+        assert same_bits(ops.pow2_softmax(s), pow2_softmax_ops(s))
+
+
+def test_pow2_softmax_has_the_drafter_bits_on_special_values(ops):
+    row = [v for v in SPECIAL if abs(v) < 1e38] + [-149.5, -150.0, -126.2, 1e-7]
+    s = mx.array([row, [-float("inf")] + row[1:], [3.0] * len(row)])
+    assert same_bits(ops.pow2_softmax(s), pow2_softmax_ops(s))
+    dense = mx.linspace(-160.0, 0.0, 1 << 16).reshape(1, -1)  # every exponent powf meets
+    assert same_bits(ops.pow2_softmax(dense), pow2_softmax_ops(dense))
+
+
 @pytest.mark.parametrize("m", [1, 2, 7, 128, 301])
 def test_softmax_has_mlx_bits(ops, m):
     x = mx.random.normal((2, 9, 8, m), key=mx.random.key(m)) * 15.0

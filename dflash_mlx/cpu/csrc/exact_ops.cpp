@@ -112,6 +112,24 @@ void two_tap_rows(const float* __restrict x, const float* __restrict b, const fl
   }
 }
 
+// The drafter's CPU softmax of scores in units of log2 (cpu/fastmath.py's attention): per row
+// m = max (MLX's maximum: NaN sticks), p = pow(2, x - m) with libm's powf as MLX calls it,
+// sum from 0 in order, p / sum: one op, not five (and their broadcasts).
+static float (*volatile pow_fn)(float, float) = powf;  // MLX's std::pow(float, float), unfolded
+
+void pow2_softmax_rows(const float* __restrict in, float* __restrict out, size_t rows, size_t m) {
+  for (size_t r = 0; r < rows; r++, in += m, out += m) {
+    float mx_ = -INFINITY;
+    for (size_t i = 0; i < m; i++) mx_ = std::isnan(in[i]) ? in[i] : (in[i] > mx_ ? in[i] : mx_);
+    if (std::isnan(mx_)) mx_ = NAN;
+    for (size_t i = 0; i < m; i++) out[i] = pow_fn(2.0f, in[i] - mx_);
+    float sum = 0.0f;
+    for (size_t i = 0; i < m; i++) sum = sum + out[i];
+    sum = 0.0f + sum;
+    for (size_t i = 0; i < m; i++) out[i] = out[i] / sum;
+  }
+}
+
 bool on_cpu_f32(const mx::array& a, const mx::StreamOrDevice& s) {
   return a.dtype() == mx::float32 && mx::to_stream(s).device.type == mx::Device::DeviceType::cpu;
 }
@@ -235,6 +253,20 @@ class TwoTap : public CpuElementwise {
   const char* name() const override { return "DflashTwoTap"; }
 };
 
+class Pow2Softmax : public CpuElementwise {
+ public:
+  using CpuElementwise::CpuElementwise;
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    size_t m = in[0].shape().back();
+    prepare(in, out).dispatch([x = Dense(in[0]), o = out.data<float>(), m, n = out.size()]() {
+      std::vector<float> xb;
+      pow2_softmax_rows(x.get(xb, n), o, n / m, m);
+    });
+  }
+  const char* name() const override { return "DflashPow2Softmax"; }
+};
+
 // Keys or values as the kernel reads them: in place when each row's d is contiguous (a KV
 // cache's slice), else gathered row-major.
 struct Rows {
@@ -331,6 +363,18 @@ mx::array exact_two_tap(const mx::array& x, const mx::array& b, const mx::array&
   auto st = mx::to_stream(s);
   std::vector<mx::array> in = {x, b, d};
   return mx::array(x.shape(), mx::float32, std::make_shared<TwoTap>(st), std::move(in));
+}
+
+// p = 2^(x - max) / sum over the last axis as cpu/fastmath.py's attention computes it; raises
+// where the kernel does not apply (the caller then runs its ops).
+mx::array exact_pow2_softmax(const mx::array& x) {
+  mx::StreamOrDevice s = {};
+  if (!on_cpu_f32(x, s) || x.ndim() == 0 || x.size() == 0) {
+    throw std::invalid_argument("pow2_softmax: not float32 on the CPU");
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> in = {x};
+  return mx::array(x.shape(), mx::float32, std::make_shared<Pow2Softmax>(st), std::move(in));
 }
 
 // mx.softmax(x, axis=-1, precise=True); MLX's own op where the kernel does not apply.
@@ -433,6 +477,7 @@ NB_MODULE(_dflash_exact_ops, m) {
   m.def("softmax", &exact_softmax, "softmax over the last axis with MLX's bits");
   m.def("rms_norm", &exact_rms_norm, "mx.fast.rms_norm over the last axis with MLX's bits");
   m.def("two_tap", &exact_two_tap, "one side of the two-tap conv over one block");
+  m.def("pow2_softmax", &exact_pow2_softmax, "the drafter's softmax of log2 scores");
   m.def("attention", &exact_attention, "scaled dot-product attention with MLX's CPU bits");
   m.def("exp_buffer", &exp_buffer, "exp over n float32 values at src into dst");
 }
