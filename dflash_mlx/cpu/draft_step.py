@@ -49,8 +49,9 @@ def _conv_probe(kernel) -> bool:
     conv = TwoTapConv(48, 2, 16)
     conv.base_kernel = mx.random.normal((2, 2, 48), key=mx.random.key(1))
     x = mx.random.normal((1, 5, 48), key=mx.random.key(2)) * 3.0
-    dyn = mx.random.normal((1, 5, 2, 3), key=mx.random.key(3))
-    return mx.array_equal(kernel(x, conv.base_kernel[1], dyn), _conv_ops(conv, x, 1, dyn)).item()
+    d = mx.random.normal((1, 5, 2, 2, 3), key=mx.random.key(3))
+    want = _conv_ops(conv, x, 1, d[:, :, 1])
+    return mx.array_equal(kernel(x, conv.base_kernel, d, 1), want).item()
 
 
 def _softmax_probe(kernel) -> bool:
@@ -71,23 +72,23 @@ def _kernel(name: str):
     return _KERNELS[name] or None
 
 
-def _conv(conv: TwoTapConv, x: mx.array, side: int, dyn: mx.array) -> mx.array:
-    """One side of a two-tap conv over a single block x [B, L, H] with coefficients dyn
-    [B, L, taps, G]: exact_ops' kernel (one op, not ~11) where it applies, else
-    ``_conv_ops``; more taps: the module's own conv."""
+def _conv(conv: TwoTapConv, x: mx.array, side: int, d: mx.array) -> mx.array:
+    """One side of a two-tap conv over a single block x [B, L, H] with both sides'
+    coefficients d [B, L, 2, taps, G]: exact_ops' kernel (one op, not ~11, reading the
+    side's rows in place) where it applies, else ``_conv_ops``; more taps: the module's."""
     if conv.taps != 2:
-        return conv.conv(x, side, dyn, x.shape[1])
+        return conv.conv(x, side, d[:, :, side], x.shape[1])
     kernel = _kernel("conv")
     if kernel is None or x.dtype != mx.float32:
-        return _conv_ops(conv, x, side, dyn)
-    return kernel(x, conv.base_kernel[side], dyn)
+        return _conv_ops(conv, x, side, d[:, :, side])
+    return kernel(x, conv.base_kernel, d, side)
 
 
 def _prepare(conv: TwoTapConv, u: mx.array):
-    """``conv.prepare`` for one block: (conv0(u), side-1 coefficients)."""
+    """``conv.prepare`` for one block: (conv0(u), both sides' coefficients, for side 1)."""
     B, L, _ = u.shape
     d = conv.kernel_projection(u).reshape(B, L, 2, conv.taps, conv.groups)
-    return _conv(conv, u, 0, d[:, :, 0]), d[:, :, 1]
+    return _conv(conv, u, 0, d), d
 
 
 def _rope(x: mx.array, table: mx.array) -> mx.array:

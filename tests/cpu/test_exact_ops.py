@@ -116,13 +116,16 @@ def test_two_tap_conv_has_the_bits_of_the_drafter_ops(ops, B, L, H, G):
     conv = TwoTapConv(H, 2, H // G)
     conv.base_kernel = mx.random.normal((2, 2, H), key=mx.random.key(4))
     x = mx.random.normal((B, L, H), key=mx.random.key(5)) * 7.0
-    dyn = mx.random.normal((B, L, 2, 2, G), key=mx.random.key(6))[:, :, 1]  # a strided slice
+    d = mx.random.normal((B, L, 2, 2, G), key=mx.random.key(6))  # both sides' coefficients
     for side in (0, 1):
-        want = draft_step._conv_ops(conv, x, side, dyn)
-        assert same_bits(ops.two_tap(x, conv.base_kernel[side], dyn), want)
-    assert not same_bits(ops.two_tap(x, conv.base_kernel[0], dyn), want)  # sides differ
+        want = draft_step._conv_ops(conv, x, side, d[:, :, side])
+        assert same_bits(ops.two_tap(x, conv.base_kernel, d, side), want)
+    assert not same_bits(ops.two_tap(x, conv.base_kernel, d, 0), want)  # sides differ
+    t = mx.random.normal((B, H, L), key=mx.random.key(7)).swapaxes(1, 2)  # a strided x
+    want = draft_step._conv_ops(conv, t, 1, d[:, :, 1])
+    assert same_bits(ops.two_tap(t, conv.base_kernel, d, 1), want)
     with pytest.raises(ValueError, match="two_tap"):
-        ops.two_tap(x, conv.base_kernel[0], dyn[:, :, :1])  # one tap: not the kernel's
+        ops.two_tap(x, conv.base_kernel, d[:, :, :, :1], 0)  # one tap: not the kernel's
 
 
 def pow2_softmax_ops(s):

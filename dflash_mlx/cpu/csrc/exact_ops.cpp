@@ -92,13 +92,15 @@ void rms_norm_rows(const float* __restrict x, const float* __restrict w, float* 
 
 // One side of DFlash 2's two-tap conv over one block (cpu/draft_step.py's _conv, op for op):
 // out[t, h] = (b0[h] + d0[t, g]) * x[t, h] + (b1[h] + d1[t, g]) * x[t - 1, h], with x[-1] = 0
-// and g = h / gs. x [B, L, H], b [2, H], d [B, L, 2, G].
+// and g = h / gs. x [B, L, H]; b [2, H] and d [B, L, 2, G] are the side's rows of the base
+// kernel [2 sides, 2, H] and of the coefficients [B, L, 2 sides, 2, G], read in place.
 void two_tap_rows(const float* __restrict x, const float* __restrict b, const float* __restrict d,
-                  float* __restrict out, size_t B, size_t L, size_t H, size_t G) {
+                  float* __restrict out, size_t B, size_t L, size_t H, size_t G, int side) {
   const size_t gs = H / G;
+  b += static_cast<size_t>(side) * 2 * H;
   for (size_t n = 0; n < B * L; n++) {
     const float* xt = x + n * H;
-    const float* dt = d + n * 2 * G;
+    const float* dt = d + n * 4 * G + static_cast<size_t>(side) * 2 * G;
     const bool first = n % L == 0;
     for (size_t g = 0; g < G; g++) {
       const float d0 = dt[g], d1 = dt[G + g];
@@ -238,19 +240,26 @@ class RmsNorm : public CpuElementwise {
 
 class TwoTap : public CpuElementwise {
  public:
-  using CpuElementwise::CpuElementwise;
+  TwoTap(mx::Stream s, int side) : CpuElementwise(s), side_(side) {}
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
     const size_t B = in[0].shape(0), L = in[0].shape(1), H = in[0].shape(2);
-    const size_t G = in[2].shape(3);
+    const size_t G = in[2].shape(4);
     prepare(in, out).dispatch([x = Dense(in[0]), b = Dense(in[1]), d = Dense(in[2]),
-                               o = out.data<float>(), B, L, H, G]() {
+                               o = out.data<float>(), B, L, H, G, side = side_]() {
       std::vector<float> xb, bb, db;
-      two_tap_rows(x.get(xb, B * L * H), b.get(bb, 2 * H), d.get(db, B * L * 2 * G), o, B, L,
-                   H, G);
+      two_tap_rows(x.get(xb, B * L * H), b.get(bb, 4 * H), d.get(db, B * L * 4 * G), o, B, L,
+                   H, G, side);
     });
   }
   const char* name() const override { return "DflashTwoTap"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const TwoTap*>(&other);
+    return o && o->side_ == side_;
+  }
+
+ private:
+  int side_;
 };
 
 class Pow2Softmax : public CpuElementwise {
@@ -350,19 +359,20 @@ mx::array exact_rms_norm(const mx::array& x, const mx::array& w, float eps) {
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(st, eps), std::move(in));
 }
 
-// One side of the two-tap conv over one block: x [B, L, H], b [2, H], d [B, L, 2, G]; raises
-// where the kernel does not apply (the caller then runs its ops).
-mx::array exact_two_tap(const mx::array& x, const mx::array& b, const mx::array& d) {
+// One side (0 or 1) of the two-tap conv over one block: x [B, L, H], base [2, 2, H], d
+// [B, L, 2, 2, G]; raises where the kernel does not apply (the caller then runs its ops).
+mx::array exact_two_tap(const mx::array& x, const mx::array& b, const mx::array& d, int side) {
   mx::StreamOrDevice s = {};
   const bool f32 = on_cpu_f32(x, s) && b.dtype() == mx::float32 && d.dtype() == mx::float32;
-  if (!f32 || x.ndim() != 3 || b.ndim() != 2 || d.ndim() != 4 || b.shape(0) != 2 ||
-      b.shape(1) != x.shape(2) || d.shape(0) != x.shape(0) || d.shape(1) != x.shape(1) ||
-      d.shape(2) != 2 || d.shape(3) < 1 || x.shape(2) % d.shape(3) != 0 || x.size() == 0) {
+  if (!f32 || x.ndim() != 3 || b.ndim() != 3 || d.ndim() != 5 || (side != 0 && side != 1) ||
+      b.shape(0) != 2 || b.shape(1) != 2 || b.shape(2) != x.shape(2) ||
+      d.shape(0) != x.shape(0) || d.shape(1) != x.shape(1) || d.shape(2) != 2 ||
+      d.shape(3) != 2 || d.shape(4) < 1 || x.shape(2) % d.shape(4) != 0 || x.size() == 0) {
     throw std::invalid_argument("two_tap: shapes or dtypes the kernel does not take");
   }
   auto st = mx::to_stream(s);
   std::vector<mx::array> in = {x, b, d};
-  return mx::array(x.shape(), mx::float32, std::make_shared<TwoTap>(st), std::move(in));
+  return mx::array(x.shape(), mx::float32, std::make_shared<TwoTap>(st, side), std::move(in));
 }
 
 // p = 2^(x - max) / sum over the last axis as cpu/fastmath.py's attention computes it; raises
