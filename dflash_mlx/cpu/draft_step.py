@@ -263,6 +263,16 @@ class CompiledStep:
         fn = partial(_post, layers[-1], drafter.norm)
         self._stages.append(mx.compile(fn, inputs=[layers[-1].state, drafter.norm.state]))
 
+    def convs(self, x: mx.array) -> list[mx.array]:
+        """Every layer's two convs, both sides, on block rows x [1, L, H], as the step runs
+        them (for ``bench``'s conv share)."""
+        out = []
+        for layer in self.drafter.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                u, d = _prepare(conv, x)
+                out.append(_conv(conv, u, 1, d))
+        return out
+
     def _new_rows(self, cache: list[ContextCache], block: int) -> mx.array | None:
         """The pending context rows' features [1, n, nT*H] to project with a block of
         ``block`` rows, or None (nothing pending, or flushed now: too many rows for one

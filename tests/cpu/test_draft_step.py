@@ -168,3 +168,22 @@ def test_decoding_drafts_the_same_with_the_append_in_the_draft_pass(
     assert sum(p > 0 for _, p, _ in folded) > sum(p > 0 for _, p, _ in eager) == 1
     for (o, p, h), (o2, p2, h2) in zip(folded, eager):
         assert o + p == o2 + p2 and mx.array_equal(h, h2).item()
+
+
+def test_bench_times_the_convs_the_compiled_step_runs():
+    # bench's conv share times the compiled step's convs (the exact kernel on the CPU),
+    # which give the module's conv values
+    from dflash_mlx.bench.runner import conv_seconds
+
+    d, cache = make()
+    x = mx.random.normal((1, 6, H), key=mx.random.key(4))
+    with mx.stream(mx.cpu):
+        draft_step.step(d, x, cache, compiled=True)
+        got = d._compiled_step.convs(x)
+        want = []
+        for layer in d.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                u, d1 = conv.prepare(x, 6)
+                want.append(conv.finish(u, d1, 6))
+        assert len(got) == 4 and all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        assert conv_seconds(d, 6, reps=2) > 0
