@@ -73,21 +73,21 @@ def _kernel(name: str):
 
 
 def _conv(conv: TwoTapConv, x: mx.array, side: int, d: mx.array) -> mx.array:
-    """One side of a two-tap conv over a single block x [B, L, H] with both sides'
-    coefficients d [B, L, 2, taps, G]: exact_ops' kernel (one op, not ~11, reading the
-    side's rows in place) where it applies, else ``_conv_ops``; more taps: the module's."""
+    """One side of a two-tap conv over a single block x [L, H] with both sides'
+    coefficients d [L, 2, taps, G]: exact_ops' kernel (one op, not ~11, reading the side's
+    rows in place) where it applies, else ``_conv_ops``; more taps: the module's."""
+    kernel = _kernel("conv") if conv.taps == 2 else None
+    if kernel is not None and x.dtype == mx.float32:
+        return kernel(x, conv.base_kernel, d, side)
     if conv.taps != 2:
-        return conv.conv(x, side, d[:, :, side], x.shape[1])
-    kernel = _kernel("conv")
-    if kernel is None or x.dtype != mx.float32:
-        return _conv_ops(conv, x, side, d[:, :, side])
-    return kernel(x, conv.base_kernel, d, side)
+        return conv.conv(x[None], side, d[None, :, side], x.shape[0])[0]
+    return _conv_ops(conv, x[None], side, d[None, :, side])[0]
 
 
 def _prepare(conv: TwoTapConv, u: mx.array):
-    """``conv.prepare`` for one block: (conv0(u), both sides' coefficients, for side 1)."""
-    B, L, _ = u.shape
-    d = conv.kernel_projection(u).reshape(B, L, 2, conv.taps, conv.groups)
+    """``conv.prepare`` for one block u [L, H]: (conv0(u), both sides' coefficients, for
+    side 1)."""
+    d = conv.kernel_projection(u).reshape(u.shape[0], 2, conv.taps, conv.groups)
     return _conv(conv, u, 0, d), d
 
 
@@ -101,28 +101,29 @@ def _rope(x: mx.array, table: mx.array) -> mx.array:
 
 
 def _pre(layer: DecoderLayer, x: mx.array, offset: mx.array, table, ctx: mx.array | None = None):
-    """Block rows x [1, L, H] -> (q [1, Hq, L, hd], k, v [1, Hkv, L, hd][, side-1 taps]).
+    """Block rows x [L, H] -> (q grouped [1, Hkv, g * L, hd], k, v [1, Hkv, L, hd][, taps]).
 
-    With ``ctx`` [1, n, H] (new context rows, projected) k and v are those n rows' then the
+    With ``ctx`` [n, H] (new context rows, projected) k and v are those n rows' then the
     block's [1, Hkv, n + L, hd], from one projection, at positions offset..; q at offset + n.
     ``table``: the (cos | sin) rows of those n + L positions (``_RopeTable``), or None (the
-    layer's own RoPE).
+    layer's own RoPE). Rows are 2-D here: a product of [1, L, H] rows costs two more graph
+    ops (a flatten and an unflatten) for the same call to the kernel.
     """
     attn = layer.self_attn
-    N, L, _ = x.shape
+    L = x.shape[0]
     u = _norm(layer.input_layernorm, x)
     taps = ()
     if layer.has_conv:
         u, d1 = _prepare(layer.attention_conv, u)
         taps = (d1,)
-    q = _norm(attn.q_norm, attn.q_proj(u).reshape(N, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
-    n = 0 if ctx is None else ctx.shape[1]
-    rows = u if ctx is None else mx.concatenate([ctx, u], axis=1)
+    q = _norm(attn.q_norm, attn.q_proj(u).reshape(1, L, attn.n_heads, -1)).transpose(0, 2, 1, 3)
+    n = 0 if ctx is None else ctx.shape[0]
+    rows = u if ctx is None else mx.concatenate([ctx, u], axis=0)
     if table is None:
-        k, v = attn.kv(rows, offset)
+        k, v = attn.kv(rows[None], offset)
         return (_grouped(attn, attn.rope(q, offset=offset + n if n else offset)), k, v) + taps
-    k = _norm(attn.k_norm, attn.k_proj(rows).reshape(N, n + L, attn.n_kv_heads, -1))
-    v = attn.v_proj(rows).reshape(N, n + L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    k = _norm(attn.k_norm, attn.k_proj(rows).reshape(1, n + L, attn.n_kv_heads, -1))
+    v = attn.v_proj(rows).reshape(1, n + L, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
     k = _rope(k.transpose(0, 2, 1, 3), table)
     return (_grouped(attn, _rope(q, table[:, :, n:] if n else table)), k, v) + taps
 
@@ -156,9 +157,10 @@ def _mlp(mlp, u: mx.array) -> mx.array:
 
 
 def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
-    """The rest of the layer after attention o [1, Hq, L, hd]; the final norm on the last."""
-    N, L, _ = x.shape
-    r = layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(N, L, -1))
+    """The rest of the layer after attention o [1, Hq, L, hd] on rows x [L, H]; on the last
+    layer the final norm, as [1, L, H]."""
+    L = x.shape[0]
+    r = layer.self_attn.o_proj(o.transpose(0, 2, 1, 3).reshape(L, -1))
     if layer.has_conv:
         h = x + _conv(layer.attention_conv, r, 1, taps[0])
         u, d2 = _prepare(layer.mlp_conv, _norm(layer.post_attention_layernorm, h))
@@ -166,7 +168,7 @@ def _post(layer: DecoderLayer, final_norm, x: mx.array, o: mx.array, *taps):
     else:
         h = x + r
         h = h + _mlp(layer.mlp, _norm(layer.post_attention_layernorm, h))
-    return h if final_norm is None else _norm(final_norm, h)
+    return h if final_norm is None else _norm(final_norm, h).reshape(1, *h.shape)
 
 
 def _first(drafter: DFlashDrafter, tabled: bool, x, offset, *rest):
@@ -174,7 +176,10 @@ def _first(drafter: DFlashDrafter, tabled: bool, x, offset, *rest):
     (from the probe ``rest[0]`` when ``tabled``) and the first layer's ``_pre``: returns
     [table][, ctx], q, k, v[, taps]."""
     probe = rest[0] if tabled else None
-    ctx = _norm(drafter.hidden_norm, drafter.fc(rest[-1])) if len(rest) > tabled else None
+    ctx = None
+    if len(rest) > tabled:  # the pending rows' features [1, n, nT*H], as [n, H]
+        feats = rest[-1].reshape(-1, rest[-1].shape[-1])
+        ctx = _norm(drafter.hidden_norm, drafter.fc(feats))
     table = None if probe is None else drafter.layers[0].self_attn.rope(probe, offset=offset)
     out = _pre(drafter.layers[0], x, offset, table, ctx)
     return [a for a in (table, ctx) if a is not None] + list(out)
@@ -269,8 +274,8 @@ class CompiledStep:
         out = []
         for layer in self.drafter.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):
-                u, d = _prepare(conv, x)
-                out.append(_conv(conv, u, 1, d))
+                u, d = _prepare(conv, x[0])
+                out.append(_conv(conv, u, 1, d)[None])
         return out
 
     def _new_rows(self, cache: list[ContextCache], block: int) -> mx.array | None:
@@ -297,9 +302,10 @@ class CompiledStep:
         offset = mx.array(cache[0].offset, dtype=mx.int32)  # of the new rows, then the block
         probe = self._table.probe(keep + L)
         shared = [a for a in (probe, feats) if a is not None]
-        out = self._stages[0](block_embeds, offset, *shared)
+        x = block_embeds.reshape(L, -1)  # rows stay 2-D inside the stages (no gather)
+        out = self._stages[0](x, offset, *shared)
         shared = out[: len(shared)]  # (table, ctx) as the next stages take them
-        x, (q, k, v, *taps) = block_embeds, out[len(shared) :]
+        q, k, v, *taps = out[len(shared) :]
         for i, (layer, c) in enumerate(zip(d.layers, cache)):
             k, v = c.with_block(k, v, keep)
             o = _attention(q, k, v, layer.self_attn.n_heads)

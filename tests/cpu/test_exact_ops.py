@@ -121,6 +121,7 @@ def test_two_tap_conv_has_the_bits_of_the_drafter_ops(ops, B, L, H, G):
         want = draft_step._conv_ops(conv, x, side, d[:, :, side])
         assert same_bits(ops.two_tap(x, conv.base_kernel, d, side), want)
     assert not same_bits(ops.two_tap(x, conv.base_kernel, d, 0), want)  # sides differ
+    assert same_bits(ops.two_tap(x[-1], conv.base_kernel, d[-1], 1), want[-1])  # [L, H] rows
     t = mx.random.normal((B, H, L), key=mx.random.key(7)).swapaxes(1, 2)  # a strided x
     want = draft_step._conv_ops(conv, t, 1, d[:, :, 1])
     assert same_bits(ops.two_tap(t, conv.base_kernel, d, 1), want)

@@ -243,8 +243,8 @@ class TwoTap : public CpuElementwise {
   TwoTap(mx::Stream s, int side) : CpuElementwise(s), side_(side) {}
   void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
     auto& out = outs[0];
-    const size_t B = in[0].shape(0), L = in[0].shape(1), H = in[0].shape(2);
-    const size_t G = in[2].shape(4);
+    const size_t L = in[0].shape(-2), H = in[0].shape(-1), B = in[0].size() / (L * H);
+    const size_t G = in[2].shape(-1);
     prepare(in, out).dispatch([x = Dense(in[0]), b = Dense(in[1]), d = Dense(in[2]),
                                o = out.data<float>(), B, L, H, G, side = side_]() {
       std::vector<float> xb, bb, db;
@@ -359,17 +359,19 @@ mx::array exact_rms_norm(const mx::array& x, const mx::array& w, float eps) {
   return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(st, eps), std::move(in));
 }
 
-// One side (0 or 1) of the two-tap conv over one block: x [B, L, H], base [2, 2, H], d
-// [B, L, 2, 2, G]; raises where the kernel does not apply (the caller then runs its ops).
+// One side (0 or 1) of the two-tap conv over one block: x [B, L, H] or [L, H], base [2, 2, H],
+// d [B, L, 2, 2, G] or [L, 2, 2, G]; raises where the kernel does not apply (the caller then
+// runs its ops).
 mx::array exact_two_tap(const mx::array& x, const mx::array& b, const mx::array& d, int side) {
   mx::StreamOrDevice s = {};
   const bool f32 = on_cpu_f32(x, s) && b.dtype() == mx::float32 && d.dtype() == mx::float32;
-  if (!f32 || x.ndim() != 3 || b.ndim() != 3 || d.ndim() != 5 || (side != 0 && side != 1) ||
-      b.shape(0) != 2 || b.shape(1) != 2 || b.shape(2) != x.shape(2) ||
-      d.shape(0) != x.shape(0) || d.shape(1) != x.shape(1) || d.shape(2) != 2 ||
-      d.shape(3) != 2 || d.shape(4) < 1 || x.shape(2) % d.shape(4) != 0 || x.size() == 0) {
-    throw std::invalid_argument("two_tap: shapes or dtypes the kernel does not take");
-  }
+  const int nd = x.ndim();
+  bool ok = f32 && (nd == 2 || nd == 3) && d.ndim() == nd + 2 && (side == 0 || side == 1) &&
+            b.ndim() == 3 && b.shape(0) == 2 && b.shape(1) == 2 && x.size() > 0;
+  for (int i = 0; ok && i < nd - 1; i++) ok = d.shape(i) == x.shape(i);
+  ok = ok && b.shape(2) == x.shape(-1) && d.shape(-3) == 2 && d.shape(-2) == 2 &&
+       d.shape(-1) >= 1 && x.shape(-1) % d.shape(-1) == 0;
+  if (!ok) throw std::invalid_argument("two_tap: shapes or dtypes the kernel does not take");
   auto st = mx::to_stream(s);
   std::vector<mx::array> in = {x, b, d};
   return mx::array(x.shape(), mx::float32, std::make_shared<TwoTap>(st, side), std::move(in));
