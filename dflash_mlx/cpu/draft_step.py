@@ -1,14 +1,17 @@
 """The drafter's decoding step with each layer's block-only work compiled, on the CPU
 backend (docs/algorithm.md §2.3).
 
-On MLX's CPU backend every op costs ~10-14 us of host time whatever its size (200 chained
-adds on [8, 576]: 2.9 ms in the call to ``async_eval`` alone, measured), and a demo draft is
-~800 ops, since the CPU has no fused norm, RoPE, conv or selector kernels. A layer is
-attention over the context and block rows between work on the block rows alone: norms, conv
-taps, projections, RoPE, the MLP. Only the attention depends on the context, whose length
-changes every cycle; the rest has the block's shape, so it is compiled once per width and
-fuses into a few kernels. ``DFlashDrafter.step`` is the uncompiled twin, used on a GPU; the
-two give the same bits on the CPU (tested).
+On MLX's CPU backend every op costs host time whatever its size (~1-2 us a view, ~5-10 us a
+reduction or a pad, ~40 us a compiled call before any op runs), and the CPU has no fused
+norm, RoPE, conv or softmax kernels. A layer is attention over the context and block rows
+between work on the block rows alone: norms, conv taps, projections, RoPE, the MLP. Only
+the attention depends on the context, whose length changes every cycle; the rest has the
+block's shape, so it is compiled once per width, one call for a layer's post-attention work
+and the next layer's pre-attention work. The norms, the convs and the attention's softmax
+are exact_ops kernels with the bits of the ops they replace, RoPE reads one (cos | sin)
+table per draft, and rows stay 2-D: a demo draft's layers are ~160 graph nodes (~330
+before). ``DFlashDrafter.step`` is the uncompiled twin, used on a GPU; the two give the same
+bits on the CPU (tested).
 """
 
 from __future__ import annotations

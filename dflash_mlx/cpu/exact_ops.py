@@ -15,6 +15,11 @@ same row in a plain step at any context length (MLX's graph, which prefills stil
 handed P @ V over more than 1,024 keys to OpenBLAS, whose bits for a row depend on the rows
 beside it).
 
+For the drafter's compiled step (``cpu/draft_step.py``) it also holds an RMSNorm with
+``mx.fast.rms_norm``'s CPU bits (in-order sums, checked at load), one side of the two-tap conv
+and the attention's softmax of powers of 2 (libm's ``powf`` as MLX calls it), each one graph
+op where MLX's CPU backend took 3, ~11 and 5 (``csrc/draft_kernels.h``).
+
 The extension is compiled once per source, compiler, CPU, MLX and nanobind version into the
 cache folder (``g++ -O3 -march=native -ffp-contract=off -fopenmp``, ~10 s) and binds MLX's
 arrays through nanobind's ``mlx`` domain. No compiler, no nanobind, a failed build or
@@ -43,7 +48,7 @@ ENV = "DFLASH_EXACT_OPS"
 MODULE = "_dflash_exact_ops"
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno")
 FLAGS += ("-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp", "-DNB_DOMAIN=mlx")
-HEADERS = ("exp_mlx.h", "decode_attention.h")  # included by exact_ops.cpp: part of its key
+HEADERS = ("exp_mlx.h", "decode_attention.h", "draft_kernels.h")  # included: part of its key
 
 _state: dict = {"module": None, "error": None, "tried": False, "path": None}
 
