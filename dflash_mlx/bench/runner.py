@@ -274,13 +274,18 @@ def _methods(
 
 
 def conv_seconds(drafter, block: int, reps: int = 10) -> float:
-    """Seconds per cycle in the drafter's conv calls (both sides, all layers), timed alone."""
+    """Seconds per cycle in the drafter's conv calls (both sides, all layers), timed alone,
+    as decoding runs them (the compiled step's, ``convs``, once a CPU decode made one)."""
     if not drafter.has_selector:
         return 0.0
     x = mx.random.normal((1, block, drafter.args.hidden_size)).astype(drafter.fc.weight.dtype)
     mx.eval(x)
+    step = getattr(drafter, "_compiled_step", None)
 
     def once():
+        if step is not None and hasattr(step, "convs"):
+            mx.eval(step.convs(x))
+            return
         outs = []
         for layer in drafter.layers:
             for conv in (layer.attention_conv, layer.mlp_conv):

@@ -15,6 +15,11 @@ same row in a plain step at any context length (MLX's graph, which prefills stil
 handed P @ V over more than 1,024 keys to OpenBLAS, whose bits for a row depend on the rows
 beside it).
 
+For the drafter's compiled step (``cpu/draft_step.py``) it also holds an RMSNorm with
+``mx.fast.rms_norm``'s CPU bits (in-order sums, checked at load), one side of the two-tap conv
+and the attention's softmax of powers of 2 (libm's ``powf`` as MLX calls it), each one graph
+op where MLX's CPU backend took 3, ~11 and 5 (``csrc/draft_kernels.h``).
+
 The extension is compiled once per source, compiler, CPU, MLX and nanobind version into the
 cache folder (``g++ -O3 -march=native -ffp-contract=off -fopenmp``, ~10 s) and binds MLX's
 arrays through nanobind's ``mlx`` domain. No compiler, no nanobind, a failed build or
@@ -34,6 +39,7 @@ import sysconfig
 from pathlib import Path
 
 import mlx.core as mx
+from mlx import nn
 
 from .. import env
 from . import builder
@@ -42,7 +48,7 @@ ENV = "DFLASH_EXACT_OPS"
 MODULE = "_dflash_exact_ops"
 FLAGS = ("-std=c++20", "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno")
 FLAGS += ("-fPIC", "-shared", "-fvisibility=hidden", "-fopenmp", "-DNB_DOMAIN=mlx")
-HEADERS = ("exp_mlx.h", "decode_attention.h")  # included by exact_ops.cpp: part of its key
+HEADERS = ("exp_mlx.h", "decode_attention.h", "draft_kernels.h")  # included: part of its key
 
 _state: dict = {"module": None, "error": None, "tried": False, "path": None}
 
@@ -133,6 +139,20 @@ def _self_check(module) -> str | None:
     return None
 
 
+def _rms_norm_agrees(module) -> bool:
+    """Whether the kernel's RMSNorm gives ``mx.fast.rms_norm``'s bits here (rows of 64 and
+    576 as the drafter normalises, an odd width, large and tiny values); if not, only the
+    RMSNorm stays MLX's."""
+    with mx.stream(mx.cpu):
+        for i, shape in enumerate([(1, 8, 9, 64), (1, 10, 576), (3, 37), (40, 576)]):
+            x = mx.random.normal(shape, key=mx.random.key(20 + i)) * 10.0 ** (i - 2)
+            w = mx.random.normal(shape[-1:], key=mx.random.key(30 + i))
+            for eps in (1e-6, 1e-5):
+                if not mx.array_equal(module.rms_norm(x, w, eps), mx.fast.rms_norm(x, w, eps)):
+                    return False
+    return True
+
+
 def load():
     """Build, import and check the extension once; returns it, or None (see :func:`status`)."""
     if _state["tried"]:
@@ -153,7 +173,7 @@ def load():
     if why:
         _state["error"] = f"not used: {why}"
         return None
-    _state.update(module=module, path=str(path))
+    _state.update(module=module, path=str(path), rms_norm=_rms_norm_agrees(module))
     return module
 
 
@@ -176,6 +196,29 @@ def silu_mul(g: mx.array, u: mx.array) -> mx.array:
     """``silu(g) * u`` with MLX's bits: the kernel when loaded, else MLX's ops."""
     m = _state["module"]
     return m.silu_mul(g, u) if m is not None else mx.sigmoid(g) * g * u
+
+
+def rms_norm(norm, x: mx.array) -> mx.array:
+    """``norm(x)`` for an ``nn.RMSNorm`` with MLX's bits, one kernel instead of three ops
+    (square, sum, the rest) on the CPU when loaded and checked (``_rms_norm_agrees``)."""
+    m = _state["module"]
+    if m is None or not _state.get("rms_norm") or type(norm) is not nn.RMSNorm:
+        return norm(x)
+    return m.rms_norm(x, norm.weight, norm.eps)
+
+
+def two_tap():
+    """The kernel of one side of the two-tap conv over one block (``cpu/draft_step.py``'s
+    ``_conv``, which checks it against its ops), or None when not loaded."""
+    m = _state["module"]
+    return None if m is None else m.two_tap
+
+
+def pow2_softmax():
+    """The kernel of the drafter's softmax of log2 scores (``cpu/draft_step.py`` checks it
+    against ``fastmath.attention``'s ops), or None when not loaded."""
+    m = _state["module"]
+    return None if m is None else m.pow2_softmax
 
 
 def softmax(x: mx.array) -> mx.array:

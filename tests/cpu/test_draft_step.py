@@ -1,23 +1,25 @@
 """The compiled drafter step (CPU backend) gives the bits of the uncompiled one, for every
 block width, with and without DFlash 2's conv, windowed or not, and sees weight updates."""
 
+import io
+
 import mlx.core as mx
 import pytest
 
-from dflash_mlx.cpu import draft_step
+from dflash_mlx.cpu import draft_step, exact_ops
 from dflash_mlx.model.checkpoint import drafter_config, random_drafter
 
 H, NT = 64, 2
 
 
-def make(dflash2=True, window=2048, taps=2):
+def make(dflash2=True, window=2048, taps=2, layers=2, rope_scaling=None):
     cfg = drafter_config(
         hidden_size=H,
         vocab_size=300,
         num_target_layers=4,
         target_layer_ids=[0, 2],
         mask_token_id=1,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         dflash2=dflash2,
@@ -25,6 +27,7 @@ def make(dflash2=True, window=2048, taps=2):
         conv_kernel_size=taps,
         selector_rank=8,
     )
+    cfg["rope_scaling"] = rope_scaling
     d = random_drafter(cfg, seed=3)
     cache = d.make_cache()
     d.append_context(mx.random.normal((1, 30, NT * H), key=mx.random.key(0)), cache)
@@ -44,6 +47,32 @@ def test_compiled_step_gives_the_uncompiled_bits_at_every_width(dflash2, window,
             assert out.shape == (1, L, H)
             assert mx.array_equal(out, ref).item(), (L, mx.abs(out - ref).max().item())
             assert cache[0].offset == 30 and cache[0].size == 30  # block rows not kept
+    assert d._compiled_step._table.rope is not None  # the shared RoPE table's path
+    if dflash2 and taps == 2 and exact_ops.load() is not None:  # the exact kernels ran
+        graph = io.StringIO()
+        mx.export_to_dot(graph, draft_step.step(d, emb, cache, compiled=True))
+        assert all(n in graph.getvalue() for n in ("DflashTwoTap", "DflashRmsNorm"))
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}
+LLAMA3 |= {"high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+@pytest.mark.parametrize("layers,scaling", [(1, None), (3, LLAMA3)])
+def test_compiled_step_gives_the_uncompiled_bits_for_any_depth_and_rope(layers, scaling):
+    # one layer (no stage between two), three (two between), and a RoPE that is not
+    # nn.RoPE (no shared table: each layer's own RoPE), with new rows projected in the pass
+    d, cache = make(layers=layers, rope_scaling=scaling)
+    _, eager = make(layers=layers, rope_scaling=scaling)
+    f = mx.random.normal((1, 2, NT * H), key=mx.random.key(2))
+    d.append_context(f, cache)
+    d.append_context(f, eager, lazy=False)
+    with mx.stream(mx.cpu):
+        for L in (8, 3):
+            emb = mx.random.normal((1, L, H), key=mx.random.key(L))
+            out = draft_step.step(d, emb, cache, compiled=True)
+            assert mx.array_equal(out, d.step(emb, eager)).item(), L
+    assert (d._compiled_step._table.rope is None) == (scaling is not None)
 
 
 def test_compiled_step_sees_new_weights():
@@ -139,3 +168,22 @@ def test_decoding_drafts_the_same_with_the_append_in_the_draft_pass(
     assert sum(p > 0 for _, p, _ in folded) > sum(p > 0 for _, p, _ in eager) == 1
     for (o, p, h), (o2, p2, h2) in zip(folded, eager):
         assert o + p == o2 + p2 and mx.array_equal(h, h2).item()
+
+
+def test_bench_times_the_convs_the_compiled_step_runs():
+    # bench's conv share times the compiled step's convs (the exact kernel on the CPU),
+    # which give the module's conv values
+    from dflash_mlx.bench.runner import conv_seconds
+
+    d, cache = make()
+    x = mx.random.normal((1, 6, H), key=mx.random.key(4))
+    with mx.stream(mx.cpu):
+        draft_step.step(d, x, cache, compiled=True)
+        got = d._compiled_step.convs(x)
+        want = []
+        for layer in d.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                u, d1 = conv.prepare(x, 6)
+                want.append(conv.finish(u, d1, 6))
+        assert len(got) == 4 and all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+        assert conv_seconds(d, 6, reps=2) > 0

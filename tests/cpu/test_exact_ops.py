@@ -1,7 +1,8 @@
-"""The exact vectorised SiLU, softmax and attention (exact_ops.py, cpu/exact_ops.cpp): the
+"""The exact vectorised SiLU, softmax, RMSNorm and attention (exact_ops.py, cpu/exact_ops.cpp): the
 same bits as MLX's CPU ops on every input tried, loaded where a C++ compiler is, used by the
 target's layers, and MLX's own ops where the kernels do not apply."""
 
+import io
 import shutil
 import sys
 
@@ -74,6 +75,78 @@ def test_silu_mul_reads_strided_and_broadcast_inputs(ops):
     g = mx.random.normal((257, 8), key=mx.random.key(3)).T * 6.0  # transposed view
     u = mx.broadcast_to(mx.random.normal((1, 257), key=mx.random.key(4)), (8, 257))
     assert same_bits(ops.silu_mul(g, u), swiglu(g, u))
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 576), (1, 10, 3, 64), (33, 17), (1, 1, 2880)])
+def test_rms_norm_has_mlx_bits(ops, shape):
+    # rows of the drafter's norms, more rows than the kernel's block of 16, an odd width
+    for i, scale in enumerate((1e-3, 1.0, 300.0)):
+        x = mx.random.normal(shape, key=mx.random.key(i)) * scale
+        w = mx.random.normal(shape[-1:], key=mx.random.key(9))
+        assert same_bits(ops.rms_norm(x, w, 1e-6), mx.fast.rms_norm(x, w, 1e-6))
+    out = io.StringIO()
+    mx.export_to_dot(out, ops.rms_norm(x, w, 1e-6))
+    assert "DflashRmsNorm" in out.getvalue()  # the kernel ran, not MLX's ops
+    assert exact_ops.status()["active"] and exact_ops._state["rms_norm"]  # checked at load
+
+
+def test_rms_norm_has_mlx_bits_on_special_values_and_strided_input(ops):
+    x = mx.array([SPECIAL + [float("nan")], [0.0] * 20, [1e-20] * 20, [3e19] * 20])
+    w = mx.linspace(-2, 2, 20)
+    assert same_bits(ops.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5))
+    t = mx.random.normal((64, 9), key=mx.random.key(5)).T  # transposed view
+    w = mx.ones((64,))
+    assert same_bits(ops.rms_norm(t, w, 1e-6), mx.fast.rms_norm(t, w, 1e-6))
+
+
+def test_rms_norm_stands_in_for_an_rmsnorm_module_only(ops):
+    from mlx import nn
+
+    x = mx.random.normal((2, 3, 32), key=mx.random.key(6))
+    norm, layer = nn.RMSNorm(32, eps=1e-5), nn.LayerNorm(32)
+    assert same_bits(exact_ops.rms_norm(norm, x), norm(x))
+    assert same_bits(exact_ops.rms_norm(layer, x), layer(x))  # not an RMSNorm: its own call
+
+
+@pytest.mark.parametrize("B,L,H,G", [(1, 8, 576, 36), (1, 1, 64, 4), (2, 5, 48, 3)])
+def test_two_tap_conv_has_the_bits_of_the_drafter_ops(ops, B, L, H, G):
+    from dflash_mlx.cpu import draft_step
+    from dflash_mlx.model.conv import TwoTapConv
+
+    conv = TwoTapConv(H, 2, H // G)
+    conv.base_kernel = mx.random.normal((2, 2, H), key=mx.random.key(4))
+    x = mx.random.normal((B, L, H), key=mx.random.key(5)) * 7.0
+    d = mx.random.normal((B, L, 2, 2, G), key=mx.random.key(6))  # both sides' coefficients
+    for side in (0, 1):
+        want = draft_step._conv_ops(conv, x, side, d[:, :, side])
+        assert same_bits(ops.two_tap(x, conv.base_kernel, d, side), want)
+    assert not same_bits(ops.two_tap(x, conv.base_kernel, d, 0), want)  # sides differ
+    assert same_bits(ops.two_tap(x[-1], conv.base_kernel, d[-1], 1), want[-1])  # [L, H] rows
+    t = mx.random.normal((B, H, L), key=mx.random.key(7)).swapaxes(1, 2)  # a strided x
+    want = draft_step._conv_ops(conv, t, 1, d[:, :, 1])
+    assert same_bits(ops.two_tap(t, conv.base_kernel, d, 1), want)
+    with pytest.raises(ValueError, match="two_tap"):
+        ops.two_tap(x, conv.base_kernel, d[:, :, :, :1], 0)  # one tap: not the kernel's
+
+
+def pow2_softmax_ops(s):
+    p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))  # cpu/fastmath.py's attention
+    return p / p.sum(axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 24, 210), (2, 1, 7, 1), (1, 1, 3, 4097)])
+def test_pow2_softmax_has_the_bits_of_the_drafter_ops(ops, shape):
+    for scale in (1.0, 40.0, 400.0):  # 2^(x - max) from ~1 down to underflow
+        s = mx.random.normal(shape, key=mx.random.key(int(scale))) * scale
+        assert same_bits(ops.pow2_softmax(s), pow2_softmax_ops(s))
+
+
+def test_pow2_softmax_has_the_drafter_bits_on_special_values(ops):
+    row = [v for v in SPECIAL if abs(v) < 1e38] + [-149.5, -150.0, -126.2, 1e-7]
+    s = mx.array([row, [-float("inf")] + row[1:], [3.0] * len(row)])
+    assert same_bits(ops.pow2_softmax(s), pow2_softmax_ops(s))
+    dense = mx.linspace(-160.0, 0.0, 1 << 16).reshape(1, -1)  # every exponent powf meets
+    assert same_bits(ops.pow2_softmax(dense), pow2_softmax_ops(dense))
 
 
 @pytest.mark.parametrize("m", [1, 2, 7, 128, 301])

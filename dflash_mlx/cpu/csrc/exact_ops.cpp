@@ -8,6 +8,9 @@
 // -ffp-contract=off so no other product is fused: every output has MLX's bits. The
 // softmax keeps MLX's order where order matters (its normaliser is a running sum).
 //
+// The drafter's RMSNorm, two-tap conv and softmax of powers of 2 (draft_kernels.h) are MLX
+// primitives here too: one graph op each where the compiled step had 3, ~11 and 5.
+//
 // Built on first use by dflash_mlx/exact_ops.py against the installed MLX and nanobind.
 
 #include <nanobind/nanobind.h>
@@ -21,11 +24,13 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
+#include "mlx/fast.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
 #include "decode_attention.h"
+#include "draft_kernels.h"
 #include "exp_mlx.h"
 
 namespace nb = nanobind;
@@ -146,6 +151,66 @@ class Softmax : public CpuElementwise {
   const char* name() const override { return "DflashSoftmax"; }
 };
 
+class RmsNorm : public CpuElementwise {
+ public:
+  RmsNorm(mx::Stream s, float eps) : CpuElementwise(s), eps_(eps) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    size_t d = in[0].shape().back();
+    prepare(in, out).dispatch(
+        [x = Dense(in[0]), w = Dense(in[1]), o = out.data<float>(), n = out.size(), d, eps = eps_]() {
+          std::vector<float> xb, wb;
+          rms_norm_rows(x.get(xb, n), w.get(wb, d), o, n / d, d, eps);
+        });
+  }
+  const char* name() const override { return "DflashRmsNorm"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const RmsNorm*>(&other);
+    return o && o->eps_ == eps_;
+  }
+
+ private:
+  float eps_;
+};
+
+class TwoTap : public CpuElementwise {
+ public:
+  TwoTap(mx::Stream s, int side) : CpuElementwise(s), side_(side) {}
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    const size_t L = in[0].shape(-2), H = in[0].shape(-1), B = in[0].size() / (L * H);
+    const size_t G = in[2].shape(-1);
+    prepare(in, out).dispatch([x = Dense(in[0]), b = Dense(in[1]), d = Dense(in[2]),
+                               o = out.data<float>(), B, L, H, G, side = side_]() {
+      std::vector<float> xb, bb, db;
+      two_tap_rows(x.get(xb, B * L * H), b.get(bb, 4 * H), d.get(db, B * L * 4 * G), o, B, L,
+                   H, G, side);
+    });
+  }
+  const char* name() const override { return "DflashTwoTap"; }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    auto* o = dynamic_cast<const TwoTap*>(&other);
+    return o && o->side_ == side_;
+  }
+
+ private:
+  int side_;
+};
+
+class Pow2Softmax : public CpuElementwise {
+ public:
+  using CpuElementwise::CpuElementwise;
+  void eval_cpu(const std::vector<mx::array>& in, std::vector<mx::array>& outs) override {
+    auto& out = outs[0];
+    size_t m = in[0].shape().back();
+    prepare(in, out).dispatch([x = Dense(in[0]), o = out.data<float>(), m, n = out.size()]() {
+      std::vector<float> xb;
+      pow2_softmax_rows(x.get(xb, n), o, n / m, m);
+    });
+  }
+  const char* name() const override { return "DflashPow2Softmax"; }
+};
+
 // Keys or values as the kernel reads them: in place when each row's d is contiguous (a KV
 // cache's slice), else gathered row-major.
 struct Rows {
@@ -215,6 +280,48 @@ mx::array exact_silu_mul(const mx::array& g, const mx::array& u) {
   auto st = mx::to_stream(s);
   std::vector<mx::array> in = {g, u};
   return mx::array(g.shape(), mx::float32, std::make_shared<SiluMul>(st), std::move(in));
+}
+
+// mx.fast.rms_norm(x, w, eps) over the last axis; MLX's own op where the kernel does not apply.
+mx::array exact_rms_norm(const mx::array& x, const mx::array& w, float eps) {
+  mx::StreamOrDevice s = {};
+  if (!on_cpu_f32(x, s) || w.dtype() != mx::float32 || x.ndim() == 0 || x.size() == 0 ||
+      w.ndim() != 1 || w.shape(0) != x.shape().back()) {
+    return mx::fast::rms_norm(x, w, eps, s);
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> in = {x, w};
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(st, eps), std::move(in));
+}
+
+// One side (0 or 1) of the two-tap conv over one block: x [B, L, H] or [L, H], base [2, 2, H],
+// d [B, L, 2, 2, G] or [L, 2, 2, G]; raises where the kernel does not apply (the caller then
+// runs its ops).
+mx::array exact_two_tap(const mx::array& x, const mx::array& b, const mx::array& d, int side) {
+  mx::StreamOrDevice s = {};
+  const bool f32 = on_cpu_f32(x, s) && b.dtype() == mx::float32 && d.dtype() == mx::float32;
+  const int nd = x.ndim();
+  bool ok = f32 && (nd == 2 || nd == 3) && d.ndim() == nd + 2 && (side == 0 || side == 1) &&
+            b.ndim() == 3 && b.shape(0) == 2 && b.shape(1) == 2 && x.size() > 0;
+  for (int i = 0; ok && i < nd - 1; i++) ok = d.shape(i) == x.shape(i);
+  ok = ok && b.shape(2) == x.shape(-1) && d.shape(-3) == 2 && d.shape(-2) == 2 &&
+       d.shape(-1) >= 1 && x.shape(-1) % d.shape(-1) == 0;
+  if (!ok) throw std::invalid_argument("two_tap: shapes or dtypes the kernel does not take");
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> in = {x, b, d};
+  return mx::array(x.shape(), mx::float32, std::make_shared<TwoTap>(st, side), std::move(in));
+}
+
+// p = 2^(x - max) / sum over the last axis as cpu/fastmath.py's attention computes it; raises
+// where the kernel does not apply (the caller then runs its ops).
+mx::array exact_pow2_softmax(const mx::array& x) {
+  mx::StreamOrDevice s = {};
+  if (!on_cpu_f32(x, s) || x.ndim() == 0 || x.size() == 0) {
+    throw std::invalid_argument("pow2_softmax: not float32 on the CPU");
+  }
+  auto st = mx::to_stream(s);
+  std::vector<mx::array> in = {x};
+  return mx::array(x.shape(), mx::float32, std::make_shared<Pow2Softmax>(st), std::move(in));
 }
 
 // mx.softmax(x, axis=-1, precise=True); MLX's own op where the kernel does not apply.
@@ -315,6 +422,9 @@ void exp_buffer(uintptr_t src, uintptr_t dst, size_t n) {
 NB_MODULE(_dflash_exact_ops, m) {
   m.def("silu_mul", &exact_silu_mul, "silu(g) * u with MLX's bits");
   m.def("softmax", &exact_softmax, "softmax over the last axis with MLX's bits");
+  m.def("rms_norm", &exact_rms_norm, "mx.fast.rms_norm over the last axis with MLX's bits");
+  m.def("two_tap", &exact_two_tap, "one side of the two-tap conv over one block");
+  m.def("pow2_softmax", &exact_pow2_softmax, "the drafter's softmax of log2 scores");
   m.def("attention", &exact_attention, "scaled dot-product attention with MLX's CPU bits");
   m.def("exp_buffer", &exp_buffer, "exp over n float32 values at src into dst");
 }
