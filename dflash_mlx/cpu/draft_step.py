@@ -80,7 +80,7 @@ def _conv(conv: TwoTapConv, x: mx.array, side: int, d: mx.array) -> mx.array:
     coefficients d [L, 2, taps, G]: exact_ops' kernel (one op, not ~11, reading the side's
     rows in place) where it applies, else ``_conv_ops``; more taps: the module's."""
     kernel = _kernel("conv") if conv.taps == 2 else None
-    if kernel is not None and x.dtype == mx.float32:
+    if kernel is not None and x.dtype == conv.base_kernel.dtype == d.dtype == mx.float32:
         return kernel(x, conv.base_kernel, d, side)
     if conv.taps != 2:
         return conv.conv(x[None], side, d[None, :, side], x.shape[0])[0]
@@ -144,7 +144,7 @@ def _attention(qg: mx.array, k: mx.array, v: mx.array, heads: int) -> mx.array:
     of 2 as one exact_ops kernel where checked (five ops and their broadcasts otherwise)."""
     N, _, GL, hd = qg.shape
     s = qg @ k.swapaxes(-1, -2)  # [N, Hkv, g * L, S], in units of log2
-    kernel = _kernel("softmax")
+    kernel = _kernel("softmax") if s.dtype == mx.float32 else None
     if kernel is None:
         p = mx.power(2.0, s - s.max(axis=-1, keepdims=True))
         p = p / p.sum(axis=-1, keepdims=True)

@@ -204,6 +204,8 @@ def rms_norm(norm, x: mx.array) -> mx.array:
     m = _state["module"]
     if m is None or not _state.get("rms_norm") or type(norm) is not nn.RMSNorm:
         return norm(x)
+    if not x.dtype == norm.weight.dtype == mx.float32:  # the kernel's one type
+        return norm(x)
     return m.rms_norm(x, norm.weight, norm.eps)
 
 

@@ -75,6 +75,18 @@ def test_compiled_step_gives_the_uncompiled_bits_for_any_depth_and_rope(layers, 
     assert (d._compiled_step._table.rope is None) == (scaling is not None)
 
 
+def test_a_bfloat16_drafter_takes_the_ops_where_the_kernels_take_float32_only():
+    # as `dflash doctor`'s tiny pair loads it (a bfloat16 checkpoint): same bits, no error
+    d, cache = make()
+    d.set_dtype(mx.bfloat16)
+    _, eager = make()  # the same context, for the uncompiled step
+    with mx.stream(mx.cpu):
+        for L in (8, 3):
+            emb = mx.random.normal((1, L, H), key=mx.random.key(L))
+            out = draft_step.step(d, emb, cache, compiled=True)
+            assert mx.array_equal(out, d.step(emb, eager)).item(), L
+
+
 def test_compiled_step_sees_new_weights():
     d, cache = make()
     emb = mx.random.normal((1, 4, H), key=mx.random.key(9))
