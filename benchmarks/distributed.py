@@ -56,8 +56,10 @@ def _launch(mode: str, ranks: int, delay: str, args: list[str], launcher: str) -
     me = [sys.executable, "-m", "dflash_mlx.cli", *args, "--json", str(out)]
     if mode != "none":
         me += ["--shard", mode]
-    ring = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_port(ranks))]
-    cmd = me if mode == "none" or launcher == "direct" else [*ring, "--", *me]
+    cmd = me
+    if mode != "none" and launcher == "mlx":  # the ring's ports only where mlx.launch takes them
+        port = str(free_port(ranks))
+        cmd = [LAUNCH, "-n", str(ranks), "--backend", "ring", "--starting-port", port, "--", *me]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("DFLASH_TEST_LINK_DELAY_MS", None)
     if delay != "off":
@@ -147,11 +149,11 @@ def main() -> None:
     )  # fmt: skip
     a = ap.parse_args()
     args = bench_args(a.max_tokens, a.block_size, a.max_samples)
-    runs = [("unsharded", "none", 1, "off")]
+    runs = [("unsharded", "none", 1, "off", "mlx")]
     for mode in a.modes:
         runs += [(mode, mode, a.ranks or RANKS[mode], d, k) for k in a.launcher for d in a.delays]
     rows = []
-    for name, mode, ranks, delay, launcher in [(*runs[0], "mlx"), *runs[1:]]:
+    for name, mode, ranks, delay, launcher in runs:
         got = _launch(mode, ranks, delay, args, launcher)
         row = {"mode": name, "ranks": ranks, "delay": delay, "launcher": launcher, **got}
         if "report" in got:
