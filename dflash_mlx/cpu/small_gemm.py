@@ -39,6 +39,7 @@ EXPORTS = ("cblas_sgemm", "dflash_small_gemm_init", "dflash_small_gemm_counter")
 EXPORTS += ("dflash_small_gemm_half_calls", "dflash_small_gemm_set_split")
 EXPORTS += ("dflash_small_gemm_set_one_thread", "dflash_small_gemm_set_rows")
 EXPORTS += ("dflash_small_gemm_register", "dflash_small_gemm_use_halves")
+EXPORTS += ("dflash_small_gemm_forward_library",)
 
 _state: dict = {"path": None, "error": None, "lib": None, "split": False}
 
@@ -124,6 +125,7 @@ def load(
         return None
     lib.dflash_small_gemm_counter.restype = ctypes.c_long
     lib.dflash_small_gemm_half_calls.restype = ctypes.c_long
+    lib.dflash_small_gemm_forward_library.restype = ctypes.c_char_p
     lib.dflash_small_gemm_set_split(int(split))
     _state.update(path=str(path), lib=lib, error=None, split=bool(split), rows=int(max_rows))
     return str(path)
@@ -135,11 +137,14 @@ def _open(path: Path):
 
 
 def status() -> dict:
-    """The loaded kernel: {"active", "path", "error", "split"} and, since loading, the calls
-    it took and handed to OpenBLAS with the milliseconds spent ("small_calls", "small_ms",
-    "forwarded_calls", "forwarded_ms")."""
+    """The loaded kernel: {"active", "path", "error", "split"}, the BLAS file the calls it
+    does not take go to ("behind", found by the symbol's address, not timed) and, since
+    loading, the calls it took and handed to that BLAS with the milliseconds spent
+    ("small_calls", "small_ms", "forwarded_calls", "forwarded_ms")."""
     lib = _state["lib"]
     out = {"active": lib is not None, "path": _state["path"], "error": _state["error"]}
+    behind = lib.dflash_small_gemm_forward_library() if lib is not None else None
+    out["behind"] = os.path.realpath(behind.decode()) if behind else None
     out["off"] = bool(_state.get("off"))  # turned off on purpose: not a failure
     out["split"] = _state["split"]
     for fwd, name in ((0, "small"), (1, "forwarded")):

@@ -151,7 +151,11 @@ def test_mlx_few_row_matmuls_go_through_the_kernel_and_many_rows_do_not():
             mx.eval(y)
         assert small_gemm.status()[counter] > before, counter
         np.testing.assert_allclose(np.array(y), x @ w.T, rtol=1e-4, atol=1e-4)
-    assert blas.measure(repeats=5)["fast"] == (blas._loaded["path"] is not None)
+    # which BLAS is behind is known by address, not by the clock (a busy CI timed it wrong)
+    loaded = blas._loaded["path"]
+    behind = small_gemm.status()["behind"]
+    assert behind == os.path.realpath(loaded or blas.bundled_blas()), (behind, loaded)
+    assert blas.measure(repeats=1)["fast"] == (loaded is not None)
 
 
 def test_no_compiler_is_a_one_line_error_and_no_kernel(monkeypatch, tmp_path):
@@ -201,7 +205,7 @@ def test_without_openblas_the_kernel_fronts_the_wheels_blas(tmp_path):
         "s = small_gemm.status()\n"
         "assert blas._loaded['path'] is None, blas._loaded\n"
         "assert s['forwarded_calls'] >= 1, s\n"
-        "print('ok', blas.measure(repeats=5)['name'])  # best of 5: a stall can't flip it\n"
+        "print('ok', blas.measure(repeats=1)['name'])  # named by the BLAS behind, not timed\n"
     )
     env = dict(os.environ, DFLASH_SYSTEM_BLAS="0", DFLASH_CACHE_DIR=str(tmp_path))
     env["DFLASH_SCIPY_OPENBLAS"] = "0"

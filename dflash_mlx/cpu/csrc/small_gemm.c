@@ -366,6 +366,15 @@ void dflash_small_gemm_set_rows(int rows) { max_rows = rows; }
 /* 1: split A @ B^T products of more than max_rows rows into pieces for the kernel. */
 void dflash_small_gemm_set_split(int on) { split_rows = on; }
 
+/* The file of the cblas_sgemm that calls not taken here go to (dladdr), or 0: which BLAS
+ * is behind, known without timing it. */
+const char *dflash_small_gemm_forward_library(void) {
+    Dl_info info;
+    if (!real_sgemm) real_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    if (!real_sgemm || !dladdr((void *)real_sgemm, &info)) return 0;
+    return info.dli_fname;
+}
+
 /* Forwarded products of fewer multiply-adds than macs run on one OpenBLAS thread (0: never).
  * Returns OpenBLAS's own thread count, or 0 when the BLAS cannot set one. */
 int dflash_small_gemm_set_one_thread(long macs) {
