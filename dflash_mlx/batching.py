@@ -40,9 +40,9 @@ from .vision.notes import batch_note, vision_language
 
 def one_at_a_time(model: DFlashModel) -> bool:
     """Whether a batch decodes this pair's requests one at a time (``stream_generate``, and
-    its ``auto`` the warm-up's cost tables): a hybrid target cannot roll rows back in one
-    shared cache, and a vision-language target's caches carry one request's images."""
-    return model.adapter.is_hybrid or vision_language(model)
+    its ``auto`` the warm-up's cost tables): a vision-language target's caches carry one
+    request's images."""
+    return vision_language(model)
 
 
 @dataclass
@@ -64,9 +64,9 @@ class BatchGenerator:
         max_batch: rows decoding at once; more requests wait, in arrival order.
         prefill_step_size: prompt tokens per prefill chunk (a joining prompt stalls the
             running rows for one chunk per cycle).
-        solo: decode one request at a time through ``stream_generate``, as a hybrid target
-            does (its requests may then set ``kv_bits``: a shared batch cache is not
-            quantized).
+        solo: decode one request at a time through ``stream_generate``, as a
+            vision-language target does (its requests may then set ``kv_bits``: a shared
+            batch cache is not quantized).
     """
 
     def __init__(
@@ -80,12 +80,12 @@ class BatchGenerator:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch = inputs.check_count(max_batch, "max_batch")
         step = inputs.check_count(prefill_step_size, "prefill_step_size")
-        self.hybrid = solo or one_at_a_time(model)  # (solo: a one-row batch across ranks)
-        self.decoder = None if self.hybrid else BatchDecoder(model, model.block_size, step)
+        self.one_by_one = solo or one_at_a_time(model)  # (solo: a one-row batch across ranks)
+        self.decoder = None if self.one_by_one else BatchDecoder(model, model.block_size, step)
         self.planner: BatchPlanner | None = None  # made with the first auto row
         self.waiting: list[tuple[Row, PromptCache, _Request]] = []
         self.requests: dict[int, _Request] = {}
-        self.solo: dict[int, Iterator[GenerationResponse]] = {}  # hybrids: one at a time
+        self.solo: dict[int, Iterator[GenerationResponse]] = {}  # one at a time
         self.solo_note = batch_note(model, self.max_batch)  # said in each response's notes
         self.eos = eos_ids(tokenizer)
         self._uids = itertools.count()
@@ -111,7 +111,7 @@ class BatchGenerator:
             cache: a prompt cache whose prefix the prefill may reuse (it is copied into the
                 batch, then left holding this prompt).
             images: as for ``stream_generate`` (a vision-language target decodes its
-                requests one at a time, as a hybrid does).
+                requests one at a time).
 
         Raises:
             DFlashError: as ``stream_generate`` (bad settings, a prompt of another type or
@@ -122,10 +122,10 @@ class BatchGenerator:
         with self.model.lock:  # the tokenizer is shared with other threads
             kw = {"raw": raw, "system": system, "images": images}
             ids, cfg, vision = request_ids(self.model, self.tokenizer, prompt, cfg, **kw)
-        if not self.hybrid:
+        if not self.one_by_one:
             check_kv(cfg.kv_bits)
         uid = next(self._uids)
-        if self.hybrid:  # the prompt is encoded and checked: its ids, with its settings
+        if self.one_by_one:  # the prompt is encoded and checked: its ids, with its settings
             self.solo[uid] = stream_generate(
                 self.model,
                 self.tokenizer,
@@ -164,7 +164,7 @@ class BatchGenerator:
     @property
     def occupancy(self) -> int:
         """Rows decoding or prefilling now."""
-        if self.hybrid:
+        if self.one_by_one:
             return min(1, len(self.solo))
         return len(self.decoder) + len(self.decoder.joining)
 
@@ -178,7 +178,7 @@ class BatchGenerator:
         A response with ``finish_reason`` set is its request's last. Threads sharing the
         model take turns: a step holds its lock."""
         with self.model.turn():
-            return self._solo_step() if self.hybrid else self._step()
+            return self._solo_step() if self.one_by_one else self._step()
 
     def _step(self) -> list[tuple[int, GenerationResponse]]:
         dec = self.decoder

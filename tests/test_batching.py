@@ -19,7 +19,7 @@ from dflash_mlx.settings import GenerationConfig
 PROMPTS = ["def parse_args(", "import os\nfor i in", "x", "class Foo:\n    def __init__(self"]
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])  # qwen3_5: hybrid, one at a time
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_5"])  # qwen3_5: a hybrid, batched too
 def test_batch_generate_texts_equal_generate_alone(pairs, kind):
     model, tok = pairs(kind, "d2")
     configs = [
@@ -213,11 +213,12 @@ def test_memory_returns_after_a_batch(pairs):
     assert mx.get_active_memory() <= before + 1_000_000
 
 
-def test_the_server_serves_a_hybrid_target_one_request_at_a_time(pairs):
+def test_the_server_batches_a_hybrid_target_as_an_attention_one(pairs):
     from dflash_mlx.server.worker import Engine
 
-    assert Engine(*pairs("qwen3_5", "d2"), max_batch=8).max_batch == 1
+    assert Engine(*pairs("qwen3_5", "d2"), max_batch=8).max_batch == 8
     assert Engine(*pairs("qwen3", "d2"), max_batch=8).max_batch == 8
+    assert BatchGenerator(*pairs("qwen3_5", "d2")).decoder is not None  # not one at a time
 
 
 def test_batch_api_is_exported_from_the_package():

@@ -263,16 +263,17 @@ def thinking_pair(root: Path, seed: int = 0) -> tuple[Path, Path]:
     return target, build_drafter(root / "think_d", target)
 
 
-def eight_token_pair(root: Path):
-    """A tiny qwen3 target with an 8-token vocabulary and its DFlash 2 drafter (block 4),
-    loaded as a DFlashModel: small enough to enumerate the exact sampling law."""
+def eight_token_pair(root: Path, kind: str = "qwen3"):
+    """A tiny target (qwen3, or ``kind``: qwen3_5 is a hybrid) with an 8-token vocabulary
+    and its DFlash 2 drafter (block 4), loaded as a DFlashModel: small enough to enumerate
+    the exact sampling law."""
     from mlx_lm.utils import load_model
 
     from dflash_mlx.decoding.state import DFlashModel
     from dflash_mlx.model.checkpoint import load_drafter
     from dflash_mlx.model.target import TargetAdapter
 
-    build_target(root / "t", "qwen3", tokenizer=False, vocab_size=8, seed=5)
+    build_target(root / "t", kind, tokenizer=False, vocab_size=8, seed=5)
     build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)
     target = load_model(root / "t")[0]
     drafter = load_drafter(root / "d", mx.float32)

@@ -44,7 +44,7 @@ API_KEY = typer.Option(
     envvar="DFLASH_API_KEY",
 )
 MAX_BATCH = typer.Option(
-    8, "--max-batch", help="Requests decoded together (1: one at a time; hybrids always)."
+    8, "--max-batch", help="Requests decoded together (1: one at a time; a VLM's always)."
 )
 ALLOW_URLS = typer.Option(
     False,

@@ -17,10 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from ..errors import DFlashError
 from ..model.drafter import embed_block
+from ..model.recurrent import recurrent
 from .acceptance import SamplingParams
 from .lookup import FIXED_MIN_MATCH, Lookup
 from .propose import accept, copied_drafts, propose
@@ -85,8 +86,9 @@ def _as_kv(keys, values, n) -> KVCache:
 
 
 def _extend(batch: list | None, single: list) -> list:
-    """Append one merged row to each layer's batch cache (or start the batch)."""
-    merged = [BatchKVCache.merge([c]) for c in single]
+    """Append one merged row to each layer's batch cache (or start the batch): attention
+    layers' as a ``BatchKVCache``, recurrent layers' states stacked by row."""
+    merged = [_one_row(c) for c in single]
     if batch is None:
         return merged
     for b, m in zip(batch, merged):
@@ -94,9 +96,17 @@ def _extend(batch: list | None, single: list) -> list:
     return batch
 
 
+def _one_row(c):
+    if not recurrent(c):
+        return BatchKVCache.merge([c])
+    return (type(c).merge if hasattr(type(c), "merge") else ArraysCache.merge)([c])
+
+
 def _shift(caches: list, pad: list[int]) -> None:
     """Move row i's last pad[i] entries out past the write index (their left padding grows)."""
     for c in caches:
+        if recurrent(c):  # a state holds what its row kept (``rewind_rows``)
+            continue
         c.prepare(right_padding=pad)
         c.finalize()
 
@@ -105,14 +115,12 @@ class BatchDecoder:
     """The rows of a batch and their caches; ``join`` then ``step`` until rows finish.
 
     Args:
-        model: the loaded pair (attention-only targets; hybrids are served one at a time).
+        model: the loaded pair (a hybrid's recurrent layers rewind row by row).
         block_size: an auto row's block when ``step`` is given no plan.
         prefill_step_size: prompt tokens per prefill chunk.
     """
 
     def __init__(self, model: DFlashModel, block_size: int, prefill_step_size: int = 2048):
-        if model.adapter.is_hybrid:
-            raise ValueError("hybrid (recurrent) targets are decoded one request at a time")
         self.model, self.block = model, block_size
         self.step_size = prefill_chunk(prefill_step_size)
         self.rows: list[Row] = []
@@ -209,14 +217,16 @@ class BatchDecoder:
         copies = [self._copy(r, b, m) for r, b, m in zip(rows, blocks, least)]
         drafts, q_full = self._draft(anchors, L, blocks, keys, copies)
         ids = mx.concatenate([anchors[:, None], _pad(drafts, L - 1)], axis=1)  # [B, L]
-        v_logits, feats = self.model.adapter(ids, self.target)
+        adapter = self.model.adapter
+        snap = adapter.snapshot(self.target) if adapter.is_hybrid else None
+        v_logits, feats = adapter(ids, self.target)
         outs = [
             accept(v_logits[i : i + 1, :b], r.history, drafts[i], q_full[i], r.params, keys[i][1])
             for i, (r, b) in enumerate(zip(rows, blocks))
         ]
         mx.eval([o for pair in outs for o in pair], drafts)  # the cycle's one host sync
         kept = [int(n.item()) + 1 for n, _ in outs]
-        self._rollback(L, kept, feats)
+        self._rollback(L, kept, feats, snap)
         result = []
         for i, (r, b, (n, bonus)) in enumerate(zip(rows, blocks, outs)):
             a = kept[i] - 1
@@ -288,19 +298,22 @@ class BatchDecoder:
         ok = mx.concatenate([ok, mx.ones((ok.shape[0], L), dtype=mx.bool_)], axis=1)
         return ok[:, None, None, :]
 
-    def _rollback(self, L: int, kept: list[int], feats: mx.array) -> None:
+    def _rollback(self, L: int, kept: list[int], feats: mx.array, snap: list | None) -> None:
         """Keep the first kept[i] of the L tokens just fed, per row, in both models' caches."""
         m = max(kept)
         pad = [m - k for k in kept]
+        if snap is not None:
+            self.model.adapter.rewind_rows(self.target, kept, snap)
         for c in self.target:
-            c.trim(L - m)
+            if not recurrent(c):
+                c.trim(L - m)
         _shift(self.target, pad)
         drafter = self.model.drafter
         x_ctx = drafter.project_context(feats[:, :m])
         for layer, c in zip(drafter.layers, self.context):
             c.update_and_fetch(*layer.self_attn.kv(x_ctx, c.offset))
         _shift(self.context, pad)
-        mx.async_eval([[c.keys, c.values, c.offset] for c in self.target + self.context])
+        mx.async_eval([_arrays(c) for c in self.target + self.context])
 
     def _compact(self) -> None:
         """Shed the left padding every row has, and drafter context rows that every row's
@@ -314,6 +327,10 @@ class BatchDecoder:
                 c.keys, c.values = c.keys[..., cut:, :], c.values[..., cut:, :]
                 c._idx -= cut
                 c.left_padding = mx.maximum(c.left_padding - cut, 0)
+
+
+def _arrays(c) -> list:
+    return [s for s in c.cache if s is not None] if recurrent(c) else [c.keys, c.values, c.offset]
 
 
 def _pad(rows: list[mx.array], n: int) -> mx.array:

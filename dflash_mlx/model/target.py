@@ -21,7 +21,8 @@ from mlx_lm.models.cache import (
 from .. import ops
 from ..decoding import tree
 from ..errors import UnsupportedModelError
-from . import moe, qmm, tape
+from . import moe, qmm
+from .recurrent import Recorder as _Recorder
 from .recurrent import recurrent
 from .wrapper import Wrapper as _Wrapper
 
@@ -94,42 +95,6 @@ class _TreeView:
 
     def make_mask(self, *args, **kwargs) -> mx.array:
         return self._mask
-
-
-class _Recorder(_Wrapper):
-    """Wraps a recurrent mixer (Gated DeltaNet). While armed (the forward after a
-    ``snapshot``) it keeps what a rollback needs: a known mixer's tape (``tape.py``),
-    else its input, to replay."""
-
-    def __init__(self, mixer: nn.Module, armed: dict):
-        super().__init__(mixer)
-        object.__setattr__(self, "_armed", armed)
-        object.__setattr__(self, "_taped", tape.known(mixer))
-        object.__setattr__(self, "_own", tape.own_steps(mixer))
-        object.__setattr__(self, "_last", None)
-
-    def __call__(self, x, mask=None, cache=None):
-        if not self._armed.get("on"):
-            object.__setattr__(self, "_last", None)
-            return self.inner(x, mask, cache)
-        plain = mask is None and cache is not None and cache.lengths is None
-        if self._taped and plain:
-            out, t = tape.forward(self.inner, x, mask, cache)
-            object.__setattr__(self, "_last", t)
-            return out
-        object.__setattr__(self, "_last", (x, mask))
-        return self.inner(x, mask, cache)
-
-    def rewind(self, cache, snap: list, keep: int) -> None:
-        """Put ``cache`` back to ``snap`` and feed it the first ``keep`` recorded steps."""
-        last = self._last
-        object.__setattr__(self, "_last", None)
-        if isinstance(last, tape.Tape):
-            tape.rewind(self.inner, last, cache, snap, keep, self._own)
-            return
-        cache.cache = list(snap)
-        x, mask = last
-        self.inner(x[:, :keep], None if mask is None else mask[:, :keep], cache)
 
 
 class _LastRow(_Wrapper):
@@ -374,6 +339,14 @@ class TargetAdapter:
                     f"cache {type(c).__name__} of '{self.model_type}' cannot be rolled back "
                     "past its window; use a shorter context"
                 )
+
+    def rewind_rows(self, cache: list, keeps: list[int], snap: list) -> None:
+        """In a batch, make each recurrent layer's row i hold only the first ``keeps[i]``
+        tokens of the forward that followed ``snapshot(cache)``; the batch trims and shifts
+        its attention caches itself (``decoding/batch.py``)."""
+        for c, rec, s in zip(cache, self.recorders, snap):
+            if recurrent(c):
+                rec.rewind(c, s, keeps)
 
     def restore(self, cache: list, snap: list, n_keep: int, n_have: int) -> bool:
         """Put recurrent layers back to a snapshot taken at n_keep tokens and trim the

@@ -264,7 +264,7 @@ def run_server(
             'Authorization: Bearer <key>' on /v1/*. defaults: the decoding settings that
             requests override (default ``schema.DEFAULTS``). max_queue: requests that may
             wait for a row (503 past it). sock: already bound (``listen``), else bound here.
-            max_batch: requests decoded together (1: one at a time; hybrid targets always).
+            max_batch: requests decoded together (1: one at a time; a VLM's always).
             cache_gb: the prompt caches' memory budget in GB (None: a quarter of what the
             device budget leaves beside the weights; 0: off). cache_dir: a folder keeping
             evicted prompt caches as safetensors (None: none). config: the origins web

@@ -6,7 +6,7 @@ when its caches are done with: at its end, or once its prefill is merged into a 
 
 With ``max_batch`` > 1 (the default) up to that many jobs decode together
 (``batching.BatchGenerator``): jobs join and leave between cycles and the queue holds the jobs
-waiting for a row. Hybrid (recurrent) targets, and ``max_batch`` 1, run one job at a time."""
+waiting for a row. Vision-language targets, and ``max_batch`` 1, run one job at a time."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from ..vision.images import ImageError
-from ..vision.notes import batch_note
+from ..vision.notes import batch_note, vision_language
 from .images import api_error
 from .prompt_cache import PromptPool, default_bytes
 from .schema import APIError, bad, shutting_down
@@ -70,7 +70,7 @@ class Engine:
 
     Args:
         model, tokenizer: the loaded pair. max_queue: jobs that may wait for a row (503 past
-            it). max_batch: jobs decoding together (1: one at a time; hybrids always are).
+            it). max_batch: jobs decoding together (1: one at a time; a VLM's always are).
         cache_bytes: the prompt caches' budget (None: ``prompt_cache.default_bytes``).
         disk: the prompt caches' disk tier (``prompt_cache_disk.DiskTier``), or None.
         lockstep: under ``mlx.launch``, rank 0's ``distributed.follow.Lead``: the pool and
@@ -90,7 +90,7 @@ class Engine:
     ):
         self.model, self.tokenizer = model, tokenizer
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max(1, int(max_queue)))
-        self.max_batch = 1 if model.adapter.is_hybrid else max(1, int(max_batch))
+        self.max_batch = 1 if vision_language(model) else max(1, int(max_batch))
         # one at a time where a batch was asked: said in each answer's notes (a VLM's)
         self.solo_note = batch_note(model, int(max_batch)) if self.max_batch == 1 else None
         budget = default_bytes(model) if cache_bytes is None else cache_bytes

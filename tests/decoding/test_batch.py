@@ -132,12 +132,6 @@ def test_rows_with_their_own_blocks_and_penalties_match_their_solo_decode(pairs)
         assert got[i] == solo[:48]
 
 
-def test_hybrid_targets_are_refused_by_the_batch_engine(pairs):
-    model, _ = pairs("qwen3_5", "d2")
-    with pytest.raises(ValueError, match="one request at a time"):
-        BatchDecoder(model, 8)
-
-
 def test_a_joining_prompt_is_prefilled_one_chunk_per_cycle(pairs):
     """A long prompt joins a running row: each step runs at most one prefill chunk, the
     running row commits every step meanwhile, and both stay exact."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from laws import exact_law, tv
 from mlx_lm.sample_utils import make_logits_processors
+from tiny_models import eight_token_pair
 
 from dflash_mlx.decoding.acceptance import SamplingParams
 from dflash_mlx.decoding.batch import BatchDecoder, Row
@@ -68,13 +69,20 @@ def sample_batches(
     return samples, accepted
 
 
+@pytest.fixture(scope="module")
+def hybrid_eight(tmp_path_factory):
+    return eight_token_pair(tmp_path_factory.mktemp("h8"), "qwen3_5")
+
+
 @pytest.mark.parametrize("mode", ["lookup", "planned"])
-def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, mode):
+def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, hybrid_eight, mode):
     """Rows of fixed blocks drafting or verifying drafts copied from their context (lookup),
     and auto rows decoding random per-row plans (planned: a third of the cycles each row's
     own block, the others some rows plain, some drafted, some copied, of different widths,
-    padded to the widest). Rows without lookup draft as these do where nothing matches."""
-    model = small_vocab_pair
+    padded to the widest). Rows without lookup draft as these do where nothing matches.
+    The planned rows decode a hybrid target (Gated DeltaNet and attention layers): each
+    row's recurrent state is rewound by its own acceptance, its attention trimmed."""
+    model = hybrid_eight if mode == "planned" else small_vocab_pair
     n, trials, copies = 4, 1000, 5  # 200 batches of 5 rows of each setting: 1000 draws each
     lookup = True
     rows = COPYING
@@ -83,6 +91,12 @@ def test_each_row_of_a_batch_samples_its_own_target_law(small_vocab_pair, mode):
     samples, accepted = sample_batches(
         model, rows, n, trials // copies, 3, lookup, copied, planned, copies
     )
+    law_holds(model, rows, n, trials, samples, accepted, copied, lookup)
+
+
+def law_holds(model, rows, n, trials, samples, accepted, copied, lookup) -> None:
+    """Each setting's draws follow its exact law: every position's marginal and the pair
+    of positions 1-2 (no impossible pair drawn); drafts were accepted and copied."""
     assert all(len(s) == trials for s in samples)
     assert (sum(copied) > trials // 4) == lookup, copied  # rows did verify copies
     for i, (prompt, temp, top_p, top_k, pres, _, block) in enumerate(rows):
