@@ -226,6 +226,42 @@ ARCHS["Qwen3-Coder-30B-A3B"] = {
 }
 
 
+# gpt-oss-20b: openai/gpt-oss-20b's config.json (sliding and full attention alternate,
+# window 128). Its drafter: z-lab/gpt-oss-20b-DFlash's 8 layers, hidden 2880, block 8 and
+# taps; its heads are assumed the target's and its MLP width chosen to give the model
+# card's 0.8B parameters (not read here).
+ARCHS["gpt-oss-20b"] = {
+    "target": {
+        "model_type": "gpt_oss",
+        "hidden_size": 2880,
+        "num_hidden_layers": 24,
+        "intermediate_size": 2880,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "num_local_experts": 32,
+        "num_experts_per_tok": 4,
+        "sliding_window": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 12,
+        "vocab_size": 201088,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    },
+    "drafter": {
+        "model_type": "qwen3",
+        "architectures": ["DFlashDraftModel"],
+        "num_hidden_layers": 8,
+        "hidden_size": 2880,
+        "intermediate_size": 7680,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 201088,
+        "dflash_config": {"block_size": 8, "target_layer_ids": [1, 6, 11, 16, 21]},
+    },
+}
+
+
 def chip(name: str) -> tuple[str, float, str]:
     """(the table's name, bandwidth in GB/s, note) of a chip named case-insensitively.
 

@@ -113,6 +113,15 @@ ENTRIES: list[Entry] = [
         moe=True,
     ),
     Entry(
+        "gpt-oss-20b",
+        {q: f"mlx-community/gpt-oss-20b-{q.upper()}" for q in ("mxfp4-q8", "mxfp4-q4")},
+        ("z-lab/gpt-oss-20b-DFlash",),
+        8,
+        kind="DFlash 1",
+        note="MoE (32 experts, top 4), half its layers sliding-window attention",
+        moe=True,
+    ),
+    Entry(
         "Qwen3-8B",
         _mlx("Qwen3-8B"),
         ("z-lab/Qwen3-8B-DFlash-b16",),

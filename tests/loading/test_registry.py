@@ -92,12 +92,15 @@ def test_moe_aliases_name_z_labs_drafters_and_carry_moe_shapes_of_a_supported_fa
     from dflash_mlx.model.target import SUPPORTED
 
     moe = {e.alias: e for e in registry.ENTRIES if e.moe}
-    assert set(moe) == {"Qwen3.6-35B-A3B", "Qwen3.5-35B-A3B", "Qwen3-Coder-30B-A3B"}
+    want = {"Qwen3.6-35B-A3B", "Qwen3.5-35B-A3B", "Qwen3-Coder-30B-A3B", "gpt-oss-20b"}
+    assert set(moe) == want
     for alias, e in moe.items():
         arch = ARCHS[alias]  # `dflash roofline --model ALIAS` works offline
         assert moe_of(arch["target"]) is not None
-        assert e.block_size == arch["drafter"]["dflash_config"]["block_size"] == 16
+        block = 8 if alias == "gpt-oss-20b" else 16
+        assert e.block_size == arch["drafter"]["dflash_config"]["block_size"] == block
         assert e.drafters == (f"z-lab/{alias}-DFlash",) and e.kind == "DFlash 1"
+    assert resolve("GPT-OSS-20B").target == "mlx-community/gpt-oss-20b-MXFP4-Q8"
     r = resolve("qwen3-coder-30b-a3b", quant="8bit")
     assert r.target == "mlx-community/Qwen3-Coder-30B-A3B-Instruct-8bit"
     # a Hub id of the target finds its drafter, the quant suffix ignored
