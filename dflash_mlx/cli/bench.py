@@ -173,10 +173,10 @@ def _ranks(m, cfg: GenerationConfig):
     group = m.group
     if group is None:
         return None, cfg, nullcontext()
-    from ..distributed import follow
+    from ..distributed import follow, wire
 
     channel, dog = follow.start(group)
-    return group.rank(), follow.seeded(cfg, channel.seed), follow.guarded(dog)
+    return group.rank(), wire.seeded(cfg, channel.seed), follow.guarded(dog)
 
 
 def _measure(m, tok, prompts, cfg: GenerationConfig, raw: bool) -> dict:

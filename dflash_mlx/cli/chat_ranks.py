@@ -23,9 +23,9 @@ class ChatLead:
     def stream(self, gen, ids: list[int], cfg, budget):
         """Send the turn; ``gen``'s responses, with the other ranks told after each one
         whether to go on."""
-        from ..distributed import follow
+        from ..distributed import follow, wire
 
-        turn = {"op": "turn", "ids": list(ids), "cfg": follow.config_dict(cfg), "budget": budget}
+        turn = {"op": "turn", "ids": list(ids), "cfg": wire.config_dict(cfg), "budget": budget}
         self.channel.send(turn)
         return follow.lead_stream(self.channel, gen, getattr(self.dog, "broke", None))
 
@@ -34,9 +34,9 @@ class ChatLead:
         rank samples with the same keys."""
         import os
 
-        from ..distributed import follow
+        from ..distributed import wire
 
-        return follow.seeded(cfg, int.from_bytes(os.urandom(4), "little"))
+        return wire.seeded(cfg, int.from_bytes(os.urandom(4), "little"))
 
     def reset(self) -> None:
         """The session starts a fresh cache: so do the other ranks."""
@@ -68,7 +68,7 @@ def start(group, m, cfg):
 
 def follow_chat(channel, dog, m, tok) -> None:
     """A rank other than 0: decode rank 0's turns in step with it until it quits."""
-    from ..distributed import follow
+    from ..distributed import follow, wire
     from ..generation import stream_generate
     from .thinking import processors
 
@@ -82,7 +82,7 @@ def follow_chat(channel, dog, m, tok) -> None:
             if cmd["op"] == "reset":
                 cache = m.make_cache()
                 continue
-            ids, cfg = cmd["ids"], follow.config_of(cmd["cfg"])
+            ids, cfg = cmd["ids"], wire.config_of(cmd["cfg"])
             procs = processors(tok, ids, cmd["budget"])
             gen = stream_generate(
                 m, tok, ids, config=cfg, prompt_cache=cache, logits_processors=procs

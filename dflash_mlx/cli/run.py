@@ -114,10 +114,10 @@ def _across_ranks(cfg: GenerationConfig):
     group = distributed.group()
     if group is None:
         return cfg, nullcontext()
-    from ..distributed import follow
+    from ..distributed import follow, wire
 
     channel, dog = follow.start(group)
-    return follow.seeded(cfg, channel.seed), follow.guarded(dog)
+    return wire.seeded(cfg, channel.seed), follow.guarded(dog)
 
 
 def _dim(text: str) -> None:

@@ -236,7 +236,7 @@ def make_processor(tokenizer, vocab_size: int, grammar: str, eos=None) -> Gramma
         grammar: an llguidance grammar. eos: ids that may end the answer (see ``ll_tokenizer``).
 
     Its ``made`` (with ``grammar``) is what another rank rebuilds it from
-    (``distributed.follow.recipe``).
+    (``distributed.wire.recipe``).
     """
     proc = GrammarProcessor(ll_tokenizer(tokenizer, vocab_size, eos), grammar)
     proc.made = {"vocab": vocab_size, "eos": None if eos is None else sorted(eos)}

@@ -19,12 +19,12 @@ import logging
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, replace
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import DFlashError
+from .wire import config_dict, config_of, images_of, rebuilt, recipe, seeded, vision_of
 
 
 class Channel:
@@ -61,64 +61,6 @@ class Channel:
     def recv(self) -> dict:
         """Another rank: the next command of rank 0."""
         return json.loads(self._exchange(b"").decode())
-
-
-def config_dict(cfg) -> dict:
-    """A ``GenerationConfig`` as JSON-able fields (``logit_bias`` keys become text)."""
-    return asdict(cfg)
-
-
-def config_of(fields: dict):
-    """The ``GenerationConfig`` of ``config_dict``'s fields."""
-    from ..settings import GenerationConfig
-
-    bias = fields.get("logit_bias")
-    if bias is not None:
-        fields = {**fields, "logit_bias": {int(k): v for k, v in bias.items()}}
-    return GenerationConfig(**fields)
-
-
-def seeded(cfg, seed: int):
-    """``cfg`` with ``seed`` unless it has one: without, each rank would read its own clock
-    for the sampling keys, and their decisions would part."""
-    return cfg if cfg.seed is not None else replace(cfg, seed=seed % 2**31)
-
-
-def recipe(proc) -> dict:
-    """What another rank rebuilds a logits processor from (``rebuilt``): a grammar's text,
-    its vocabulary and end ids; a thinking gate's markers, budget and inner grammar. Every
-    rank then masks the same rows alike (each sees the same tokens and logits), so nothing
-    is sent per cycle: a request's few KB once, against a vocabulary-wide mask per verify
-    row (and a round trip per cycle) if rank 0 sent its masks.
-
-    Raises:
-        DFlashError: a processor of another kind (it cannot be sent).
-    """
-    from ..decoding.grammar import GrammarProcessor
-    from ..decoding.thinking import ThinkingGate
-
-    if isinstance(proc, ThinkingGate):
-        inner = None if proc.inner is None else recipe(proc.inner)
-        gate = [proc.open_id, proc.close_id, bool(proc.started_open), proc.budget]
-        return {"gate": gate, "inner": inner}
-    if isinstance(proc, GrammarProcessor) and getattr(proc, "made", None) is not None:
-        return {"grammar": proc.grammar, **proc.made}
-    raise DFlashError(
-        f"a logits processor of type {type(proc).__name__} cannot run across several "
-        "processes (those of grammar.make_processor and ThinkingGate can); run it in one"
-    )
-
-
-def rebuilt(r: dict, tokenizer):
-    """The logits processor of ``recipe``'s ``r``, fresh, for this rank's ``tokenizer``."""
-    from ..decoding.grammar import make_processor
-    from ..decoding.thinking import ThinkingGate
-
-    if "gate" in r:
-        opened, closed, started_open, budget = r["gate"]
-        inner = None if r["inner"] is None else rebuilt(r["inner"], tokenizer)
-        return ThinkingGate(opened, closed, started_open, inner, budget)
-    return make_processor(tokenizer, r["vocab"], r["grammar"], r["eos"])
 
 
 def start(group):
@@ -247,20 +189,26 @@ class LeadBatch:
     def insert(self, ids: list[int], config, *, cache=None, processors=(), images=None) -> int:
         """As ``BatchGenerator.insert`` with rank 0's seed (``seeded``); ``auto`` follows
         rank 0's plans in the batch itself (``policy.FollowPlans``); each logits
-        processor goes as its ``recipe``, from which every rank builds its own.
+        processor goes as its ``recipe``, from which every rank builds its own; a prompt's
+        images go as their files' bytes and the rendered text, from which every rank makes
+        the same ``VisionPrompt`` (a file is 0.1-2 MB; its processed pixels ~10x that).
 
         Raises:
-            DFlashError: a processor without a recipe; images (``IMAGES_ACROSS``); or what
-                ``insert`` refuses.
+            DFlashError: a processor without a recipe; images without their bytes
+                (``IMAGES_ACROSS``); or what ``insert`` refuses.
         """
-        if images is not None:
+        pics = None if images is None else images_of(images)
+        if images is not None and pics is None:
             raise DFlashError(IMAGES_ACROSS)
         recipes = [recipe(p) for p in processors]
         seed = int.from_bytes(os.urandom(4), "little")
         cfg = seeded(config, seed)
-        uid = self._gen.insert(ids, cfg, cache=cache, processors=processors)
+        uid = self._gen.insert(ids, cfg, cache=cache, processors=processors, images=images)
         h = None if cache is None else self._lead.handles[id(cache)]
-        self._lead.ops.append(["insert", list(ids), config_dict(cfg), h, recipes])
+        op = ["insert", list(ids), config_dict(cfg), h, recipes]
+        if pics is not None:
+            op.append(pics)
+        self._lead.ops.append(op)
         return uid
 
     def remove(self, uid: int) -> None:
@@ -277,11 +225,11 @@ class LeadBatch:
             self._lead.broke(e)
 
 
-# serve and chat send rank 0's token ids, not a request's images (``dflash run --image`` and
-# the Python API run on every rank with its own copy of the image bytes)
+# serve sends a request's image files with its ids; chat sends ids only (``dflash run
+# --image`` and the Python API run on every rank with its own copy of the image bytes)
 IMAGES_ACROSS = (
-    "images do not reach the other processes in serve and chat yet; use dflash run "
-    "--image or the Python API under mlx.launch, or serve in one process"
+    "images do not reach the other processes in chat, or without their files' bytes; use "
+    "dflash serve, dflash run --image or the Python API under mlx.launch"
 )
 
 
@@ -350,10 +298,11 @@ def follow_batches(channel: Channel, pool, make_batch) -> None:
             elif op == "give":
                 pool.give(caches.pop(args[0]), args[1])
             elif op == "insert":
-                ids, fields, h, recipes = args
+                ids, fields, h, recipes, *pics = args
                 procs = [rebuilt(r, gen.tokenizer) for r in recipes]
                 cache = None if h is None else caches[h]
-                gen.insert(ids, config_of(fields), cache=cache, processors=procs)
+                vision = vision_of(gen.model, ids, *pics) if pics else None
+                gen.insert(ids, config_of(fields), cache=cache, processors=procs, images=vision)
             elif op == "remove":
                 gen.remove(args[0])
             elif op == "step":

@@ -50,6 +50,7 @@ class VisionPrompt:
         for (s, e), h in zip(self.spans, hashes):
             self.keys[s:e] = image_keys(h, e - s)
         self.features: dict[int, mx.array] = {}
+        self.source: tuple[str, list[bytes]] | None = None  # (text, images' bytes): ``rebuild``
         # evaluated now: a server prepares in its HTTP thread and decodes in another, and a
         # lazy graph holds the stream of the thread that built it (MLX streams are per thread)
         mx.eval(self.pixels, self.positions)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..errors import DFlashError
 from .budget import DECODING
-from .images import ImageError, ImageLimits, read_all
+from .images import ImageError, ImageLimits, from_bytes, read_all
 
 EXAMPLE = "a Qwen3.5 checkpoint whose config.json has a vision_config"
 
@@ -153,7 +153,7 @@ def _vision(target, text: str, pictures):
         out = target.processor(images=pils, text=[text])
         ids, grid = out["input_ids"], out["image_grid_thw"]
         pos, delta = target.language_model.get_rope_index(ids, grid, None, out["attention_mask"])
-        return VisionPrompt(
+        vision = VisionPrompt(
             ids[0].tolist(),
             getattr(cfg, "image_token_index", None) or cfg.image_token_id,
             out["pixel_values"],
@@ -165,3 +165,21 @@ def _vision(target, text: str, pictures):
         )
     except ValueError as e:  # e.g. the text itself spells an image token
         raise ImageError(f"the images do not fit the prompt's image places ({e})") from None
+    if all(p.data for p in pictures):  # what another process needs to make it again
+        vision.source = (text, [p.data for p in pictures])
+    return vision
+
+
+def rebuild(model, text: str, images: list[bytes], budget=None):
+    """The ``VisionPrompt`` another process made of rendered ``text`` and these images'
+    bytes (its ``source``): the same processor on the same inputs gives the same prompt (a
+    rank replaying rank 0's server). The images passed rank 0's limits already.
+
+    Args:
+        model: the loaded pair (a vision-language target). budget: a ``PixelBudget``
+            (default the process's).
+    """
+    limits = ImageLimits(max_pixels=1 << 40, max_bytes=max(map(len, images)) + 1)
+    pictures = [from_bytes(b, limits, f"image {i}") for i, b in enumerate(images)]
+    with (budget or DECODING).hold(sum(p.pixels for p in pictures)):
+        return _vision(model.target, text, pictures)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from dflash_mlx import DFlashError
-from dflash_mlx.distributed import faults, follow
+from dflash_mlx.distributed import faults, follow, wire
 from dflash_mlx.settings import GenerationConfig
 
 
@@ -119,10 +119,10 @@ def test_followers_stop_at_the_cycle_where_rank_zero_broke_off():
 
 def test_settings_cross_as_json_with_a_seed_pinned_and_auto_kept():
     cfg = GenerationConfig(logit_bias={5: -1.5}, stop=["\n\n"], temperature=0.7)
-    sent = json.loads(json.dumps(follow.config_dict(cfg)))
-    assert follow.config_of(sent) == cfg and cfg.block_size == "auto"  # rank 0 decides it
-    assert follow.seeded(cfg, 2**40 + 3).seed == 3
-    assert follow.seeded(GenerationConfig(seed=1), 5).seed == 1
+    sent = json.loads(json.dumps(wire.config_dict(cfg)))
+    assert wire.config_of(sent) == cfg and cfg.block_size == "auto"  # rank 0 decides it
+    assert wire.seeded(cfg, 2**40 + 3).seed == 3
+    assert wire.seeded(GenerationConfig(seed=1), 5).seed == 1
 
 
 SCHEMA = {"type": "object", "properties": {"n": {"enum": [1, 22]}}, "required": ["n"]}
@@ -184,7 +184,7 @@ def test_rank_zero_refuses_images_it_cannot_send_in_one_line(pairs):
     model, tok = pairs("qwen3", "d2")
     wire = _Wire()
     gen = follow.Lead(wire).batch(BatchGenerator(model, tok, 2))
-    with pytest.raises(DFlashError, match="^images do not reach the other processes in serve"):
+    with pytest.raises(DFlashError, match="^images do not reach the other processes"):
         gen.insert([1, 2], GenerationConfig(), images=object())
     assert not gen._lead.ops[1:]  # nothing logged: the followers never see it
 

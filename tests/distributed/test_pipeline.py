@@ -1,6 +1,6 @@
-"""Pipeline parallelism (``distributed/pipeline.py``): two ranks on one machine (one
-``mlx.launch -n 2 --backend ring`` for every check that needs them) and the mode choice,
-refusals and tap layout in one process."""
+"""Pipeline parallelism (``distributed/pipeline.py``): two ranks on one machine (started by
+``distributed.local`` as ``mlx.launch -n 2 --backend ring`` starts them) and the mode
+choice, refusals and tap layout in one process."""
 
 import json
 from pathlib import Path
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import sharded_law
 from launch import FakeGroup as _Group
-from launch import launch_with_mlx, needs_launch
+from launch import launch, needs_launch
 
 WORKER = Path(__file__).with_name("pipeline_worker.py")
 
@@ -40,9 +40,7 @@ def test_dflash_on_a_pipelined_target_equals_its_plain_greedy_and_keeps_the_samp
     tiny_dir, tmp_path
 ):
     root = _models(tmp_path / "m", tiny_dir)
-    # under mlx.launch: started directly, rank 1's logits once differed from the whole
-    # target's (1 run in 4, cause not found: see docs/distributed.md)
-    res = launch_with_mlx([str(WORKER), str(tmp_path), str(root)], tmp_path)
+    res = launch([str(WORKER), str(tmp_path), str(root)], tmp_path)
     assert res.returncode == 0, res.stdout[-3000:]
     files = [tmp_path / f"rank{r}.json" for r in (0, 1)]
     assert all(f.is_file() for f in files), res.stdout[-3000:]

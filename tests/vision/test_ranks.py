@@ -25,3 +25,34 @@ def test_a_vlm_split_over_two_ranks_decodes_an_image_prompt_as_one_process(tiny_
     got = [json.loads(p.read_text()) for p in ranks]
     assert [g["heads"] for g in got] == [2, 2]  # 4 query heads, split
     assert got[0]["tokens"] == got[1]["tokens"] == alone and len(alone) == 16
+
+
+def test_a_follower_makes_rank_zeros_image_request_again_and_decodes_alike(tiny_vlm_dir, images):
+    """``dflash serve`` across ranks: rank 0 sends a request's image files and rendered
+    text with its insert (``distributed.wire``); a follower makes the same prompt of them
+    and decodes the same tokens (in one process, the commands passed over a list)."""
+    from test_follow import _recorded, _Wire
+
+    from dflash_mlx.batching import BatchGenerator
+    from dflash_mlx.distributed import follow
+    from dflash_mlx.prompts import request_ids
+    from dflash_mlx.server.prompt_cache import PromptPool
+    from dflash_mlx.settings import GenerationConfig
+
+    model, tok = load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]))
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]}]
+    cfg = GenerationConfig(max_tokens=16, temperature=0.0, block_size=4)
+    ids, cfg, vision = request_ids(model, tok, msgs, cfg, images=images[:1])
+    wire, out = _Wire(), []
+    lead = follow.Lead(wire)
+    gen = lead.batch(BatchGenerator(model, tok, 2))
+    uid = gen.insert(ids, cfg, images=vision)
+    while len(gen._gen):
+        for _, r in gen.step():
+            out += r.tokens
+    lead.quit()
+    (insert,) = [op for msg in wire.sent for op in msg["ops"] if op[0] == "insert"]
+    assert len(insert) == 6 and insert[5][0] == vision.source[0]  # the text and the file
+    seen = {}
+    follow.follow_batches(wire, PromptPool(model, 10**9), lambda: _recorded(model, tok, seen))
+    assert seen == {uid: out} and len(out) > 4
