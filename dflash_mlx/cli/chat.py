@@ -297,7 +297,7 @@ class ChatSession(Conversation):
             logits_processors=procs, **extra,
         )  # fmt: skip
         if self.lead is not None:  # a prefill stops at its end: every rank must run it all
-            gen = self.lead.stream(gen, ids, cfg, self.budget)
+            gen = self.lead.stream(gen, ids, cfg, self.budget, prompt, extra.get("images"))
         try:
             with StopFlag(on_first=None if self.lead else self.cache.interrupt.set) as flag:
                 for r in gen:

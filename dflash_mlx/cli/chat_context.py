@@ -69,7 +69,6 @@ class Conversation:
 
     def _image(self, path: str) -> None:
         """/image PATH: check the file and attach it to the next message."""
-        from ..distributed.follow import IMAGES_ACROSS as ACROSS
         from ..errors import DFlashError
         from .common import read_images, require_vision
 
@@ -79,8 +78,6 @@ class Conversation:
         try:
             pic = read_images([path])[0]
             require_vision(self.model)
-            if getattr(self, "lead", None) is not None:
-                raise DFlashError(ACROSS)
         except DFlashError as e:  # the session goes on without it
             self._error(str(e))
             return

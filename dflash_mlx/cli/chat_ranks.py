@@ -1,6 +1,6 @@
 """``dflash chat`` under ``mlx.launch`` (docs/distributed.md): the terminal is rank 0's; each
-turn (its prompt ids, settings and thinking budget) and each reset goes out to the other
-ranks, which decode it in step with rank 0 and stop at the same cycle (``follow``)."""
+turn (its prompt ids, settings, thinking budget and images) and each reset goes out to the
+other ranks, which decode it in step with rank 0 and stop at the same cycle (``follow``)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,21 @@ class ChatLead:
     def __init__(self, channel, dog):
         self.channel, self.dog = channel, dog
 
-    def stream(self, gen, ids: list[int], cfg, budget):
+    def stream(self, gen, ids: list[int], cfg, budget, prompt=None, vision=None):
         """Send the turn; ``gen``'s responses, with the other ranks told after each one
-        whether to go on."""
+        whether to go on.
+
+        Args:
+            ids: the conversation's text ids (the thinking gate reads them). prompt, vision:
+                the engine's prompt and its ``VisionPrompt`` when the turn has images.
+        """
         from ..distributed import follow, wire
 
         turn = {"op": "turn", "ids": list(ids), "cfg": wire.config_dict(cfg), "budget": budget}
+        if vision is not None:
+            turn |= {"prompt": list(prompt), "images": wire.images_of(vision)}
+            if turn["images"] is None:
+                raise DFlashError(follow.IMAGES_ACROSS)
         self.channel.send(turn)
         return follow.lead_stream(self.channel, gen, getattr(self.dog, "broke", None))
 
@@ -84,8 +93,12 @@ def follow_chat(channel, dog, m, tok) -> None:
                 continue
             ids, cfg = cmd["ids"], wire.config_of(cmd["cfg"])
             procs = processors(tok, ids, cmd["budget"])
+            prompt, extra = ids, {}
+            if cmd.get("images"):  # rank 0's files: the same prompt made again here
+                prompt = cmd["prompt"]
+                extra = {"images": wire.vision_of(m, prompt, cmd["images"])}
             gen = stream_generate(
-                m, tok, ids, config=cfg, prompt_cache=cache, logits_processors=procs
+                m, tok, prompt, config=cfg, prompt_cache=cache, logits_processors=procs, **extra
             )
             try:
                 follow.follow_stream(channel, gen)

@@ -225,11 +225,11 @@ class LeadBatch:
             self._lead.broke(e)
 
 
-# serve sends a request's image files with its ids; chat sends ids only (``dflash run
-# --image`` and the Python API run on every rank with its own copy of the image bytes)
+# serve and chat send a request's image files with its ids (``wire.images_of``); a prompt
+# prepared from images without their bytes (a PIL image given as it is) cannot go
 IMAGES_ACROSS = (
-    "images do not reach the other processes in chat, or without their files' bytes; use "
-    "dflash serve, dflash run --image or the Python API under mlx.launch"
+    "images without their files' bytes do not reach the other processes; pass image files "
+    "or bytes under mlx.launch"
 )
 
 

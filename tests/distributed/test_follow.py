@@ -184,7 +184,7 @@ def test_rank_zero_refuses_images_it_cannot_send_in_one_line(pairs):
     model, tok = pairs("qwen3", "d2")
     wire = _Wire()
     gen = follow.Lead(wire).batch(BatchGenerator(model, tok, 2))
-    with pytest.raises(DFlashError, match="^images do not reach the other processes"):
+    with pytest.raises(DFlashError, match="^images without their files' bytes do not reach"):
         gen.insert([1, 2], GenerationConfig(), images=object())
     assert not gen._lead.ops[1:]  # nothing logged: the followers never see it
 

@@ -56,3 +56,39 @@ def test_a_follower_makes_rank_zeros_image_request_again_and_decodes_alike(tiny_
     seen = {}
     follow.follow_batches(wire, PromptPool(model, 10**9), lambda: _recorded(model, tok, seen))
     assert seen == {uid: out} and len(out) > 4
+
+
+def test_a_chat_follower_makes_rank_zeros_image_turn_again_and_holds_the_same_cache(
+    tiny_vlm_dir, images, tmp_path, monkeypatch
+):
+    """``dflash chat`` across ranks: ``/image`` attaches a file; the turn goes out with the
+    file's bytes and the engine's prompt, and the follower's session cache ends holding
+    rank 0's tokens, image rows included."""
+    import io
+    import signal
+
+    from test_follow import _Wire
+
+    from dflash_mlx.cli import chat_ranks
+    from dflash_mlx.cli.chat import ChatSession
+    from dflash_mlx.settings import GenerationConfig
+
+    model, tok = load(str(tiny_vlm_dir[0]), drafter=str(tiny_vlm_dir[1]))
+    made, real = [], model.make_cache
+    monkeypatch.setattr(model, "make_cache", lambda: made.append(real()) or made[-1])
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # the follower leaves pytest's
+    png = tmp_path / "shot.png"
+    png.write_bytes(images[0])
+    wire, out = _Wire(), io.StringIO()
+    gen = GenerationConfig(max_tokens=8, block_size=4, temperature=0.0)
+    lines = f"/image {png}\nWhat is this?\n/exit\n"
+    s = ChatSession(model, tok, "tiny", gen, stdin=io.StringIO(lines), stdout=out)
+    s.lead = chat_ranks.ChatLead(wire, dog=None)
+    s.loop()
+    s.lead.quit()
+    (turn,) = [m for m in wire.sent if m["op"] == "turn"]
+    assert len(turn["images"][1]) == 1 and len(turn["prompt"]) > len(turn["ids"])
+    ours = list(s.cache.tokens)
+    chat_ranks.follow_chat(wire, None, model, tok)
+    assert not wire.sent and made[-1] is not s.cache
+    assert list(made[-1].tokens) == ours and len(ours) > len(turn["prompt"])
