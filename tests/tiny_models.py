@@ -273,7 +273,8 @@ def eight_token_pair(root: Path, kind: str = "qwen3"):
     from dflash_mlx.model.checkpoint import load_drafter
     from dflash_mlx.model.target import TargetAdapter
 
-    build_target(root / "t", kind, tokenizer=False, vocab_size=8, seed=5)
+    layers = 2 if kind != "qwen3" else 4  # a hybrid's: one Gated DeltaNet, one attention
+    build_target(root / "t", kind, tokenizer=False, vocab_size=8, seed=5, layers=layers)
     build_drafter(root / "d", root / "t", dflash2=True, block_size=4, seed=7)
     target = load_model(root / "t")[0]
     drafter = load_drafter(root / "d", mx.float32)

@@ -267,8 +267,10 @@ def test_batching_refuses_kv_bits_in_one_line(wide):
     gen = BatchGenerator(model, tok)
     with pytest.raises(DFlashError, match="kv_bits is not supported with batched decoding"):
         gen.insert("hi", kv_bits=8, raw=True)
-    model, tok = wide["qwen3_5"]  # a hybrid decodes alone: it can
-    gen = BatchGenerator(model, tok)
+    model, tok = wide["qwen3_5"]  # a hybrid batches as well: refused in a batch
+    with pytest.raises(DFlashError, match="kv_bits is not supported with batched decoding"):
+        BatchGenerator(model, tok).insert("hi", kv_bits=8, raw=True)
+    gen = BatchGenerator(model, tok, solo=True)  # one request at a time: it can
     uid = gen.insert("def f(", kv_bits=8, kv_group_size=GROUP, quantized_kv_start=0, raw=True)
     out = []
     while len(gen):
