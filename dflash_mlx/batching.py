@@ -1,9 +1,10 @@
 """Continuous batching: ``BatchGenerator`` (requests join and leave between cycles, each with
 its own settings, seed, stop strings and statistics) and ``batch_generate`` (mlx-lm style).
 
-Attention-only targets decode on ``batch.BatchDecoder``; hybrid (recurrent) targets cannot
-roll rows back in one shared cache, so they are decoded one request at a time, in arrival
-order, through ``stream_generate`` (same interface, no batching).
+Text targets decode on ``batch.BatchDecoder`` (a hybrid's recurrent rows are rewound each by
+its own count); a vision-language target's caches carry one request's images, so its
+requests are decoded one at a time, in arrival order, through ``stream_generate`` (same
+interface, no batching), as are all with ``solo=True``.
 """
 
 from __future__ import annotations
