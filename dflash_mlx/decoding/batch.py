@@ -1,6 +1,9 @@
 """Batched speculative decoding: rows draft, verify and accept together (continuous batching).
 
-The target's caches are mlx-lm ``BatchKVCache`` (left padded, one write index for all rows).
+The target's attention caches are mlx-lm ``BatchKVCache`` (left padded, one write index for
+all rows); a hybrid's recurrent layers keep a state per row, rewound after each verify to
+what that row kept (``model/recurrent.py``).
+
 After a verify of L tokens row i keeps k_i of them. Per-row rollback: trim every row to the
 longest keep m = max k_i, then shift row i right by m - k_i (mlx-lm's own right-padding
 ``prepare`` / ``finalize``), which moves its rejected tail out past the write index and grows
@@ -302,7 +305,7 @@ class BatchDecoder:
         """Keep the first kept[i] of the L tokens just fed, per row, in both models' caches."""
         m = max(kept)
         pad = [m - k for k in kept]
-        if snap is not None:
+        if snap is not None and min(kept) < L:  # every row kept all: the states stand
             self.model.adapter.rewind_rows(self.target, kept, snap)
         for c in self.target:
             if not recurrent(c):
