@@ -72,12 +72,16 @@ class Recorder(Wrapper):
         groups: dict[int, list[int]] = {}
         for i, k in enumerate(keep):
             groups.setdefault(k, []).append(i)
+        fed = (last.q if isinstance(last, tape.Tape) else last[0]).shape[1]
         parts, order = [], []
         for k, rows in groups.items():
             idx = mx.array(rows)
-            sub = copy.copy(cache)  # the same class, holding only these rows' states
-            self._rewind(_rows(last, idx), sub, [_take(s, idx) for s in snap], k)
-            parts.append(sub.cache)
+            if k == fed:  # these rows kept every step: the forward left their states
+                parts.append([_take(s, idx) for s in cache.cache])
+            else:
+                sub = copy.copy(cache)  # the same class, holding only these rows' states
+                self._rewind(_rows(last, idx), sub, [_take(s, idx) for s in snap], k)
+                parts.append(sub.cache)
             order += rows
         back = mx.array(sorted(range(len(order)), key=order.__getitem__))  # batch order
         cache.cache = [_join([p[e] for p in parts], back) for e in range(len(snap))]
