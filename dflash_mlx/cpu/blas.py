@@ -176,17 +176,16 @@ def _front_bundled_blas(small_gemm) -> None:
         small_gemm.load(path, split=True)
 
 
-def _kernel_calls(small_gemm) -> int:
-    s = small_gemm.status()
-    return s["small_calls"] + s["forwarded_calls"]
+def _kernel_calls(status: dict) -> int:
+    return status["small_calls"] + status["forwarded_calls"]
 
 
-def _fast_by_facts(small_gemm, calls_before: int) -> bool | None:
-    """With the few-row kernel in front and MLX's matmuls seen reaching it, the BLAS behind
-    it is known by address: fast unless it is the wheel's reference BLAS. None otherwise
-    (then only the clock can tell)."""
-    s = small_gemm.status()
-    if not s["active"] or _kernel_calls(small_gemm) <= calls_before or not s["behind"]:
+def _fast_by_facts(status: dict, calls_before: int) -> bool | None:
+    """With the few-row kernel in front (``status``: ``small_gemm.status()``) and MLX's
+    matmuls seen reaching it, the BLAS behind it is known by address: fast unless it is the
+    wheel's reference BLAS. None otherwise (then only the clock can tell)."""
+    s = status
+    if not s["active"] or _kernel_calls(s) <= calls_before or not s["behind"]:
         return None
     ref = bundled_blas()
     return not (ref and os.path.realpath(ref) == s["behind"])
@@ -219,17 +218,17 @@ def measure(repeats: int = 5) -> dict:
 
     w = mx.random.normal((1024, 4096))
     a8, a1 = mx.random.normal((8, 1024)), mx.random.normal((1, 1024))
-    calls = _kernel_calls(small_gemm)
+    calls = _kernel_calls(small_gemm.status())
     with mx.stream(mx.cpu):
         # the fastest of each: on a busy machine a median can catch the other's stalls
         ms8 = _median_ms(lambda: a8 @ w, repeats, best=True)
         ms1 = _median_ms(lambda: a1 @ w, repeats, best=True)
         mx.eval(mx.random.normal((64, 1024)) @ w)  # more rows than the kernel takes
     ratio = ms8 / max(ms1, 1e-6)
-    fast = _fast_by_facts(small_gemm, calls)
+    status = small_gemm.status()
+    fast = _fast_by_facts(status, calls)
     fast = ratio < FAST_RATIO if fast is None else fast
-    path = _loaded["path"]
-    kernel = small_gemm.status()["path"]
+    path, kernel = _loaded["path"], status["path"]
     if sys.platform == "darwin":
         name = "Accelerate"
     elif fast and _loaded["kind"] == "scipy-openblas32":
@@ -251,6 +250,6 @@ def measure(repeats: int = 5) -> dict:
         "fast": fast,
         "library": path,
         "small_gemm": kernel,
-        "behind": small_gemm.status()["behind"],
+        "behind": status["behind"],
         "exact_ops": exact_ops.status()["path"],
     }

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .. import generation
+from ..batching import one_at_a_time
 from ..decoding.state import Interrupted
 from ..errors import DFlashError
 from ..settings import GenerationConfig
 from ..vision.images import ImageError
-from ..vision.notes import batch_note, vision_language
+from ..vision.notes import batch_note
 from .images import api_error
 from .prompt_cache import PromptPool, default_bytes
 from .schema import APIError, bad, shutting_down
@@ -90,7 +91,7 @@ class Engine:
     ):
         self.model, self.tokenizer = model, tokenizer
         self.jobs: queue.Queue[Job] = queue.Queue(maxsize=max(1, int(max_queue)))
-        self.max_batch = 1 if vision_language(model) else max(1, int(max_batch))
+        self.max_batch = 1 if one_at_a_time(model) else max(1, int(max_batch))
         # one at a time where a batch was asked: said in each answer's notes (a VLM's)
         self.solo_note = batch_note(model, int(max_batch)) if self.max_batch == 1 else None
         budget = default_bytes(model) if cache_bytes is None else cache_bytes

@@ -170,16 +170,15 @@ def _vision(target, text: str, pictures):
     return vision
 
 
-def rebuild(model, text: str, images: list[bytes], budget=None):
+def rebuild(model, text: str, images: list[bytes]):
     """The ``VisionPrompt`` another process made of rendered ``text`` and these images'
     bytes (its ``source``): the same processor on the same inputs gives the same prompt (a
     rank replaying rank 0's server). The images passed rank 0's limits already.
 
     Args:
-        model: the loaded pair (a vision-language target). budget: a ``PixelBudget``
-            (default the process's).
+        model: the loaded pair (a vision-language target).
     """
     limits = ImageLimits(max_pixels=1 << 40, max_bytes=max(map(len, images)) + 1)
     pictures = [from_bytes(b, limits, f"image {i}") for i, b in enumerate(images)]
-    with (budget or DECODING).hold(sum(p.pixels for p in pictures)):
+    with DECODING.hold(sum(p.pixels for p in pictures)):
         return _vision(model.target, text, pictures)
